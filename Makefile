@@ -1,0 +1,31 @@
+# One command to set up and run the demo, one to set up and run every test.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint setup clean bench
+
+$(BIN)/router: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(BIN)/router
+
+setup: $(BIN)/router
+
+demo: setup
+	$(BIN)/router demo
+
+lint: setup
+	$(BIN)/ruff check router tests bench
+	$(BIN)/ruff format --check router tests bench
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest
+
+bench: setup
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+from router.cli import entry
+
+entry()

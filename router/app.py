@@ -1,0 +1,193 @@
+"""Wiring: the pool, the proxy, the admin API, the usage tick and its sinks.
+
+`RouterServer` owns both listeners and their lifecycle; `serve()` runs one
+until SIGTERM/SIGINT and shuts it down gracefully: /readyz turns 503 at
+once, the client port stops accepting, requests in flight get up to
+`shutdown_grace_seconds` to finish, the final usage snapshot is pushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from router.admin import Admin
+from router.config import Config
+from router.pool import Pool
+from router.proxy import INFERENCE_PATHS, DataPathMetrics, Proxy
+from router.sinks.latest import LatestSink
+from router.sinks.prometheus import PrometheusSink, UsageCollector
+from router.sinks.push import PushSink
+from router.upstream import make_session
+from router.usage import Ticker, UsageSink
+
+log = logging.getLogger("router")
+
+
+class RouterServer:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        registry: CollectorRegistry | None = None,
+        wall: Callable[[], float] = time.time,
+        mono: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.started_at = wall()
+        self.pool = Pool(config.replicas, clock=mono)
+        self.latest = LatestSink()
+        self.prometheus = PrometheusSink()
+        self._wall = wall
+        self._mono = mono
+        self.push: PushSink | None = None
+        self.ticker: Ticker | None = None
+        self.proxy: Proxy | None = None
+        self.ready = False
+        self._client_runner: web.AppRunner | None = None
+        self._admin_runner: web.AppRunner | None = None
+        self._tick_task: asyncio.Task[None] | None = None
+        self.client_address: tuple[str, int] | None = None
+        self.admin_address: tuple[str, int] | None = None
+
+    @property
+    def client_url(self) -> str:
+        assert self.client_address is not None, "start() first"
+        return _url(self.client_address)
+
+    @property
+    def admin_url(self) -> str:
+        assert self.admin_address is not None, "start() first"
+        return _url(self.admin_address)
+
+    async def start(self) -> None:
+        config = self.config
+        session = make_session(config)
+        self._session = session
+        sinks: list[UsageSink] = [self.latest, self.prometheus]
+        if config.usage_push_url:
+            # Shorter than the tick, so that pushes never pile up behind each other.
+            self.push = PushSink(session, config.usage_push_url, timeout_seconds=max(0.05, config.tick_seconds * 0.8))
+            sinks.append(self.push)
+        self.ticker = ticker = Ticker(
+            self.pool,
+            sinks,
+            router=config.router_name,
+            started_at=self.started_at,
+            tick_seconds=config.tick_seconds,
+            wall=self._wall,
+            mono=self._mono,
+        )
+        push = self.push
+        self.registry.register(
+            UsageCollector(
+                self.prometheus,
+                sink_failures=lambda: ticker.sink_failures,
+                push_failures=(lambda: push.failures) if push is not None else (lambda: None),
+                tick_seconds=lambda: ticker.last_tick_seconds,
+            )
+        )
+        metrics = DataPathMetrics(self.registry)
+        self.proxy = proxy = Proxy(config, self.pool, session, metrics, started_at=self.started_at)
+
+        client = web.Application(client_max_size=config.max_body_bytes)
+        for path in INFERENCE_PATHS:
+            client.router.add_post(path, proxy.inference)
+        client.router.add_get("/v1/models", proxy.models)
+        client.router.add_route("*", "/{tail:.*}", proxy.not_found)
+
+        admin = Admin(
+            self.pool,
+            self.latest,
+            self.registry,
+            admin_token=config.admin_token,
+            snapshot=ticker.snapshot,
+            is_ready=lambda: self.ready,
+            wall=self._wall,
+        )
+        # The first snapshot exists before anyone can ask for it.
+        ticker.tick()
+        self._client_runner = web.AppRunner(
+            client,
+            # A client that goes away cancels its handler, and with it the
+            # upstream request, even while the replica computes the first token.
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=config.shutdown_grace_seconds,
+        )
+        self._admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=1.0)
+        await self._client_runner.setup()
+        await self._admin_runner.setup()
+        try:
+            client_site = web.TCPSite(self._client_runner, config.listen.host, config.listen.port)
+            await client_site.start()
+            admin_site = web.TCPSite(self._admin_runner, config.admin_listen.host, config.admin_listen.port)
+            await admin_site.start()
+        except OSError:
+            await self._client_runner.cleanup()
+            await self._admin_runner.cleanup()
+            await session.close()
+            raise
+        self.client_address = _bound(self._client_runner)
+        self.admin_address = _bound(self._admin_runner)
+        self._tick_task = asyncio.get_running_loop().create_task(ticker.run())
+        self.ready = True
+
+    async def stop(self) -> None:
+        """Graceful: not ready, stop accepting, let requests finish, final push."""
+        self.ready = False
+        if self._client_runner is not None:
+            await self._client_runner.cleanup()
+            self._client_runner = None
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            await asyncio.gather(self._tick_task, return_exceptions=True)
+            self._tick_task = None
+        if self.ticker is not None:
+            final = self.ticker.tick()
+            if self.push is not None:
+                await self.push.flush(final)
+                await self.push.close()
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
+            self._admin_runner = None
+        await self._session.close()
+
+
+def _bound(runner: web.AppRunner) -> tuple[str, int]:
+    host, port = runner.addresses[0][:2]
+    return str(host), int(port)
+
+
+def _url(address: tuple[str, int]) -> str:
+    host, port = address
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+async def serve(config: Config, *, on_ready: Callable[[RouterServer], None] | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    server = RouterServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("router listening on %s (clients) and %s (admin)", server.client_url, server.admin_url)
+    if on_ready is not None:
+        on_ready(server)
+    try:
+        await stop.wait()
+        log.info("shutting down: finishing requests in flight (up to %gs)", config.shutdown_grace_seconds)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await server.stop()

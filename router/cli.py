@@ -1,0 +1,177 @@
+"""The `router` command: serve, demo, ctl, bench.
+
+Server modules are imported inside the commands that need them, so that
+`router ctl` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from router.config import Config
+
+DEMO_MODELS = {
+    "llama-3.1-8b": {"aliases": ["llama", "default"], "fallbacks": ["qwen2.5-7b"]},
+    "qwen2.5-7b": {"aliases": ["qwen"]},
+}
+DEMO_FLEET = (
+    ("llama-0", "llama-3.1-8b", {"node": "gpu-a1", "gpu_class": "h100", "gpus": 1}),
+    ("llama-1", "llama-3.1-8b", {"node": "gpu-a2", "gpu_class": "h100", "gpus": 1}),
+    ("llama-2", "llama-3.1-8b", {"node": "gpu-a3", "gpu_class": "h100", "gpus": 1}),
+    ("qwen-0", "qwen2.5-7b", {"node": "gpu-b1", "gpu_class": "l4", "gpus": 1}),
+    ("qwen-1", "qwen2.5-7b", {"node": "gpu-b2", "gpu_class": "l4", "gpus": 1}),
+)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _run(coro: Any) -> None:
+    import uvloop
+
+    uvloop.run(coro)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from router.app import serve
+    from router.config import load_config
+    from router.errors import ConfigError
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"router: {exc}", file=sys.stderr)
+        return 2
+    _setup_logging(args.log_level)
+    try:
+        _run(serve(config))
+    except OSError as exc:
+        print(f"router: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def demo_config(listen: str, admin_listen: str, urls: dict[str, str], tick_seconds: float = 5.0) -> Config:
+    from router.config import parse_config
+
+    raw = {
+        "listen": listen,
+        "admin_listen": admin_listen,
+        "router_name": "demo",
+        "tick_seconds": tick_seconds,
+        "replicas": [
+            {"id": rid, "model": model, "url": urls[rid], "labels": labels} for rid, model, labels in DEMO_FLEET
+        ],
+        "models": DEMO_MODELS,
+    }
+    return parse_config(raw, "<demo>")
+
+
+async def _demo(args: argparse.Namespace) -> None:
+    from router.app import serve
+    from router.fake import Behaviour, FakeReplica
+
+    fakes = []
+    urls = {}
+    for rid, model, _ in DEMO_FLEET:
+        fake = FakeReplica(
+            models=(model,),
+            name=rid,
+            record=False,
+            behaviour=Behaviour(tokens=args.tokens, token_delay=args.token_delay),
+        )
+        urls[rid] = await fake.start("127.0.0.1", 0)
+        fakes.append(fake)
+    config = demo_config(args.listen, args.admin_listen, urls)
+
+    def tell(server: Any) -> None:
+        client, admin = server.client_url, server.admin_url
+        admin_server = admin.removeprefix("http://")
+        print(
+            f"""
+router demo: {len(fakes)} fake replicas of 2 models behind the router.
+
+  clients  {client}/v1        (models: llama-3.1-8b, alias llama; qwen2.5-7b)
+  admin    {admin}/api/v1     (metrics at {admin}/metrics)
+
+Try, in another terminal:
+
+  curl -s {client}/v1/models
+  curl -s {client}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "llama", "messages": [{{"role": "user", "content": "hi"}}]}}'
+  curl -sN {client}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "qwen2.5-7b", "stream": true, "messages": [{{"role": "user", "content": "hi"}}]}}'
+  python -c "import openai; c = openai.OpenAI(base_url='{client}/v1', api_key='x'); \\
+print(c.chat.completions.create(model='llama', messages=[{{'role': 'user', 'content': 'hi'}}]))"
+
+  router ctl replicas --server {admin_server}     # who was used when ('-' = unknown)
+  router ctl usage --server {admin_server}
+  router ctl idle --server {admin_server} --idle-for 1m
+
+Ctrl-C stops it.""",
+            flush=True,
+        )
+
+    try:
+        await serve(config, on_ready=tell)
+    finally:
+        for fake in fakes:
+            await fake.stop()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    try:
+        _run(_demo(args))
+    except OSError as exc:
+        print(
+            f"router demo: cannot listen: {exc} (is another router running? use --listen/--admin-listen)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="router", description="An OpenAI-compatible gateway for LLM replicas.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the router")
+    serve.add_argument("--config", "-c", required=True, help="the TOML configuration file")
+    serve.add_argument("--log-level", default="info")
+    demo = sub.add_parser("demo", help="a local fleet of fake replicas behind the router")
+    demo.add_argument("--listen", default="127.0.0.1:8080")
+    demo.add_argument("--admin-listen", default="127.0.0.1:9090")
+    demo.add_argument("--tokens", type=int, default=16)
+    demo.add_argument("--token-delay", type=float, default=0.02, help="seconds between streamed tokens")
+    demo.add_argument("--log-level", default="info")
+    sub.add_parser("ctl", help="read and steer running routers (router ctl --help)", add_help=False)
+    sub.add_parser("bench", help="load against an OpenAI base URL (router bench --help)", add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "ctl":
+        from router.ctl import main as ctl_main
+
+        return ctl_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from router.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "demo":
+        return cmd_demo(args)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def entry() -> None:
+    sys.exit(main())

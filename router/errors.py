@@ -1,0 +1,90 @@
+"""The router's exception tree.
+
+    RouterError
+    ├── ConfigError              a config file or pushed replica set is invalid
+    └── ClientFacingError        becomes one OpenAI-shaped error body (proxy.py)
+        ├── BadRequest           400 invalid_request_error
+        ├── Unauthorized         401 invalid_api_key
+        ├── ModelNotFound        404 model_not_found
+        ├── BodyTooLarge         413 request_too_large
+        ├── NoReplicaAvailable   503 no replica of the model (or its fallbacks) can serve
+        └── UpstreamError        a replica failed; `reason` labels the metric
+            ├── UpstreamConnectError   502 could not connect
+            ├── UpstreamResetError     502 connection closed or broken mid-answer
+            └── UpstreamTimeout        504 no response head within the first-byte timeout
+
+Library errors (aiohttp, OSError, orjson) are translated into this tree at the
+boundary where they happen, with `raise ... from exc`; only the proxy turns the
+tree into response bodies, in one place.
+"""
+
+from __future__ import annotations
+
+
+class RouterError(Exception):
+    """Base of everything the router raises on purpose."""
+
+
+class ConfigError(RouterError):
+    """One line naming the source, the key and the problem."""
+
+
+class ClientFacingError(RouterError):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class BadRequest(ClientFacingError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ClientFacingError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(ClientFacingError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class BodyTooLarge(ClientFacingError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class NoReplicaAvailable(ClientFacingError):
+    status = 503
+    type = "server_error"
+    code = "no_replica_available"
+
+
+class UpstreamError(ClientFacingError):
+    status = 502
+    type = "server_error"
+    code = "upstream_error"
+    reason = "error"
+
+
+class UpstreamConnectError(UpstreamError):
+    reason = "connect"
+
+
+class UpstreamResetError(UpstreamError):
+    reason = "reset"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+    reason = "timeout"

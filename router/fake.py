@@ -1,0 +1,326 @@
+"""A fake OpenAI replica: good enough to stand in for vLLM in tests, demo, bench.
+
+It answers chat, completions (both streaming, in vLLM's chunk format),
+embeddings and models, and has switches for the shape of its answers
+(tokens, delays) and for failures (a status code, a reset after K chunks, a
+stall before the first byte, a short keep-alive). The switches live in a
+mutable `Behaviour`, so a test can flip them while the replica runs, and the
+replica records what it saw (requests, headers, cancellations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import uvloop
+from aiohttp import web
+
+
+@dataclass
+class Behaviour:
+    tokens: int = 16
+    # Seconds before the response head (the replica computing its first token).
+    first_token_delay: float = 0.0
+    # Seconds between streamed tokens.
+    token_delay: float = 0.0
+    # Answer every inference request with this status and body instead.
+    fail_status: int | None = None
+    fail_body: bytes = b'{"error": {"message": "fake failure", "type": "server_error", "param": null, "code": null}}'
+    fail_content_type: str = "application/json"
+    # Abort the connection after this many streamed chunks.
+    reset_after_chunks: int | None = None
+    # Never answer (until the client gives up).
+    stall: bool = False
+    embedding_size: int = 8
+    # Headers added to every answer (tests of what the router forwards).
+    extra_headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Seen:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class FakeReplica:
+    models: Sequence[str] = ("fake-model",)
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    name: str = "fake"
+    # Seconds an idle keep-alive connection stays open (uvicorn's default is 5).
+    keepalive_timeout: float = 75.0
+    record: bool = True
+    seen: list[Seen] = field(default_factory=list)
+    cancelled: int = 0
+    active: int = 0
+    completed: int = 0
+    url: str = ""
+    _runner: web.AppRunner | None = None
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None) -> str:
+        self._runner = web.AppRunner(
+            self.app(), handler_cancellation=True, keepalive_timeout=self.keepalive_timeout, access_log=None
+        )
+        await self._runner.setup()
+        site: web.BaseSite
+        if sock is not None:
+            site = web.SockSite(self._runner, sock)
+        else:
+            site = web.TCPSite(self._runner, host, port, reuse_port=port != 0)
+        await site.start()
+        bound = self._runner.addresses[-1]
+        self.url = f"http://{bound[0]}:{bound[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # Handlers -------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.behaviour.fail_status is not None:
+            return web.Response(status=503, text="unhealthy")
+        return web.Response(text="ok")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": self.name} for m in self.models]
+        return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
+
+    async def _begin(self, request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
+        body = await request.read()
+        if self.record:
+            self.seen.append(Seen(request.path_qs, dict(request.headers), body))
+        b = self.behaviour
+        if b.stall:
+            await asyncio.Event().wait()
+        if b.first_token_delay:
+            await asyncio.sleep(b.first_token_delay)
+        if b.fail_status is not None:
+            return {}, web.Response(status=b.fail_status, body=b.fail_body, content_type=b.fail_content_type)
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return {}, web.json_response(
+                {"error": {"message": "bad json", "type": "invalid_request_error", "param": None, "code": None}},
+                status=400,
+            )
+        if not isinstance(obj, dict):
+            return {}, web.json_response(
+                {"error": {"message": "not an object", "type": "invalid_request_error", "param": None, "code": None}},
+                status=400,
+            )
+        return obj, None
+
+    async def _tracked(self, request: web.Request, kind: str) -> web.StreamResponse:
+        self.active += 1
+        try:
+            obj, failure = await self._begin(request)
+            if failure is not None:
+                return failure
+            if kind == "embeddings":
+                return self._embedding_answer(obj)
+            if obj.get("stream") is True:
+                return await self._stream(request, obj, kind)
+            return self._whole(obj, kind)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+            self.completed += 1
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._tracked(request, "chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._tracked(request, "completions")
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._tracked(request, "embeddings")
+
+    def _headers(self) -> dict[str, str]:
+        return {"X-Served-By": self.name, **self.behaviour.extra_headers}
+
+    def _tokens(self, obj: dict[str, Any]) -> int:
+        wanted = obj.get("max_tokens") or obj.get("max_completion_tokens")
+        if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0:
+            return min(wanted, self.behaviour.tokens)
+        return self.behaviour.tokens
+
+    def _whole(self, obj: dict[str, Any], kind: str) -> web.Response:
+        n = self._tokens(obj)
+        text = "".join(f"tok{i} " for i in range(n))
+        model = obj.get("model", self.models[0])
+        ident = next(self._ids)
+        usage = {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
+        choice: dict[str, Any]
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            doc = {
+                "id": f"chatcmpl-{self.name}-{ident}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [choice],
+                "usage": usage,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+            doc = {
+                "id": f"cmpl-{self.name}-{ident}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [choice],
+                "usage": usage,
+            }
+        return web.Response(body=orjson.dumps(doc), content_type="application/json", headers=self._headers())
+
+    def _embedding_answer(self, obj: dict[str, Any]) -> web.Response:
+        inputs = obj.get("input", "")
+        items = inputs if isinstance(inputs, list) else [inputs]
+        size = self.behaviour.embedding_size
+        data = [
+            {"object": "embedding", "index": i, "embedding": [round(0.1 * (i + 1) + j / 100, 4) for j in range(size)]}
+            for i in range(len(items))
+        ]
+        doc = {
+            "object": "list",
+            "data": data,
+            "model": obj.get("model", self.models[0]),
+            "usage": {"prompt_tokens": len(items), "total_tokens": len(items)},
+        }
+        return web.Response(body=orjson.dumps(doc), content_type="application/json", headers=self._headers())
+
+    async def _stream(self, request: web.Request, obj: dict[str, Any], kind: str) -> web.StreamResponse:
+        b = self.behaviour
+        n = self._tokens(obj)
+        model = obj.get("model", self.models[0])
+        ident = next(self._ids)
+        created = int(time.time())
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                **self._headers(),
+            }
+        )
+        await resp.prepare(request)
+        chunks = _stream_chunks(
+            kind,
+            f"{self.name}-{ident}",
+            created,
+            model,
+            n,
+            include_usage=bool((obj.get("stream_options") or {}).get("include_usage")),
+        )
+        for index, chunk in enumerate(chunks):
+            if b.reset_after_chunks is not None and index >= b.reset_after_chunks:
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
+            if b.token_delay and 0 < index < n + 1:
+                await asyncio.sleep(b.token_delay)
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+
+def _stream_chunks(kind: str, ident: str, created: int, model: str, n: int, *, include_usage: bool) -> list[bytes]:
+    """vLLM's framing: a role chunk (chat), one chunk per token, a finish chunk, [DONE]."""
+    out: list[bytes] = []
+
+    def event(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        doc: dict[str, Any] = {
+            "id": ("chatcmpl-" if kind == "chat" else "cmpl-") + ident,
+            "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+        if usage is not None:
+            doc["usage"] = usage
+        return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+    if kind == "chat":
+        out.append(event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
+    for i in range(n):
+        if kind == "chat":
+            out.append(event([{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}]))
+        else:
+            out.append(event([{"index": 0, "text": f"tok{i} ", "logprobs": None, "finish_reason": None}]))
+    if kind == "chat":
+        out.append(event([{"index": 0, "delta": {}, "finish_reason": "length"}]))
+    else:
+        out.append(event([{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]))
+    if include_usage:
+        out.append(event([], {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}))
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m router.fake`: serve a fake replica, optionally in several processes."""
+    parser = argparse.ArgumentParser(prog="python -m router.fake", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", action="append", dest="models", help="model name to serve (repeatable)")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--token-delay", type=float, default=0.0)
+    parser.add_argument("--first-token-delay", type=float, default=0.0)
+    parser.add_argument("--processes", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
+    args = parser.parse_args(argv)
+    children: list[int] = []
+    for _ in range(max(0, args.processes - 1)):
+        pid = os.fork()
+        if pid == 0:
+            children = []
+            break
+        children.append(pid)
+    try:
+        uvloop.run(_serve_forever(args))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, 15)
+            except ProcessLookupError:
+                pass
+
+
+async def _serve_forever(args: argparse.Namespace) -> None:
+    fake = FakeReplica(
+        models=tuple(args.models or ["fake-model"]),
+        behaviour=Behaviour(tokens=args.tokens, token_delay=args.token_delay, first_token_delay=args.first_token_delay),
+        record=False,
+        name=f"fake-{args.port}",
+    )
+    await fake.start(args.host, args.port)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

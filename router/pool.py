@@ -1,0 +1,324 @@
+"""The live replica set: acquire()/release(), last-used stamps, draining, ejection.
+
+Everything that the data path touches per request happens in `acquire()` and
+`release()`, which are synchronous: on one event loop a function without an
+`await` is a critical section, so choosing the replica, counting it in flight
+and stamping its last use cannot interleave with another request or with the
+usage tick. Everything else (views, snapshots, pushes) reads from here and
+runs per tick or per admin call, never per request.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from router.config import ReplicaConfig
+from router.picking import LeastLoaded
+
+Clock = Callable[[], float]
+
+# Demand for model names that nobody serves comes from clients and is unbounded;
+# past this many distinct names the rest are tallied under one label value.
+MAX_UNSERVED_NAMES = 100
+OTHER_MODELS = "__other__"
+
+
+class ReplicaState(enum.Enum):
+    READY = "ready"
+    EJECTED = "ejected"
+    DRAINING = "draining"
+    DRAINED = "drained"
+
+
+@dataclass(frozen=True, slots=True)
+class EjectionPolicy:
+    consecutive_failures: int = 5
+    base_seconds: float = 10.0
+    max_seconds: float = 300.0
+
+
+class Replica:
+    """One replica as the data path sees it. Mutated only by the Pool."""
+
+    __slots__ = (
+        "config",
+        "id",
+        "model",
+        "base_url",
+        "in_flight",
+        "requests",
+        "last_used",
+        "added_at",
+        "draining",
+        "removed",
+        "ejected_until",
+        "failures_in_row",
+        "ejections_in_row",
+        "ejections",
+        "responses",
+        "errors",
+    )
+
+    def __init__(self, config: ReplicaConfig, added_at: float) -> None:
+        self.config = config
+        self.id = config.id
+        self.model = config.model
+        self.base_url = config.url
+        self.in_flight = 0
+        self.requests = 0
+        # Monotonic time of the last request sent here; None until the first one.
+        self.last_used: float | None = None
+        self.added_at = added_at
+        self.draining = False
+        # Gone from the desired set; forgotten once nothing is in flight.
+        self.removed = False
+        self.ejected_until: float | None = None
+        self.failures_in_row = 0
+        self.ejections_in_row = 0
+        self.ejections = 0
+        # Upstream answers by status class ("2xx", ...) and failures by reason.
+        self.responses: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+
+    @property
+    def state(self) -> ReplicaState:
+        if self.draining or self.removed:
+            return ReplicaState.DRAINING if self.in_flight else ReplicaState.DRAINED
+        if self.ejected_until is not None:
+            return ReplicaState.EJECTED
+        return ReplicaState.READY
+
+    def __repr__(self) -> str:
+        return f"Replica({self.id!r}, model={self.model!r}, in_flight={self.in_flight})"
+
+
+@dataclass(frozen=True, slots=True)
+class SetDiff:
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    changed: tuple[str, ...]
+    unchanged: tuple[str, ...]
+
+
+class Tallies:
+    """Per-model figures of the data path that belong to no replica."""
+
+    __slots__ = ("retries", "fallbacks", "unserved")
+
+    def __init__(self) -> None:
+        self.retries: dict[str, int] = {}
+        self.fallbacks: dict[tuple[str, str], int] = {}
+        self.unserved: dict[str, int] = {}
+
+    def retried(self, model: str) -> None:
+        self.retries[model] = self.retries.get(model, 0) + 1
+
+    def fell_back(self, model: str, to: str) -> None:
+        key = (model, to)
+        self.fallbacks[key] = self.fallbacks.get(key, 0) + 1
+
+    def unserved_request(self, model: str) -> None:
+        if model not in self.unserved and len(self.unserved) >= MAX_UNSERVED_NAMES:
+            model = OTHER_MODELS
+        self.unserved[model] = self.unserved.get(model, 0) + 1
+
+
+class Pool:
+    def __init__(
+        self,
+        replicas: Iterable[ReplicaConfig] = (),
+        *,
+        clock: Clock = time.monotonic,
+        rng: random.Random | None = None,
+        ejection: EjectionPolicy = EjectionPolicy(),
+    ) -> None:
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self.ejection = ejection
+        self._by_id: dict[str, Replica] = {}
+        # Removed from the desired set but still finishing requests.
+        self._leaving: set[Replica] = set()
+        self._models: dict[str, list[Replica]] = {}
+        self._candidates: dict[str, LeastLoaded[Replica]] = {}
+        self._ejected: list[Replica] = []
+        self._next_readmit = float("inf")
+        self.tallies = Tallies()
+        self.set_replicas(replicas)
+
+    # The hot path -----------------------------------------------------------
+
+    def acquire(self, model: str, avoid: Replica | None = None) -> Replica | None:
+        """Pick the least loaded ready replica of `model`, count it, stamp it.
+
+        `avoid` is the replica that just failed this request: it is chosen
+        again only when no other replica of the model can serve.
+        """
+        if self._ejected and self._clock() >= self._next_readmit:
+            self._readmit_expired()
+        candidates = self._candidates.get(model)
+        if candidates is None:
+            return None
+        replica = candidates.pick() if avoid is None else candidates.pick_avoiding((avoid,))
+        if replica is None:
+            return None
+        candidates.increment(replica)
+        replica.in_flight += 1
+        replica.requests += 1
+        replica.last_used = self._clock()
+        return replica
+
+    def release(self, replica: Replica) -> None:
+        """Always called once per acquire(), in a `finally`."""
+        replica.in_flight -= 1
+        candidates = self._candidates.get(replica.model)
+        if candidates is not None and replica in candidates:
+            candidates.decrement(replica)
+        elif replica.removed and replica.in_flight == 0:
+            self._leaving.discard(replica)
+
+    # Health -----------------------------------------------------------------
+
+    def record_success(self, replica: Replica) -> None:
+        replica.failures_in_row = 0
+        if replica.ejected_until is None:
+            replica.ejections_in_row = 0
+
+    def record_failure(self, replica: Replica) -> bool:
+        """Count a failure that says the replica is unwell; True if it was ejected."""
+        replica.failures_in_row += 1
+        if replica.failures_in_row < self.ejection.consecutive_failures:
+            return False
+        if replica.ejected_until is not None or replica.removed or replica.draining:
+            return False
+        siblings = self._models.get(replica.model, [])
+        ejected = sum(1 for r in siblings if r.ejected_until is not None)
+        # Never more than half of a model's replicas, never the last one.
+        if ejected + 1 > len(siblings) // 2:
+            return False
+        seconds = min(self.ejection.base_seconds * 2**replica.ejections_in_row, self.ejection.max_seconds)
+        self.eject(replica, seconds)
+        return True
+
+    def eject(self, replica: Replica, seconds: float) -> None:
+        replica.ejected_until = self._clock() + seconds
+        replica.ejections_in_row += 1
+        replica.ejections += 1
+        replica.failures_in_row = 0
+        self._ejected.append(replica)
+        self._next_readmit = min(self._next_readmit, replica.ejected_until)
+        self._refresh_candidate(replica)
+
+    def readmit(self, replica: Replica) -> None:
+        """End an ejection early (an active health check saw it healthy)."""
+        if replica.ejected_until is None:
+            return
+        replica.ejected_until = None
+        if replica in self._ejected:
+            self._ejected.remove(replica)
+        self._next_readmit = min((r.ejected_until or float("inf") for r in self._ejected), default=float("inf"))
+        self._refresh_candidate(replica)
+
+    def _readmit_expired(self) -> None:
+        now = self._clock()
+        for replica in [r for r in self._ejected if (r.ejected_until or 0.0) <= now]:
+            self.readmit(replica)
+
+    # Draining and the desired set -------------------------------------------
+
+    def set_draining(self, replica_id: str, draining: bool) -> Replica | None:
+        replica = self._by_id.get(replica_id)
+        if replica is None:
+            return None
+        replica.draining = draining
+        self._refresh_candidate(replica)
+        return replica
+
+    def set_replicas(self, configs: Iterable[ReplicaConfig]) -> SetDiff:
+        """Make `configs` the desired set, atomically (no await in here).
+
+        A replica whose URL or model changed is a removal plus an addition; a
+        removed one drains: it takes no new request and is forgotten when its
+        last request ends. Labels alone change in place.
+        """
+        desired = {c.id: c for c in configs}
+        added: list[str] = []
+        removed: list[str] = []
+        changed: list[str] = []
+        unchanged: list[str] = []
+        for replica_id, replica in list(self._by_id.items()):
+            config = desired.get(replica_id)
+            if config is None:
+                removed.append(replica_id)
+                self._remove(replica)
+            elif (config.url, config.model) != (replica.base_url, replica.model):
+                changed.append(replica_id)
+                self._remove(replica)
+            elif config != replica.config:
+                changed.append(replica_id)
+                replica.config = config
+            else:
+                unchanged.append(replica_id)
+        now = self._clock()
+        for replica_id, config in desired.items():
+            if replica_id in self._by_id:
+                continue
+            if replica_id not in changed:
+                added.append(replica_id)
+            replica = Replica(config, added_at=now)
+            self._by_id[replica_id] = replica
+            self._models.setdefault(replica.model, []).append(replica)
+            self._refresh_candidate(replica)
+        return SetDiff(tuple(added), tuple(removed), tuple(changed), tuple(unchanged))
+
+    def _remove(self, replica: Replica) -> None:
+        replica.removed = True
+        del self._by_id[replica.id]
+        siblings = self._models[replica.model]
+        siblings.remove(replica)
+        if replica in self._ejected:
+            self._ejected.remove(replica)
+        self._refresh_candidate(replica)
+        if not siblings:
+            del self._models[replica.model]
+            del self._candidates[replica.model]
+        if replica.in_flight:
+            self._leaving.add(replica)
+
+    def _refresh_candidate(self, replica: Replica) -> None:
+        candidates = self._candidates.get(replica.model)
+        if candidates is None:
+            if replica.removed:
+                return
+            candidates = self._candidates[replica.model] = LeastLoaded(self._rng)
+        serving = replica.state is ReplicaState.READY
+        if serving and replica not in candidates:
+            candidates.add(replica, replica.in_flight)
+        elif not serving:
+            candidates.discard(replica)
+
+    # Views --------------------------------------------------------------------
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self._by_id.get(replica_id)
+
+    def __iter__(self) -> Iterator[Replica]:
+        """Every replica the router knows, the leaving ones included."""
+        yield from self._by_id.values()
+        yield from self._leaving
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def models(self) -> list[str]:
+        """Models with at least one replica in the desired set."""
+        return list(self._models)
+
+    def serves(self, model: str) -> bool:
+        return model in self._models
+
+    def configs(self) -> list[ReplicaConfig]:
+        return [r.config for r in self._by_id.values()]

@@ -1,0 +1,438 @@
+"""Client-facing handlers: read the model, acquire, forward, stream, release.
+
+The body is read once and forwarded byte for byte; only `model` and `stream`
+are looked at. Before the first byte reaches the client a failed attempt is
+retried on another replica and then on the model's fallbacks; after it, the
+stream is ended with an SSE error event so that the client never hangs.
+Every error the router produces is OpenAI-shaped, made in `error_response()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+from prometheus_client import CollectorRegistry, Histogram
+
+from router.config import Config
+from router.errors import (
+    BadRequest,
+    BodyTooLarge,
+    ClientFacingError,
+    ModelNotFound,
+    NoReplicaAvailable,
+    Unauthorized,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResetError,
+    UpstreamTimeout,
+)
+from router.pool import Pool, Replica
+from router.upstream import end_to_end
+
+log = logging.getLogger("router.proxy")
+
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+# A replica answering these is busy or broken, not saying no to the request:
+# another replica may well serve it.
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+# These say the replica is unwell. A 500 is left out on purpose: engines answer
+# some invalid requests with 500 (llama.cpp, an unknown role), and one client's
+# bad requests must not eject healthy replicas.
+UNHEALTHY_STATUSES = frozenset({502, 503, 504})
+_STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+
+
+def error_body(status: int, message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def error_response(exc: ClientFacingError, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=exc.status,
+        body=error_body(exc.status, exc.message, exc.type, exc.code, exc.param),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def parse_request(body: bytes) -> tuple[dict[str, Any], str, bool]:
+    """The body as a JSON object, its model name, and whether it asks for a stream."""
+    if not body:
+        raise BadRequest("The request body is empty; expected a JSON object.")
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    model = obj.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("The request must name a model: 'model' must be a non-empty string.", param="model")
+    return obj, model, obj.get("stream") is True
+
+
+def openai_shaped(body: bytes, status: int) -> bytes | None:
+    """None if `body` already is an OpenAI error; else the body wrapped into one."""
+    text = body.decode("utf-8", "replace").strip()
+    message = text
+    try:
+        parsed = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return None
+        for key in ("message", "detail", "error"):
+            value = parsed.get(key)
+            if isinstance(value, str) and value:
+                message = value
+                break
+    if not message:
+        message = f"The replica answered {status} with an empty body."
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    return error_body(status, message[:4096], type_, None)
+
+
+@dataclass(slots=True)
+class _Failed:
+    """An attempt that sent nothing to the client: what the client would get."""
+
+    error: ClientFacingError
+    retryable: bool
+    # The replica's own answer (status, headers, body) when it gave one.
+    answer: web.Response | None = None
+
+
+class DataPathMetrics:
+    """Histograms observed per request; their children are bound once per model."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.duration = Histogram(
+            "router_request_duration_seconds",
+            "Inference requests from arrival to the last byte sent, by model.",
+            ["model"],
+            registry=registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+        )
+        self.first_byte = Histogram(
+            "router_time_to_first_byte_seconds",
+            "From arrival to the replica's response head, by model.",
+            ["model"],
+            registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self._duration: dict[str, Any] = {}
+        self._first_byte: dict[str, Any] = {}
+
+    def observe_duration(self, model: str, seconds: float) -> None:
+        child = self._duration.get(model)
+        if child is None:
+            child = self._duration[model] = self.duration.labels(model)
+        child.observe(seconds)
+
+    def observe_first_byte(self, model: str, seconds: float) -> None:
+        child = self._first_byte.get(model)
+        if child is None:
+            child = self._first_byte[model] = self.first_byte.labels(model)
+        child.observe(seconds)
+
+
+class Routes:
+    """Which names clients may ask for, and where each leads."""
+
+    def __init__(self, config: Config) -> None:
+        self.aliases: dict[str, str] = {}
+        self.fallbacks: dict[str, tuple[str, ...]] = {}
+        self.declared: set[str] = set()
+        for name, model in config.models.items():
+            self.declared.add(name)
+            self.fallbacks[name] = model.fallbacks
+            for alias in model.aliases:
+                self.aliases[alias] = name
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: Config,
+        pool: Pool,
+        session: aiohttp.ClientSession,
+        metrics: DataPathMetrics,
+        *,
+        started_at: float | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.session = session
+        self.metrics = metrics
+        self.routes = Routes(config)
+        self._keys = tuple(key.encode() for key in config.api_keys)
+        # The router consumes the client's key; the replicas never see it.
+        self._drop = frozenset({"authorization"}) if self._keys else frozenset()
+        self._first_byte_timeout = config.first_byte_timeout_seconds
+        self._max_attempts = config.max_attempts
+        self._created = int(started_at if started_at is not None else time.time())
+
+    # Entry points -------------------------------------------------------------
+
+    async def inference(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        try:
+            self._authorize(request)
+            body = await self._read_body(request)
+            obj, requested, stream = parse_request(body)
+            model = self.routes.aliases.get(requested, requested)
+            if not self.pool.serves(model) and model not in self.routes.declared:
+                self.pool.tallies.unserved_request(requested)
+                raise ModelNotFound(f"The model '{requested}' does not exist or no replica serves it.", param="model")
+            response = await self._serve(request, body, obj, requested, model, stream)
+        except ClientFacingError as exc:
+            return error_response(exc)
+        self.metrics.observe_duration(model, time.perf_counter() - started)
+        return response
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        try:
+            self._authorize(request)
+        except ClientFacingError as exc:
+            return error_response(exc)
+        served = self.pool.models()
+        names = list(served)
+        names += [alias for alias, target in self.routes.aliases.items() if self.pool.serves(target)]
+        data = [{"id": name, "object": "model", "created": self._created, "owned_by": "router"} for name in names]
+        return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
+
+    async def not_found(self, request: web.Request) -> web.StreamResponse:
+        if request.path in INFERENCE_PATHS or request.path == "/v1/models":
+            return web.Response(
+                status=405,
+                body=error_body(
+                    405,
+                    f"Method {request.method} is not allowed on {request.path}.",
+                    "invalid_request_error",
+                    "method_not_allowed",
+                ),
+                content_type="application/json",
+                headers={"Allow": "GET" if request.path == "/v1/models" else "POST"},
+            )
+        return web.Response(
+            status=404,
+            body=error_body(404, f"Unknown path: {request.path}", "invalid_request_error", "unknown_url"),
+            content_type="application/json",
+        )
+
+    # Steps ----------------------------------------------------------------------
+
+    def _authorize(self, request: web.Request) -> None:
+        if not self._keys:
+            return
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() == "bearer" and given:
+            candidate = given.strip().encode()
+            # Compare with every key, in constant time, so timing tells nothing.
+            matched = False
+            for key in self._keys:
+                matched |= hmac.compare_digest(candidate, key)
+            if matched:
+                return
+        raise Unauthorized("Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.")
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.config.max_body_bytes
+        length = request.content_length
+        if length is not None and length > limit:
+            raise BodyTooLarge(f"The request body is {length} bytes; the limit is {limit}.")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise BodyTooLarge(f"The request body exceeds the limit of {limit} bytes.") from exc
+
+    async def _serve(
+        self, request: web.Request, body: bytes, obj: dict[str, Any], requested: str, model: str, stream: bool
+    ) -> web.StreamResponse:
+        headers = end_to_end(request.headers, self._drop)
+        if "Accept-Encoding" not in headers:
+            # Otherwise aiohttp asks for gzip on the client's behalf, and the
+            # encoded answer would reach a client that never asked for it.
+            headers["Accept-Encoding"] = "identity"
+        chain = (model, *self.routes.fallbacks.get(model, ()))
+        last: _Failed | None = None
+        only_connect_failures = True
+        for target in chain:
+            # The replica must see the name it serves (vLLM refuses an alias or
+            # another model's name); only then is the body re-encoded.
+            upstream_body = body if target == requested else orjson.dumps({**obj, "model": target})
+            avoid: Replica | None = None
+            for attempt in range(self._max_attempts):
+                replica = self.pool.acquire(target, avoid)
+                if replica is None:
+                    break
+                if attempt:
+                    self.pool.tallies.retried(target)
+                if target != model and attempt == 0:
+                    self.pool.tallies.fell_back(model, target)
+                try:
+                    outcome = await self._attempt(request, replica, upstream_body, headers, target, stream)
+                finally:
+                    self.pool.release(replica)
+                if not isinstance(outcome, _Failed):
+                    return outcome
+                last = outcome
+                if not isinstance(outcome.error, UpstreamConnectError):
+                    only_connect_failures = False
+                if not outcome.retryable:
+                    return outcome.answer or error_response(outcome.error)
+                avoid = replica
+        if last is None or only_connect_failures:
+            self.pool.tallies.unserved_request(requested)
+            names = " or ".join(repr(name) for name in chain)
+            detail = f" (last failure: {last.error.message})" if last is not None else ""
+            return error_response(NoReplicaAvailable(f"No replica of {names} can serve the request now{detail}."))
+        return last.answer or error_response(last.error)
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        replica: Replica,
+        body: bytes,
+        headers: CIMultiDict[str],
+        model: str,
+        stream: bool,
+    ) -> web.StreamResponse | _Failed:
+        url = replica.base_url + request.path_qs
+        began = time.perf_counter()
+        try:
+            async with asyncio.timeout(self._first_byte_timeout):
+                resp = await self.session.post(url, data=body, headers=headers, allow_redirects=False)
+        except TimeoutError:
+            return self._failed(
+                replica,
+                UpstreamTimeout(f"Replica {replica.id} sent no response within {self._first_byte_timeout:g} s."),
+                retryable=False,
+            )
+        except aiohttp.ClientConnectorError as exc:
+            return self._failed(replica, UpstreamConnectError(f"Cannot connect to replica {replica.id}: {exc}"))
+        except (aiohttp.ClientError, OSError) as exc:
+            return self._failed(
+                replica, UpstreamResetError(f"Replica {replica.id} closed the connection before answering: {exc!r}")
+            )
+        try:
+            self.metrics.observe_first_byte(model, time.perf_counter() - began)
+            status = resp.status
+            if status in RETRY_STATUSES:
+                return await self._refused(replica, resp)
+            self._count_response(replica, status)
+            if status >= 500 and status in UNHEALTHY_STATUSES:
+                self.pool.record_failure(replica)
+            else:
+                self.pool.record_success(replica)
+            out_headers = end_to_end(resp.headers)
+            # Passed through as it arrives: a stream, or anything without a length.
+            # A replica's error answer is read whole, to give it OpenAI's shape.
+            if status < 400 and (
+                stream
+                or resp.content_length is None
+                or resp.headers.get("Content-Type", "").startswith("text/event-stream")
+            ):
+                return await self._stream(request, replica, resp, out_headers)
+            try:
+                data = await resp.read()
+            except (aiohttp.ClientError, OSError) as exc:
+                return self._failed(replica, UpstreamResetError(f"Replica {replica.id} broke off its answer: {exc!r}"))
+            if status >= 400:
+                wrapped = openai_shaped(data, status)
+                if wrapped is not None:
+                    data = wrapped
+                    out_headers["Content-Type"] = "application/json"
+            return web.Response(status=status, reason=resp.reason, body=data, headers=out_headers)
+        finally:
+            # Back to the pool after a complete answer; closed if the answer
+            # was cut short (aiohttp checks), so a half-read stream never lingers.
+            resp.release()
+
+    async def _refused(self, replica: Replica, resp: aiohttp.ClientResponse) -> _Failed:
+        """A 429/502/503/504: keep the answer for the client in case no one else serves."""
+        status = resp.status
+        self._count_response(replica, status)
+        if status in UNHEALTHY_STATUSES:
+            self.pool.record_failure(replica)
+        try:
+            data = await resp.read()
+        except (aiohttp.ClientError, OSError):
+            data = b""
+        headers = end_to_end(resp.headers)
+        wrapped = openai_shaped(data, status)
+        if wrapped is not None:
+            data = wrapped
+            headers["Content-Type"] = "application/json"
+        answer = web.Response(status=status, reason=resp.reason, body=data, headers=headers)
+        replica.errors["status"] = replica.errors.get("status", 0) + 1
+        return _Failed(UpstreamError(f"Replica {replica.id} answered {status}."), retryable=True, answer=answer)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        replica: Replica,
+        resp: aiohttp.ClientResponse,
+        headers: CIMultiDict[str],
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=headers)
+        await out.prepare(request)
+        content = resp.content
+        last = b"\n\n"
+        while True:
+            try:
+                chunk = await content.readany()
+            except (aiohttp.ClientError, OSError) as exc:
+                # Bytes already reached the client: no retry, but a clear end.
+                replica.errors["reset"] = replica.errors.get("reset", 0) + 1
+                self.pool.record_failure(replica)
+                log.warning("replica %s broke off a stream: %r", replica.id, exc)
+                event = (
+                    b"data: "
+                    + error_body(502, f"Replica {replica.id} broke off the stream.", "server_error", "upstream_error")
+                    + b"\n\n"
+                )
+                if not last.endswith(b"\n\n"):
+                    event = b"\n\n" + event
+                out.force_close()
+                try:
+                    await out.write(event)
+                    await out.write_eof()
+                except ConnectionError:
+                    pass  # the client left too; nothing more to tell it
+                return out
+            if not chunk:
+                break
+            try:
+                await out.write(chunk)
+            except ConnectionError:
+                # The client went away: stop reading the replica at once.
+                return out
+            last = chunk
+        await out.write_eof()
+        return out
+
+    def _failed(self, replica: Replica, error: UpstreamError, *, retryable: bool = True) -> _Failed:
+        replica.errors[error.reason] = replica.errors.get(error.reason, 0) + 1
+        self.pool.record_failure(replica)
+        return _Failed(error, retryable)
+
+    @staticmethod
+    def _count_response(replica: Replica, status: int) -> None:
+        index = status // 100 - 1
+        status_class = _STATUS_CLASSES[index] if 0 <= index < 5 else "other"
+        replica.responses[status_class] = replica.responses.get(status_class, 0) + 1

@@ -1,0 +1,1 @@
+"""Usage exporters: one `UsageSink` per module (latest copy, Prometheus, HTTP push)."""

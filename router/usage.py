@@ -1,0 +1,297 @@
+"""Usage snapshots, the tick that takes them, and the merge of several routers.
+
+The data path only stamps `Replica.last_used` (a monotonic time) in acquire().
+Once a tick, `take_snapshot()` turns the stamps into Unix seconds and freezes
+them with everything an exporter may want; sinks read only the snapshot.
+
+Unknown is not idle: a replica that no request has reached since this router
+started (or since the replica was added) has `last_used is None`, and every
+function here that answers "how long quiet" returns None for it, never 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol
+
+from router.config import LabelValue
+from router.pool import Pool, Tallies
+
+log = logging.getLogger("router.usage")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaUsage:
+    id: str
+    model: str
+    url: str
+    state: str
+    in_flight: int
+    requests: int
+    # Unix seconds of the last request sent there; None = unknown (never 0).
+    last_used: float | None
+    watching_since: float
+    labels: Mapping[str, LabelValue]
+    responses: Mapping[str, int]
+    errors: Mapping[str, int]
+    ejections: int
+
+    def quiet_seconds(self, now: float) -> float | None:
+        """Seconds since the last request, or None when no request is known."""
+        if self.last_used is None:
+            return None
+        return max(0.0, now - self.last_used)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageSnapshot:
+    router: str
+    started_at: float
+    generated_at: float
+    tick_seconds: float
+    replicas: tuple[ReplicaUsage, ...]
+    retries: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    fallbacks: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
+    unserved: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    def usage_document(self) -> dict[str, object]:
+        """The body of GET /api/v1/usage and of the usage push."""
+        last_used: dict[str, float] = {}
+        watching: dict[str, float] = {}
+        for r in self.replicas:
+            # A replica id being replaced (URL changed) may appear twice while
+            # the old one drains: the newest stamp and the later watch win.
+            if r.last_used is not None and r.last_used > last_used.get(r.id, -1.0):
+                last_used[r.id] = r.last_used
+            if r.id not in watching or r.watching_since > watching[r.id]:
+                watching[r.id] = r.watching_since
+        return {
+            "router": self.router,
+            "started_at": self.started_at,
+            "generated_at": self.generated_at,
+            "tick_seconds": self.tick_seconds,
+            "last_used": last_used,
+            "watching_since": watching,
+        }
+
+
+def take_snapshot(
+    pool: Pool,
+    *,
+    router: str,
+    started_at: float,
+    tick_seconds: float,
+    wall: float,
+    mono: float,
+) -> UsageSnapshot:
+    """Freeze the pool's state; monotonic stamps become Unix seconds here, once.
+
+    A replica with requests in flight is in use right now, so its stamp is
+    moved to this tick: a 20-minute generation never looks 20 minutes idle,
+    and the stamp stays there after the request ends.
+    """
+    offset = wall - mono
+    replicas = []
+    for r in pool:
+        if r.in_flight > 0:
+            r.last_used = mono
+        replicas.append(
+            ReplicaUsage(
+                id=r.id,
+                model=r.model,
+                url=r.base_url,
+                state=r.state.value,
+                in_flight=r.in_flight,
+                requests=r.requests,
+                last_used=None if r.last_used is None else r.last_used + offset,
+                watching_since=max(started_at, r.added_at + offset),
+                labels=r.config.labels,
+                responses=MappingProxyType(dict(r.responses)),
+                errors=MappingProxyType(dict(r.errors)),
+                ejections=r.ejections,
+            )
+        )
+    tallies: Tallies = pool.tallies
+    return UsageSnapshot(
+        router=router,
+        started_at=started_at,
+        generated_at=wall,
+        tick_seconds=tick_seconds,
+        replicas=tuple(replicas),
+        retries=MappingProxyType(dict(tallies.retries)),
+        fallbacks=MappingProxyType(dict(tallies.fallbacks)),
+        unserved=MappingProxyType(dict(tallies.unserved)),
+    )
+
+
+class UsageSink(Protocol):
+    """An exporter of usage snapshots. publish() must return at once: a sink
+    that does I/O starts its own task and never makes the tick wait."""
+
+    name: str
+
+    def publish(self, snapshot: UsageSnapshot) -> None: ...
+
+
+class Ticker:
+    """Takes a snapshot every `tick_seconds` and hands it to every sink."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        sinks: Sequence[UsageSink],
+        *,
+        router: str,
+        started_at: float,
+        tick_seconds: float,
+        wall: Callable[[], float] = time.time,
+        mono: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool = pool
+        self.sinks = list(sinks)
+        self.router = router
+        self.started_at = started_at
+        self.tick_seconds = tick_seconds
+        self._wall = wall
+        self._mono = mono
+        self.sink_failures: dict[str, int] = {sink.name: 0 for sink in sinks}
+        self.ticks = 0
+        self.last_tick_seconds = 0.0
+        self.latest: UsageSnapshot | None = None
+
+    def snapshot(self) -> UsageSnapshot:
+        return take_snapshot(
+            self.pool,
+            router=self.router,
+            started_at=self.started_at,
+            tick_seconds=self.tick_seconds,
+            wall=self._wall(),
+            mono=self._mono(),
+        )
+
+    def tick(self) -> UsageSnapshot:
+        began = time.perf_counter()
+        snapshot = self.snapshot()
+        self.latest = snapshot
+        for sink in self.sinks:
+            try:
+                sink.publish(snapshot)
+            except Exception:
+                # The root of a sink call: one broken exporter must not starve
+                # the others or stop the tick. Logged and counted, then on.
+                self.sink_failures[sink.name] = self.sink_failures.get(sink.name, 0) + 1
+                log.exception("usage sink %s failed", sink.name)
+        self.ticks += 1
+        self.last_tick_seconds = time.perf_counter() - began
+        return snapshot
+
+    async def run(self) -> None:
+        """Tick forever, at a fixed rate that does not drift with the tick's cost."""
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            try:
+                self.tick()
+            except Exception:
+                log.exception("usage tick failed")
+            next_at += self.tick_seconds
+            delay = next_at - loop.time()
+            if delay < 0:
+                next_at = loop.time()
+                delay = 0
+            await asyncio.sleep(delay)
+
+
+# The merge of several routers' maps (router ctl idle) --------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RouterReport:
+    """What one router said in GET /api/v1/usage, or None if it did not answer."""
+
+    server: str
+    last_used: Mapping[str, float]
+    watching_since: Mapping[str, float]
+    generated_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    id: str
+    model: str | None
+    quiet_for_seconds: float
+    last_used: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class MergedUsage:
+    complete: bool
+    candidates: tuple[Candidate, ...]
+    unknown: tuple[str, ...]
+    # Per replica: the proven quiet time, None where it cannot be proven.
+    quiet_for: Mapping[str, float | None]
+    last_used: Mapping[str, float | None]
+
+
+def merge_reports(
+    reports: Iterable[RouterReport | None],
+    *,
+    now: float,
+    idle_for: float,
+    models: Mapping[str, str] | None = None,
+) -> MergedUsage:
+    """Merge several routers' usage maps into a proven lower bound of quiet time.
+
+    No request reached replica r through router i after
+    max(last_used_i[r], watching_since_i[r]); so r has been quiet for at least
+    now - max over i of that. A replica that some router does not watch, or any
+    router that did not answer (None), makes the bound unprovable: unknown.
+    """
+    answered: list[RouterReport] = []
+    complete = True
+    for report in reports:
+        if report is None:
+            complete = False
+        else:
+            answered.append(report)
+    ids = sorted({rid for rep in answered for rid in (*rep.watching_since, *rep.last_used)})
+    quiet_for: dict[str, float | None] = {}
+    newest: dict[str, float | None] = {}
+    for rid in ids:
+        stamps = [rep.last_used[rid] for rep in answered if rid in rep.last_used]
+        newest[rid] = max(stamps) if stamps else None
+        bound: float | None = None
+        if complete and answered:
+            horizons: list[float] = []
+            for rep in answered:
+                watching = rep.watching_since.get(rid)
+                if watching is None:
+                    horizons = []
+                    break
+                horizons.append(max(watching, rep.last_used.get(rid, watching)))
+            if horizons:
+                bound = max(0.0, now - max(horizons))
+        quiet_for[rid] = bound
+    candidates = tuple(
+        Candidate(
+            id=rid,
+            model=(models or {}).get(rid),
+            quiet_for_seconds=q,
+            last_used=newest[rid],
+        )
+        for rid in ids
+        if (q := quiet_for[rid]) is not None and q >= idle_for
+    )
+    unknown = tuple(rid for rid in ids if quiet_for[rid] is None)
+    return MergedUsage(
+        complete=complete,
+        candidates=candidates if complete else (),
+        unknown=unknown,
+        quiet_for=MappingProxyType(quiet_for),
+        last_used=MappingProxyType(newest),
+    )

@@ -1,0 +1,63 @@
+"""Fixtures: real fake replicas on 127.0.0.1 port 0, and a real router in front."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.app import RouterServer
+from router.config import parse_config
+from router.fake import Behaviour, FakeReplica
+
+StartFake = Callable[..., Awaitable[FakeReplica]]
+StartRouter = Callable[..., Awaitable[RouterServer]]
+
+
+@pytest.fixture
+async def start_fake() -> AsyncIterator[StartFake]:
+    fakes: list[FakeReplica] = []
+
+    async def start(
+        model: str = "m", *, name: str = "", behaviour: Behaviour | None = None, **kwargs: Any
+    ) -> FakeReplica:
+        fake = FakeReplica(models=(model,), name=name or f"fake-{len(fakes)}", **kwargs)
+        if behaviour is not None:
+            fake.behaviour = behaviour
+        await fake.start()
+        fakes.append(fake)
+        return fake
+
+    yield start
+    for fake in fakes:
+        await fake.stop()
+
+
+def replica_entry(rid: str, fake: FakeReplica, model: str | None = None, **labels: Any) -> dict[str, Any]:
+    return {"id": rid, "model": model or fake.models[0], "url": fake.url, "labels": labels}
+
+
+@pytest.fixture
+async def start_router() -> AsyncIterator[StartRouter]:
+    servers: list[RouterServer] = []
+
+    async def start(replicas: Sequence[dict[str, Any]] = (), **settings: Any) -> RouterServer:
+        raw: dict[str, Any] = {
+            "listen": "127.0.0.1:0",
+            "admin_listen": "127.0.0.1:0",
+            "router_name": "test",
+            "connect_timeout_seconds": 2.0,
+            **settings,
+            "replicas": list(replicas),
+        }
+        config = parse_config(raw, "<test>", environ={})
+        server = RouterServer(config, registry=CollectorRegistry())
+        await server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.stop()
