@@ -14,7 +14,9 @@ import argparse
 import asyncio
 import itertools
 import os
+import signal
 import socket
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -215,6 +217,14 @@ class FakeReplica:
         return web.Response(body=orjson.dumps(doc), content_type="application/json", headers=self._headers())
 
     async def _stream(self, request: web.Request, obj: dict[str, Any], kind: str) -> web.StreamResponse:
+        try:
+            return await self._write_stream(request, obj, kind)
+        except ConnectionError:
+            # The reader went away mid-stream: what a real engine sees too.
+            self.cancelled += 1
+            return web.StreamResponse()
+
+    async def _write_stream(self, request: web.Request, obj: dict[str, Any], kind: str) -> web.StreamResponse:
         b = self.behaviour
         n = self._tokens(obj)
         model = obj.get("model", self.models[0])
@@ -299,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             children = []
             break
         children.append(pid)
+    # SIGTERM becomes SystemExit so that the finally below stops the children.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         uvloop.run(_serve_forever(args))
     except KeyboardInterrupt:

@@ -390,40 +390,35 @@ class Proxy:
         headers: CIMultiDict[str],
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=headers)
-        await out.prepare(request)
         content = resp.content
         last = b"\n\n"
-        while True:
-            try:
-                chunk = await content.readany()
-            except (aiohttp.ClientError, OSError) as exc:
-                # Bytes already reached the client: no retry, but a clear end.
-                replica.errors["reset"] = replica.errors.get("reset", 0) + 1
-                self.pool.record_failure(replica)
-                log.warning("replica %s broke off a stream: %r", replica.id, exc)
-                event = (
-                    b"data: "
-                    + error_body(502, f"Replica {replica.id} broke off the stream.", "server_error", "upstream_error")
-                    + b"\n\n"
-                )
-                if not last.endswith(b"\n\n"):
-                    event = b"\n\n" + event
-                out.force_close()
+        try:
+            await out.prepare(request)
+            while True:
                 try:
-                    await out.write(event)
-                    await out.write_eof()
-                except ConnectionError:
-                    pass  # the client left too; nothing more to tell it
-                return out
-            if not chunk:
-                break
-            try:
+                    chunk = await content.readany()
+                except (aiohttp.ClientError, OSError) as exc:
+                    # Bytes already reached the client: no retry, but a clear end.
+                    replica.errors["reset"] = replica.errors.get("reset", 0) + 1
+                    self.pool.record_failure(replica)
+                    log.warning("replica %s broke off a stream: %r", replica.id, exc)
+                    event = b"data: " + error_body(
+                        502, f"Replica {replica.id} broke off the stream.", "server_error", "upstream_error"
+                    )
+                    # Close a half-sent event first, so that the error is an event of its own.
+                    prefix = b"" if last.endswith(b"\n\n") else b"\n\n"
+                    out.force_close()
+                    await out.write(prefix + event + b"\n\n")
+                    break
+                if not chunk:
+                    break
                 await out.write(chunk)
-            except ConnectionError:
-                # The client went away: stop reading the replica at once.
-                return out
-            last = chunk
-        await out.write_eof()
+                last = chunk
+            await out.write_eof()
+        except ConnectionError:
+            # The client went away. Nothing more to send; release() in the
+            # caller closes the half-read upstream connection at once.
+            pass
         return out
 
     def _failed(self, replica: Replica, error: UpstreamError, *, retryable: bool = True) -> _Failed:
