@@ -57,16 +57,19 @@ class LeastLoaded(Generic[T]):
             return bucket[0]
         return bucket[self._rng.randrange(len(bucket))]
 
-    def pick_avoiding(self, avoid: Container[T]) -> T | None:
-        """Like pick(), but skip `avoid` unless nothing else is left.
+    def pick_avoiding(self, avoid: T | None, exclude: Container[T]) -> T | None:
+        """Like pick(), but never one of `exclude`, and `avoid` only if nothing else is left.
 
         Used only on retries, so a scan is fine here.
         """
+        fallback: T | None = None
         for load in range(self._lowest, len(self._buckets)):
-            others = [item for item in self._buckets[load] if item not in avoid]
+            others = [item for item in self._buckets[load] if item is not avoid and item not in exclude]
             if others:
                 return others[0] if len(others) == 1 else others[self._rng.randrange(len(others))]
-        return self.pick()
+            if fallback is None and avoid is not None and self._load.get(avoid) == load and avoid not in exclude:
+                fallback = avoid
+        return fallback
 
     def increment(self, item: T) -> None:
         load = self._load.get(item)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
 from router.config import ReplicaConfig
@@ -151,18 +151,21 @@ class Pool:
 
     # The hot path -----------------------------------------------------------
 
-    def acquire(self, model: str, avoid: Replica | None = None) -> Replica | None:
+    def acquire(self, model: str, avoid: Replica | None = None, exclude: Container[Replica] = ()) -> Replica | None:
         """Pick the least loaded ready replica of `model`, count it, stamp it.
 
-        `avoid` is the replica that just failed this request: it is chosen
-        again only when no other replica of the model can serve.
+        On a retry, `avoid` is the replica that just failed: chosen again only
+        when no other can serve (a stale keep-alive connection deserves a
+        second try). `exclude` are replicas that this request must not reach
+        again (they refused the connection or answered 503).
         """
         if self._ejected and self._clock() >= self._next_readmit:
             self._readmit_expired()
         candidates = self._candidates.get(model)
         if candidates is None:
             return None
-        replica = candidates.pick() if avoid is None else candidates.pick_avoiding((avoid,))
+        retry = avoid is not None or exclude
+        replica = candidates.pick_avoiding(avoid, exclude) if retry else candidates.pick()
         if replica is None:
             return None
         candidates.increment(replica)

@@ -276,8 +276,9 @@ class Proxy:
             # another model's name); only then is the body re-encoded.
             upstream_body = body if target == requested else orjson.dumps({**obj, "model": target})
             avoid: Replica | None = None
+            refused: set[Replica] = set()
             for attempt in range(self._max_attempts):
-                replica = self.pool.acquire(target, avoid)
+                replica = self.pool.acquire(target, avoid, refused)
                 if replica is None:
                     break
                 if attempt:
@@ -296,6 +297,10 @@ class Proxy:
                 if not outcome.retryable:
                     return outcome.answer or error_response(outcome.error)
                 avoid = replica
+                # Only a connection that broke may be tried again on the same
+                # replica (it may have been a stale keep-alive one).
+                if not isinstance(outcome.error, UpstreamResetError):
+                    refused.add(replica)
         if last is None or only_connect_failures:
             self.pool.tallies.unserved_request(requested)
             names = " or ".join(repr(name) for name in chain)

@@ -192,19 +192,20 @@ class Ticker:
 
     async def run(self) -> None:
         """Tick forever, at a fixed rate that does not drift with the tick's cost."""
+        # The first snapshot is taken at start-up, before anyone can ask.
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
-            try:
-                self.tick()
-            except Exception:
-                log.exception("usage tick failed")
             next_at += self.tick_seconds
             delay = next_at - loop.time()
             if delay < 0:
                 next_at = loop.time()
                 delay = 0
             await asyncio.sleep(delay)
+            try:
+                self.tick()
+            except Exception:
+                log.exception("usage tick failed")
 
 
 # The merge of several routers' maps (router ctl idle) --------------------------

@@ -188,3 +188,13 @@ def test_least_loaded_keeps_order_through_adds_and_discards() -> None:
     picker.add("x", 0)
     with pytest.raises(ValueError, match="already"):
         picker.add("x", 0)
+
+
+def test_excluded_replicas_are_never_picked_again_for_the_request() -> None:
+    pool = Pool(configs("m", 2))
+    first = pool.get("r0")
+    second = pool.get("r1")
+    assert first is not None and second is not None
+    assert pool.acquire("m", exclude={first}) is second
+    assert pool.acquire("m", avoid=second, exclude={first}) is second
+    assert pool.acquire("m", exclude={first, second}) is None
