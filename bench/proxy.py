@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -124,91 +125,125 @@ def router_bench(url: str, *, connections: int, seconds: float, stream: bool) ->
     }
 
 
+def start_router(tmp: Path, replicas: int, fake_port: int) -> tuple[subprocess.Popen[bytes], str, str]:
+    client_port, admin_port = free_port(), free_port()
+    config = tmp / f"router-{replicas}.toml"
+    lines = [f'listen = "127.0.0.1:{client_port}"', f'admin_listen = "127.0.0.1:{admin_port}"', "tick_seconds = 1"]
+    # Every replica entry points at the same fake: the router still spreads over them.
+    for i in range(replicas):
+        lines += ["[[replicas]]", f'id = "r{i}"', 'model = "m"', f'url = "http://127.0.0.1:{fake_port}"']
+    config.write_text("\n".join(lines) + "\n")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "router", "serve", "--config", str(config), "--log-level", "warning"]
+    )
+    return process, f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{admin_port}"
+
+
 def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=5.0, help="per measurement")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--connections", type=int, default=64)
-    parser.add_argument("--replicas", type=int, default=4, help="replicas configured in the router")
+    parser.add_argument(
+        "--replicas", default="4", help="replicas configured, comma-separated for one router each (e.g. 4,4000)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    counts = [int(x) for x in args.replicas.split(",")]
     use_wrk = shutil.which("wrk") is not None
-    fake_port, client_port, admin_port = free_port(), free_port(), free_port()
+    fake_port = free_port()
+    direct = f"http://127.0.0.1:{fake_port}"
+    results: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         fake = subprocess.Popen(
             [sys.executable, "-m", "router.fake", "--port", str(fake_port), "--model", "m", "--processes", "2"],
             stdout=subprocess.DEVNULL,
         )
-        config = tmp / "router.toml"
-        lines = [f'listen = "127.0.0.1:{client_port}"', f'admin_listen = "127.0.0.1:{admin_port}"', "tick_seconds = 1"]
-        # Every replica entry points at the same fake: the router still spreads over them.
-        for i in range(args.replicas):
-            lines += ["[[replicas]]", f'id = "r{i}"', 'model = "m"', f'url = "http://127.0.0.1:{fake_port}"']
-        config.write_text("\n".join(lines) + "\n")
-        router = subprocess.Popen(
-            [sys.executable, "-m", "router", "serve", "--config", str(config), "--log-level", "warning"],
-        )
-        try:
-            wait_http(f"http://127.0.0.1:{fake_port}/v1/models")
-            wait_http(f"http://127.0.0.1:{admin_port}/readyz")
-            direct = f"http://127.0.0.1:{fake_port}"
-            proxied = f"http://127.0.0.1:{client_port}"
-            results: dict[str, list[dict[str, float]]] = {}
+        routers = {n: start_router(tmp, n, fake_port) for n in counts}
+        stop_polling = threading.Event()
 
-            def load(name: str, url: str, connections: int, stream: bool) -> None:
-                before = cpu_seconds(router.pid)
+        def poll_usage(admin: str) -> None:
+            # A control plane polling the usage map all along, as in production.
+            while not stop_polling.wait(0.5):
+                with urllib.request.urlopen(admin + "/api/v1/usage", timeout=5) as resp:
+                    resp.read()
+
+        try:
+            wait_http(direct + "/v1/models")
+            for _, _, admin in routers.values():
+                wait_http(admin + "/readyz", timeout=60)
+            pollers = [threading.Thread(target=poll_usage, args=(a,), daemon=True) for _, _, a in routers.values()]
+            for poller in pollers:
+                poller.start()
+
+            def load(name: str, url: str, connections: int, stream: bool, pid: int | None) -> None:
+                before = cpu_seconds(pid) if pid else 0.0
                 if use_wrk:
                     figures = wrk(url, connections=connections, seconds=args.seconds, stream=stream, tmp=tmp)
                 else:
                     figures = router_bench(url, connections=connections, seconds=args.seconds, stream=stream)
-                if url == proxied and figures["requests"]:
-                    figures["cpu_ms_per_request"] = (cpu_seconds(router.pid) - before) * 1000 / figures["requests"]
+                if pid and figures["requests"]:
+                    figures["cpu_ms_per_request"] = (cpu_seconds(pid) - before) * 1000 / figures["requests"]
                 results.setdefault(name, []).append(figures)
 
             for _ in range(args.rounds):
                 for stream in (False, True):
                     kind = "stream" if stream else "short"
-                    load(f"direct {kind}", direct, args.connections, stream)
-                    load(f"router {kind}", proxied, args.connections, stream)
-                load("direct 1conn", direct, 1, False)
-                load("router 1conn", proxied, 1, False)
+                    load(f"direct {kind}", direct, args.connections, stream, None)
+                    for n, (process, client, _) in routers.items():
+                        load(f"router{n} {kind}", client, args.connections, stream, process.pid)
+                load("direct 1conn", direct, 1, False, None)
+                for n, (process, client, _) in routers.items():
+                    load(f"router{n} 1conn", client, 1, False, process.pid)
+            stop_polling.set()
+            for poller in pollers:
+                poller.join()
         finally:
-            router.terminate()
+            for process, _, _ in routers.values():
+                process.terminate()
             fake.terminate()
-            router.wait(timeout=40)
+            for process, _, _ in routers.values():
+                process.wait(timeout=40)
             fake.wait(timeout=10)
 
     def median(name: str, key: str) -> float:
         values = sorted(r.get(key, float("nan")) for r in results[name])
         return values[len(values) // 2]
 
-    summary: dict[str, Any] = {"generator": "wrk" if use_wrk else "router bench", "replicas": args.replicas}
+    summary: dict[str, Any] = {"generator": "wrk" if use_wrk else "router bench", "replicas": counts}
+    summary["p50_direct_ms"] = median("direct 1conn", "p50_ms")
     for kind in ("short", "stream"):
         summary[f"{kind}_direct_rps"] = median(f"direct {kind}", "rps")
-        summary[f"{kind}_router_rps"] = median(f"router {kind}", "rps")
-        summary[f"{kind}_ratio"] = summary[f"{kind}_router_rps"] / summary[f"{kind}_direct_rps"]
-        summary[f"{kind}_router_cpu_ms"] = median(f"router {kind}", "cpu_ms_per_request")
-        summary[f"{kind}_errors"] = sum(r["errors"] for n in (f"direct {kind}", f"router {kind}") for r in results[n])
-    summary["p50_direct_ms"] = median("direct 1conn", "p50_ms")
-    summary["p50_router_ms"] = median("router 1conn", "p50_ms")
-    summary["added_p50_us"] = (summary["p50_router_ms"] - summary["p50_direct_ms"]) * 1000
+    for n in counts:
+        for kind in ("short", "stream"):
+            rps = median(f"router{n} {kind}", "rps")
+            summary[f"{kind}_router{n}_rps"] = rps
+            summary[f"{kind}_router{n}_ratio"] = rps / summary[f"{kind}_direct_rps"]
+            summary[f"{kind}_router{n}_cpu_ms"] = median(f"router{n} {kind}", "cpu_ms_per_request")
+        summary[f"p50_router{n}_ms"] = median(f"router{n} 1conn", "p50_ms")
+        summary[f"added_p50_router{n}_us"] = (summary[f"p50_router{n}_ms"] - summary["p50_direct_ms"]) * 1000
+    summary["errors"] = sum(r["errors"] for rows in results.values() for r in rows)
     if args.json:
         print(json.dumps(summary))
-    else:
+        return summary
+    print(
+        f"load generator: {summary['generator']}, {args.connections} connections, {args.rounds} rounds of "
+        f"{args.seconds:g} s, medians; errors {summary['errors']}"
+    )
+    print("| path | short req/s | stream req/s (16 chunks) | CPU ms/request short, stream | p50 at 1 conn |")
+    print("| --- | --- | --- | --- | --- |")
+    print(
+        f"| straight to the replica | {summary['short_direct_rps']:.0f} | {summary['stream_direct_rps']:.0f} | - "
+        f"| {summary['p50_direct_ms'] * 1000:.0f} us |"
+    )
+    for n in counts:
         print(
-            f"load generator: {summary['generator']}, {args.connections} connections, "
-            f"{args.rounds} rounds of {args.seconds:g} s, {args.replicas} replicas configured"
-        )
-        for kind in ("short", "stream"):
-            print(
-                f"{kind:>6}: direct {summary[f'{kind}_direct_rps']:8.0f} req/s, router "
-                f"{summary[f'{kind}_router_rps']:8.0f} req/s ({summary[f'{kind}_ratio']:.2f}x), router CPU "
-                f"{summary[f'{kind}_router_cpu_ms']:.3f} ms/request, errors {summary[f'{kind}_errors']}"
-            )
-        print(
-            f"1 conn p50: direct {summary['p50_direct_ms'] * 1000:.0f} us, router "
-            f"{summary['p50_router_ms'] * 1000:.0f} us, added {summary['added_p50_us']:.0f} us"
+            f"| router, {n} replicas | {summary[f'short_router{n}_rps']:.0f} "
+            f"({summary[f'short_router{n}_ratio']:.2f}x) | {summary[f'stream_router{n}_rps']:.0f} "
+            f"({summary[f'stream_router{n}_ratio']:.2f}x) | {summary[f'short_router{n}_cpu_ms']:.3f}, "
+            f"{summary[f'stream_router{n}_cpu_ms']:.3f} | {summary[f'p50_router{n}_ms'] * 1000:.0f} us "
+            f"(+{summary[f'added_p50_router{n}_us']:.0f} us) |"
         )
     return summary
 

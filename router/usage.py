@@ -1,7 +1,7 @@
 """Usage snapshots, the tick that takes them, and the merge of several routers.
 
 The data path only stamps `Replica.last_used` (a monotonic time) in acquire().
-Once a tick, `take_snapshot()` turns the stamps into Unix seconds and freezes
+Once a tick, a `Snapshotter` turns the stamps into Unix seconds and freezes
 them with everything an exporter may want; sinks read only the snapshot.
 
 Unknown is not idle: a replica that no request has reached since this router
@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import Protocol
 
 from router.config import LabelValue
-from router.pool import Pool, Tallies
+from router.pool import Pool, Replica
 
 log = logging.getLogger("router.usage")
 
@@ -80,53 +80,72 @@ class UsageSnapshot:
         }
 
 
-def take_snapshot(
-    pool: Pool,
-    *,
-    router: str,
-    started_at: float,
-    tick_seconds: float,
-    wall: float,
-    mono: float,
-) -> UsageSnapshot:
-    """Freeze the pool's state; monotonic stamps become Unix seconds here, once.
+class Snapshotter:
+    """Freezes the pool's state; monotonic stamps become Unix seconds here, once.
 
     A replica with requests in flight is in use right now, so its stamp is
     moved to this tick: a 20-minute generation never looks 20 minutes idle,
     and the stamp stays there after the request ends.
+
+    A replica that nothing has touched since the last snapshot keeps its
+    frozen record, so that a tick over a mostly quiet fleet of thousands
+    costs a tuple comparison per replica. Every change that matters moves
+    `requests` or `in_flight` (counters change only between acquire() and
+    release()) or one of the state fields in the key.
     """
-    offset = wall - mono
-    replicas = []
-    for r in pool:
-        if r.in_flight > 0:
-            r.last_used = mono
-        replicas.append(
-            ReplicaUsage(
-                id=r.id,
-                model=r.model,
-                url=r.base_url,
-                state=r.state.value,
-                in_flight=r.in_flight,
-                requests=r.requests,
-                last_used=None if r.last_used is None else r.last_used + offset,
-                watching_since=max(started_at, r.added_at + offset),
-                labels=r.config.labels,
-                responses=MappingProxyType(dict(r.responses)),
-                errors=MappingProxyType(dict(r.errors)),
-                ejections=r.ejections,
-            )
+
+    def __init__(self, pool: Pool, *, router: str, started_at: float, tick_seconds: float) -> None:
+        self.pool = pool
+        self.router = router
+        self.started_at = started_at
+        self.tick_seconds = tick_seconds
+        self._frozen: dict[Replica, tuple[tuple[object, ...], ReplicaUsage]] = {}
+
+    def take(self, *, wall: float, mono: float) -> UsageSnapshot:
+        offset = wall - mono
+        started_at = self.started_at
+        previous = self._frozen
+        frozen: dict[Replica, tuple[tuple[object, ...], ReplicaUsage]] = {}
+        replicas = []
+        for r in self.pool:
+            if r.in_flight > 0:
+                r.last_used = mono
+            key = (r.requests, r.in_flight, r.last_used, r.ejected_until, r.draining, r.removed, r.config)
+            known = previous.get(r)
+            if known is not None and known[0] == key:
+                usage = known[1]
+            else:
+                usage = ReplicaUsage(
+                    id=r.id,
+                    model=r.model,
+                    url=r.base_url,
+                    state=r.state.value,
+                    in_flight=r.in_flight,
+                    requests=r.requests,
+                    last_used=None if r.last_used is None else r.last_used + offset,
+                    watching_since=max(started_at, r.added_at + offset),
+                    labels=r.config.labels,
+                    responses=MappingProxyType(dict(r.responses)) if r.responses else _EMPTY,
+                    errors=MappingProxyType(dict(r.errors)) if r.errors else _EMPTY,
+                    ejections=r.ejections,
+                )
+            frozen[r] = (key, usage)
+            replicas.append(usage)
+        self._frozen = frozen
+        tallies = self.pool.tallies
+        return UsageSnapshot(
+            router=self.router,
+            started_at=started_at,
+            generated_at=wall,
+            tick_seconds=self.tick_seconds,
+            replicas=tuple(replicas),
+            retries=MappingProxyType(dict(tallies.retries)),
+            fallbacks=MappingProxyType(dict(tallies.fallbacks)),
+            unserved=MappingProxyType(dict(tallies.unserved)),
         )
-    tallies: Tallies = pool.tallies
-    return UsageSnapshot(
-        router=router,
-        started_at=started_at,
-        generated_at=wall,
-        tick_seconds=tick_seconds,
-        replicas=tuple(replicas),
-        retries=MappingProxyType(dict(tallies.retries)),
-        fallbacks=MappingProxyType(dict(tallies.fallbacks)),
-        unserved=MappingProxyType(dict(tallies.unserved)),
-    )
+
+
+_EMPTY: Mapping[str, int] = MappingProxyType({})
 
 
 class UsageSink(Protocol):
@@ -163,16 +182,10 @@ class Ticker:
         self.ticks = 0
         self.last_tick_seconds = 0.0
         self.latest: UsageSnapshot | None = None
+        self._snapshotter = Snapshotter(pool, router=router, started_at=started_at, tick_seconds=tick_seconds)
 
     def snapshot(self) -> UsageSnapshot:
-        return take_snapshot(
-            self.pool,
-            router=self.router,
-            started_at=self.started_at,
-            tick_seconds=self.tick_seconds,
-            wall=self._wall(),
-            mono=self._mono(),
-        )
+        return self._snapshotter.take(wall=self._wall(), mono=self._mono())
 
     def tick(self) -> UsageSnapshot:
         began = time.perf_counter()
