@@ -486,3 +486,20 @@ async def wait_for(condition: Any, timeout: float = 5.0) -> None:
         if time.perf_counter() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.01)
+
+
+async def test_a_replica_closing_idle_connections_never_fails_a_request(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    # The replica drops idle connections after 0.3 s, and the router is told to
+    # keep them far longer: requests spaced around 0.3 s meet connections the
+    # replica is closing, and must still all succeed.
+    fake = await start_fake("m", keepalive_timeout=0.3)
+    server = await start_router([replica_entry("r0", fake)], upstream_keepalive_seconds=30)
+    async with aiohttp.ClientSession() as session:
+        for gap in (0.28, 0.3, 0.32, 0.29, 0.31, 0.3, 0.33, 0.27):
+            async with session.post(server.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp:
+                assert resp.status == 200
+                await resp.read()
+            await asyncio.sleep(gap)
+    assert in_flight(server) == {"r0": 0}
