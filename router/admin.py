@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,9 +24,14 @@ from router.config import ReplicaConfig, parse_replicas, replicas_where
 from router.errors import ConfigError
 from router.pool import Pool
 from router.sinks.latest import LatestSink
+from router.sinks.rates import RateSink
+from router.status import fleet_status
 from router.usage import UsageSnapshot
 
+log = logging.getLogger("router.admin")
+
 ADMIN_BODY_LIMIT = 8 * 1024 * 1024
+DEFAULT_IDLE_FOR = 1800.0
 _MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -72,6 +78,7 @@ class Admin:
         admin_token: str,
         snapshot: Callable[[], UsageSnapshot],
         is_ready: Callable[[], bool],
+        rates: RateSink,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.pool = pool
@@ -80,6 +87,7 @@ class Admin:
         self._token = admin_token.encode()
         self._snapshot = snapshot
         self._is_ready = is_ready
+        self._rates = rates
         self._wall = wall
 
     def app(self) -> web.Application:
@@ -93,6 +101,7 @@ class Admin:
         r.add_get("/api/v1/endpoints", self.get_endpoints)
         r.add_put("/api/v1/endpoints", self.put_endpoints)
         r.add_post("/api/v1/replicas/{id}/state", self.set_state)
+        r.add_get("/api/v1/status", self.status)
         return app
 
     @web.middleware
@@ -134,6 +143,22 @@ class Admin:
     async def replicas(self, request: web.Request) -> web.Response:
         return _json(replica_rows(self._snapshot(), self._wall()))
 
+    async def status(self, request: web.Request) -> web.Response:
+        raw = request.query.get("idle_for", str(DEFAULT_IDLE_FOR))
+        try:
+            idle_for = float(raw)
+        except ValueError:
+            idle_for = -1.0
+        if not 0 <= idle_for < float("inf"):
+            return _error(400, f"idle_for must be a number of seconds >= 0, got {raw!r}.", "invalid_idle_for")
+        snapshot = self._snapshot()
+        now = snapshot.generated_at
+        totals: dict[str, int] = {}
+        for r in snapshot.replicas:
+            totals[r.model] = totals.get(r.model, 0) + r.requests
+        summary = fleet_status(snapshot, now=now, idle_for=idle_for, rates=self._rates.per_second(totals, now))
+        return _json(summary.as_json())
+
     async def get_endpoints(self, request: web.Request) -> web.Response:
         return _json({"replicas": [c.as_json() for c in self.pool.configs()]})
 
@@ -158,6 +183,9 @@ class Admin:
         except _BadBody as exc:
             return _error(400, str(exc), "invalid_endpoints")
         diff = self.pool.set_replicas(configs)
+        log.info(
+            "endpoint push: %d added, %d removed, %d changed", len(diff.added), len(diff.removed), len(diff.changed)
+        )
         return _json(
             {
                 "added": list(diff.added),

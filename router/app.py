@@ -13,17 +13,21 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from router.admin import Admin
-from router.config import Config
-from router.pool import Pool
+from router.config import Config, load_config
+from router.errors import ConfigError
+from router.health import HealthChecker
+from router.pool import EjectionPolicy, Pool
 from router.proxy import INFERENCE_PATHS, DataPathMetrics, Proxy
 from router.sinks.latest import LatestSink
 from router.sinks.prometheus import PrometheusSink, UsageCollector
 from router.sinks.push import PushSink
+from router.sinks.rates import RateSink
 from router.upstream import make_session
 from router.usage import Ticker, UsageSink
 
@@ -42,7 +46,14 @@ class RouterServer:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self.started_at = wall()
-        self.pool = Pool(config.replicas, clock=mono)
+        self.pool = Pool(
+            config.replicas,
+            clock=mono,
+            ejection=EjectionPolicy(
+                config.ejection_failures, config.ejection_base_seconds, config.ejection_max_seconds
+            ),
+        )
+        self.rates = RateSink()
         self.latest = LatestSink()
         self.prometheus = PrometheusSink()
         self._wall = wall
@@ -53,7 +64,8 @@ class RouterServer:
         self.ready = False
         self._client_runner: web.AppRunner | None = None
         self._admin_runner: web.AppRunner | None = None
-        self._tick_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.health: HealthChecker | None = None
         self.client_address: tuple[str, int] | None = None
         self.admin_address: tuple[str, int] | None = None
 
@@ -71,7 +83,7 @@ class RouterServer:
         config = self.config
         session = make_session(config)
         self._session = session
-        sinks: list[UsageSink] = [self.latest, self.prometheus]
+        sinks: list[UsageSink] = [self.latest, self.prometheus, self.rates]
         if config.usage_push_url:
             # Shorter than the tick, so that pushes never pile up behind each other.
             self.push = PushSink(session, config.usage_push_url, timeout_seconds=max(0.05, config.tick_seconds * 0.8))
@@ -110,6 +122,7 @@ class RouterServer:
             admin_token=config.admin_token,
             snapshot=ticker.snapshot,
             is_ready=lambda: self.ready,
+            rates=self.rates,
             wall=self._wall,
         )
         # The first snapshot exists before anyone can ask for it.
@@ -137,7 +150,17 @@ class RouterServer:
             raise
         self.client_address = _bound(self._client_runner)
         self.admin_address = _bound(self._admin_runner)
-        self._tick_task = asyncio.get_running_loop().create_task(ticker.run())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(ticker.run())]
+        if config.health_check_interval_seconds > 0:
+            self.health = HealthChecker(
+                self.pool,
+                session,
+                path=config.health_check_path,
+                interval=config.health_check_interval_seconds,
+                timeout=config.health_check_timeout_seconds,
+            )
+            self._tasks.append(loop.create_task(self.health.run()))
         self.ready = True
 
     async def stop(self) -> None:
@@ -146,10 +169,10 @@ class RouterServer:
         if self._client_runner is not None:
             await self._client_runner.cleanup()
             self._client_runner = None
-        if self._tick_task is not None:
-            self._tick_task.cancel()
-            await asyncio.gather(self._tick_task, return_exceptions=True)
-            self._tick_task = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
         if self.ticker is not None:
             final = self.ticker.tick()
             if self.push is not None:
@@ -159,6 +182,29 @@ class RouterServer:
             await self._admin_runner.cleanup()
             self._admin_runner = None
         await self._session.close()
+
+    def reload(self, path: str) -> bool:
+        """SIGHUP: make the config file's replicas the desired set, as a push would.
+
+        An invalid file changes nothing. Only the replica set is reloaded; the
+        other keys need a restart, and a change to them is said in the log.
+        """
+        try:
+            fresh = load_config(path)
+        except ConfigError as exc:
+            log.error("reload refused, nothing changed: %s", exc)  # noqa: TRY400 (the message says it all)
+            return False
+        diff = self.pool.set_replicas(fresh.replicas)
+        log.info(
+            "reloaded %s: %d added, %d removed, %d changed",
+            path,
+            len(diff.added),
+            len(diff.removed),
+            len(diff.changed),
+        )
+        if replace(fresh, replicas=(), source="") != replace(self.config, replicas=(), source=""):
+            log.warning("reload applied the replicas only; other changed settings need a restart")
+        return True
 
 
 def _bound(runner: web.AppRunner) -> tuple[str, int]:
@@ -173,14 +219,18 @@ def _url(address: tuple[str, int]) -> str:
     return f"http://{host}:{port}"
 
 
-async def serve(config: Config, *, on_ready: Callable[[RouterServer], None] | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+async def serve(
+    config: Config, *, on_ready: Callable[[RouterServer], None] | None = None, config_path: str | None = None
+) -> None:
+    """Run until SIGTERM or SIGINT, then shut down gracefully; SIGHUP reloads the replicas."""
     server = RouterServer(config)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if config_path is not None:
+        loop.add_signal_handler(signal.SIGHUP, server.reload, config_path)
     log.info("router listening on %s (clients) and %s (admin)", server.client_url, server.admin_url)
     if on_ready is not None:
         on_ready(server)
@@ -188,6 +238,6 @@ async def serve(config: Config, *, on_ready: Callable[[RouterServer], None] | No
         await stop.wait()
         log.info("shutting down: finishing requests in flight (up to %gs)", config.shutdown_grace_seconds)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await server.stop()

@@ -50,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     _setup_logging(args.log_level)
     try:
-        _run(serve(config))
+        _run(serve(config, config_path=args.config))
     except OSError as exc:
         print(f"router: cannot listen: {exc}", file=sys.stderr)
         return 1

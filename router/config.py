@@ -79,6 +79,17 @@ class Config:
     # Upstream attempts per model for one client request (first try included).
     max_attempts: int = 3
     shutdown_grace_seconds: float = 30.0
+    # Passive outlier ejection: this many failures in a row eject a replica
+    # for the base time, doubled with each ejection in a row, up to the max.
+    ejection_failures: int = 5
+    ejection_base_seconds: float = 10.0
+    ejection_max_seconds: float = 300.0
+    # Active health checks: GET health_check_path on every replica this often
+    # (0 = off). A 2xx readmits an ejected replica early; anything else, or no
+    # answer, ejects a ready one before a client meets it.
+    health_check_interval_seconds: float = 0.0
+    health_check_path: str = "/health"
+    health_check_timeout_seconds: float = 2.0
     replicas: tuple[ReplicaConfig, ...] = ()
     models: Mapping[str, ModelConfig] = field(default_factory=lambda: MappingProxyType({}))
     source: str = "<defaults>"
@@ -98,6 +109,12 @@ _TOP_KEYS = {
     "upstream_keepalive_seconds",
     "max_attempts",
     "shutdown_grace_seconds",
+    "ejection_failures",
+    "ejection_base_seconds",
+    "ejection_max_seconds",
+    "health_check_interval_seconds",
+    "health_check_path",
+    "health_check_timeout_seconds",
     "replicas",
     "models",
 }
@@ -290,6 +307,9 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         return _number(where, key, raw.get(key, default), minimum=minimum, integer=integer)
 
     tick = num("tick_seconds", 5.0, 0.01)
+    health_path = _string(where, "health_check_path", raw.get("health_check_path", "/health"))
+    if not health_path.startswith("/") or "?" in health_path or "#" in health_path or " " in health_path:
+        raise where.error("health_check_path", f"must be a path starting with /, got {health_path!r}")
     return Config(
         listen=parse_address(where, "listen", raw.get("listen", DEFAULT_LISTEN)),
         admin_listen=parse_address(where, "admin_listen", raw.get("admin_listen", DEFAULT_ADMIN_LISTEN)),
@@ -304,6 +324,12 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         upstream_keepalive_seconds=num("upstream_keepalive_seconds", 2.0, 0.0),
         max_attempts=int(num("max_attempts", 3, 1, integer=True)),
         shutdown_grace_seconds=num("shutdown_grace_seconds", 30.0, 0.0),
+        ejection_failures=int(num("ejection_failures", 5, 1, integer=True)),
+        ejection_base_seconds=num("ejection_base_seconds", 10.0, 0.001),
+        ejection_max_seconds=num("ejection_max_seconds", 300.0, 0.001),
+        health_check_interval_seconds=num("health_check_interval_seconds", 0.0, 0.0),
+        health_check_path=health_path,
+        health_check_timeout_seconds=num("health_check_timeout_seconds", 2.0, 0.001),
         replicas=replicas,
         models=models,
         source=source,

@@ -212,6 +212,61 @@ def cmd_idle(args: argparse.Namespace) -> int:
     return 0 if merged.complete else 3
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    doc = Client(args.server[0], token=args.token).call("GET", f"/api/v1/status?idle_for={args.idle_for:g}")
+    window = human_duration(doc["idle_for_seconds"])
+    parts = [
+        f"router {doc['router']}, watching since {_clock(doc['watching_since'])}, snapshot "
+        f"{_clock(doc['generated_at'])}, idle window {window}",
+        "",
+        table(
+            ["MODEL", "READY", "EJECTED", "DRAINING", "IN-FLIGHT", "REQ/S", "ASKED"],
+            [
+                [
+                    m["model"],
+                    f"{m['ready']}/{m['total']}",
+                    m["ejected"],
+                    m["draining"],
+                    m["in_flight"],
+                    f"{m['requests_per_second']:.2f}",
+                    m["asked"],
+                ]
+                for m in doc["models"]
+            ],
+        ),
+        "",
+        table(
+            ["GPU-CLASS", "GPUS", "BUSY", "IDLE", "UNKNOWN", "EJECTED", "USAGE (#busy .idle ?unknown xejected)"],
+            [
+                [g["gpu_class"], g["total"], g["busy"], g["idle"], g["unknown"], g["ejected"], g["bar"]]
+                for g in doc["gpus"]
+            ],
+        ),
+        "",
+    ]
+    if doc["unasked"]:
+        parts += [
+            f"unasked-for (known quiet longer than {window}):",
+            table(
+                ["ID", "MODEL", "GPU-CLASS", "GPUS", "QUIET-FOR"],
+                [
+                    [u["id"], u["model"], u["gpu_class"], u["gpus"], human_duration(u["quiet_for_seconds"])]
+                    for u in doc["unasked"]
+                ],
+            ),
+        ]
+    else:
+        parts.append(f"unasked-for: none known quiet longer than {window}")
+    if doc["unserved"]:
+        parts += [
+            "",
+            "asked for, no replica could serve:",
+            table(["MODEL", "REQUESTS"], [[m, n] for m, n in doc["unserved"].items()]),
+        ]
+    _emit(args, doc, "\n".join(parts))
+    return 0
+
+
 def cmd_state(args: argparse.Namespace, state: str) -> int:
     client = Client(args.server[0], token=args.token)
     answer = client.call("POST", f"/api/v1/replicas/{args.id}/state", {"state": state})
@@ -245,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("replicas", parents=[common], help="one row per replica, with its IDLE time")
     sub.add_parser("usage", parents=[common], help="the usage map as the control plane polls it")
+    status = sub.add_parser("status", parents=[common], help="the fleet summary: models, GPUs, what is unasked-for")
+    status.add_argument(
+        "--idle-for",
+        type=parse_duration,
+        default=parse_duration("30m"),
+        help="quiet longer than this counts as idle (default 30m)",
+    )
     idle = sub.add_parser("idle", parents=[common], help="merge several routers: what is provably quiet")
     idle.add_argument(
         "--idle-for",
@@ -271,6 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_replicas(args)
         if args.command == "usage":
             return cmd_usage(args)
+        if args.command == "status":
+            return cmd_status(args)
         if args.command == "idle":
             return cmd_idle(args)
         if args.command == "drain":

@@ -11,6 +11,7 @@ runs per tick or per admin call, never per request.
 from __future__ import annotations
 
 import enum
+import logging
 import random
 import time
 from collections.abc import Callable, Container, Iterable, Iterator
@@ -20,6 +21,7 @@ from router.config import ReplicaConfig
 from router.picking import LeastLoaded
 
 Clock = Callable[[], float]
+log = logging.getLogger("router.pool")
 
 # Demand for model names that nobody serves comes from clients and is unbounded;
 # past this many distinct names the rest are tallied under one label value.
@@ -59,6 +61,7 @@ class Replica:
         "failures_in_row",
         "ejections_in_row",
         "ejections",
+        "recoveries",
         "responses",
         "errors",
     )
@@ -80,6 +83,7 @@ class Replica:
         self.failures_in_row = 0
         self.ejections_in_row = 0
         self.ejections = 0
+        self.recoveries = 0
         # Upstream answers by status class ("2xx", ...) and failures by reason.
         self.responses: dict[str, int] = {}
         self.errors: dict[str, int] = {}
@@ -195,6 +199,10 @@ class Pool:
         replica.failures_in_row += 1
         if replica.failures_in_row < self.ejection.consecutive_failures:
             return False
+        return self.try_eject(replica, f"{replica.failures_in_row} failures in a row")
+
+    def try_eject(self, replica: Replica, why: str) -> bool:
+        """Eject `replica` unless that would take out more than half of its model."""
         if replica.ejected_until is not None or replica.removed or replica.draining:
             return False
         siblings = self._models.get(replica.model, [])
@@ -204,6 +212,7 @@ class Pool:
             return False
         seconds = min(self.ejection.base_seconds * 2**replica.ejections_in_row, self.ejection.max_seconds)
         self.eject(replica, seconds)
+        log.warning("ejected replica %s (%s) for %gs: %s", replica.id, replica.model, seconds, why)
         return True
 
     def eject(self, replica: Replica, seconds: float) -> None:
@@ -215,11 +224,13 @@ class Pool:
         self._next_readmit = min(self._next_readmit, replica.ejected_until)
         self._refresh_candidate(replica)
 
-    def readmit(self, replica: Replica) -> None:
-        """End an ejection early (an active health check saw it healthy)."""
+    def readmit(self, replica: Replica, why: str = "ejection time is up") -> None:
+        """End an ejection (its time is up, or a health check saw it healthy)."""
         if replica.ejected_until is None:
             return
         replica.ejected_until = None
+        replica.recoveries += 1
+        log.info("replica %s (%s) back in rotation: %s", replica.id, replica.model, why)
         if replica in self._ejected:
             self._ejected.remove(replica)
         self._next_readmit = min((r.ejected_until or float("inf") for r in self._ejected), default=float("inf"))

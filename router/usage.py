@@ -40,6 +40,7 @@ class ReplicaUsage:
     responses: Mapping[str, int]
     errors: Mapping[str, int]
     ejections: int
+    recoveries: int = 0
 
     def quiet_seconds(self, now: float) -> float | None:
         """Seconds since the last request, or None when no request is known."""
@@ -110,7 +111,7 @@ class Snapshotter:
         for r in self.pool:
             if r.in_flight > 0:
                 r.last_used = mono
-            key = (r.requests, r.in_flight, r.last_used, r.ejected_until, r.draining, r.removed, r.config)
+            key = (r.requests, r.in_flight, r.last_used, r.ejected_until, r.draining, r.removed, r.config, r.recoveries)
             known = previous.get(r)
             if known is not None and known[0] == key:
                 usage = known[1]
@@ -128,6 +129,7 @@ class Snapshotter:
                     responses=MappingProxyType(dict(r.responses)) if r.responses else _EMPTY,
                     errors=MappingProxyType(dict(r.errors)) if r.errors else _EMPTY,
                     ejections=r.ejections,
+                    recoveries=r.recoveries,
                 )
             frozen[r] = (key, usage)
             replicas.append(usage)

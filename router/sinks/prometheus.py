@@ -98,6 +98,9 @@ class UsageCollector(Collector):
         ejections = CounterMetricFamily(
             "router_replica_ejections", "Times the replica was ejected for failing.", labels=labels
         )
+        recoveries = CounterMetricFamily(
+            "router_replica_recoveries", "Times an ejected replica came back into rotation.", labels=labels
+        )
         requests = CounterMetricFamily(
             "router_requests",
             "Upstream answers by replica and status class.",
@@ -117,11 +120,12 @@ class UsageCollector(Collector):
             for name in STATES:
                 state.add_metric([*key, name], 1.0 if name == r.state else 0.0)
             ejections.add_metric(key, r.ejections)
+            recoveries.add_metric(key, r.recoveries)
             for status_class, count in sorted(r.responses.items()):
                 requests.add_metric([*key, status_class], count)
             for reason, count in sorted(r.errors.items()):
                 errors.add_metric([*key, reason], count)
-        yield from (last_used, watching, in_flight, state, ejections, requests, errors)
+        yield from (last_used, watching, in_flight, state, ejections, recoveries, requests, errors)
         retries = CounterMetricFamily(
             "router_retries",
             "Requests sent again to another replica before any byte reached the client.",

@@ -1,0 +1,37 @@
+"""Keeps each model's request totals over the last minute, one point per tick."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from router.usage import UsageSnapshot
+
+WINDOW_SECONDS = 60.0
+
+
+class RateSink:
+    name = "rates"
+
+    def __init__(self, window: float = WINDOW_SECONDS) -> None:
+        self.window = window
+        self._points: deque[tuple[float, dict[str, int]]] = deque()
+
+    def publish(self, snapshot: UsageSnapshot) -> None:
+        totals: dict[str, int] = {}
+        for r in snapshot.replicas:
+            totals[r.model] = totals.get(r.model, 0) + r.requests
+        self._points.append((snapshot.generated_at, totals))
+        # Keep one point older than the window, so that the rate spans all of it.
+        while len(self._points) > 2 and self._points[1][0] <= snapshot.generated_at - self.window:
+            self._points.popleft()
+
+    def per_second(self, now_totals: dict[str, int], now: float) -> dict[str, float]:
+        """Requests per second by model from the oldest point in the window to `now`."""
+        if not self._points:
+            return {}
+        then, old = self._points[0]
+        span = now - then
+        if span <= 0:
+            return {}
+        # A replica removed meanwhile takes its count along: never a negative rate.
+        return {model: max(0, total - old.get(model, 0)) / span for model, total in now_totals.items()}

@@ -1,0 +1,159 @@
+"""The fleet summary an operator reads first (GET /api/v1/status, router ctl status).
+
+Derived from one usage snapshot, the same one the other views read, so that
+it cannot disagree with them. Unknown stays unknown: a replica without a
+stamp is neither busy nor idle, and an ejected one is neither either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from router.usage import ReplicaUsage, UsageSnapshot
+
+BAR_WIDTH = 20
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    model: str
+    ready: int
+    total: int
+    ejected: int
+    draining: int
+    in_flight: int
+    requests_per_second: float
+    # "yes": a request within the idle window; "no": every replica known quiet
+    # for longer; "unknown": neither can be said.
+    asked: str
+
+
+@dataclass(frozen=True, slots=True)
+class GpuClassStatus:
+    gpu_class: str
+    total: int
+    busy: int
+    idle: int
+    unknown: int
+    ejected: int
+    bar: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unasked:
+    id: str
+    model: str
+    gpu_class: str
+    gpus: int
+    quiet_for_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class FleetStatus:
+    router: str
+    generated_at: float
+    watching_since: float
+    idle_for_seconds: float
+    models: tuple[ModelStatus, ...]
+    gpus: tuple[GpuClassStatus, ...]
+    unasked: tuple[Unasked, ...]
+    unserved: Mapping[str, int]
+
+    def as_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["unserved"] = dict(self.unserved)
+        return doc
+
+
+def gpus_of(replica: ReplicaUsage) -> int:
+    value = replica.labels.get("gpus", 0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return 0
+    return int(value)
+
+
+def usage_class(replica: ReplicaUsage, now: float, idle_for: float) -> str:
+    """busy, idle, unknown or ejected: how a replica counts in the summary."""
+    if replica.state == "ejected":
+        return "ejected"
+    if replica.in_flight > 0:
+        return "busy"
+    quiet = replica.quiet_seconds(now)
+    if quiet is None:
+        return "unknown"
+    return "busy" if quiet <= idle_for else "idle"
+
+
+def bar(busy: int, idle: int, unknown: int, ejected: int, width: int = BAR_WIDTH) -> str:
+    """'#' busy, '.' idle, '?' unknown, 'x' ejected, in proportion."""
+    total = busy + idle + unknown + ejected
+    if total == 0:
+        return "[" + " " * width + "]"
+    counts = [busy, idle, unknown, ejected]
+    cells = [round(c * width / total) for c in counts]
+    # Rounding must neither hide a non-zero part nor overflow the bar.
+    for i, c in enumerate(counts):
+        if c and not cells[i]:
+            cells[i] = 1
+    while sum(cells) > width:
+        cells[cells.index(max(cells))] -= 1
+    while sum(cells) < width:
+        cells[cells.index(max(cells))] += 1
+    return "[" + "".join(ch * n for ch, n in zip("#.?x", cells, strict=True)) + "]"
+
+
+def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates: Mapping[str, float]) -> FleetStatus:
+    by_model: dict[str, list[ReplicaUsage]] = {}
+    for r in snapshot.replicas:
+        by_model.setdefault(r.model, []).append(r)
+    models = []
+    for model, replicas in sorted(by_model.items()):
+        classes = [usage_class(r, now, idle_for) for r in replicas]
+        if "busy" in classes:
+            asked = "yes"
+        elif classes and all(c == "idle" for c in classes):
+            asked = "no"
+        else:
+            asked = "unknown"
+        models.append(
+            ModelStatus(
+                model=model,
+                ready=sum(1 for r in replicas if r.state == "ready"),
+                total=len(replicas),
+                ejected=sum(1 for r in replicas if r.state == "ejected"),
+                draining=sum(1 for r in replicas if r.state in ("draining", "drained")),
+                in_flight=sum(r.in_flight for r in replicas),
+                requests_per_second=round(rates.get(model, 0.0), 3),
+                asked=asked,
+            )
+        )
+    per_class: dict[str, dict[str, int]] = {}
+    unasked = []
+    for r in snapshot.replicas:
+        gpu_class = str(r.labels.get("gpu_class", "-"))
+        held = gpus_of(r)
+        kind = usage_class(r, now, idle_for)
+        tally = per_class.setdefault(gpu_class, {"busy": 0, "idle": 0, "unknown": 0, "ejected": 0})
+        tally[kind] += held
+        if kind == "idle":
+            quiet = r.quiet_seconds(now)
+            assert quiet is not None
+            unasked.append(Unasked(r.id, r.model, gpu_class, held, round(quiet, 1)))
+    gpus = tuple(
+        GpuClassStatus(
+            gpu_class=c, total=sum(t.values()), bar=bar(t["busy"], t["idle"], t["unknown"], t["ejected"]), **t
+        )
+        for c, t in sorted(per_class.items())
+    )
+    return FleetStatus(
+        router=snapshot.router,
+        generated_at=snapshot.generated_at,
+        watching_since=snapshot.started_at,
+        idle_for_seconds=idle_for,
+        models=tuple(models),
+        gpus=gpus,
+        unasked=tuple(sorted(unasked, key=lambda u: -u.quiet_for_seconds)),
+        unserved=dict(sorted(snapshot.unserved.items())),
+    )
