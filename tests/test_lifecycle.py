@@ -1,0 +1,183 @@
+"""`router serve` as a real process: graceful SIGTERM, SIGHUP reload."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from router.fake import Behaviour
+from tests.conftest import StartFake
+from tests.test_proxy import CHAT, free_port, wait_for
+
+
+class Serve:
+    def __init__(self, path: Path, client: int, admin: int) -> None:
+        self.path = path
+        self.client_url = f"http://127.0.0.1:{client}"
+        self.admin_url = f"http://127.0.0.1:{admin}"
+        self.process: subprocess.Popen[bytes] | None = None
+        self._output: str | None = None
+
+    def write(self, replicas: list[dict[str, str]], extra: str = "") -> None:
+        lines = [
+            f'listen = "{self.client_url.removeprefix("http://")}"',
+            f'admin_listen = "{self.admin_url.removeprefix("http://")}"',
+            "tick_seconds = 0.1",
+            extra,
+        ]
+        for r in replicas:
+            lines += ["[[replicas]]", *(f'{k} = "{v}"' for k, v in r.items())]
+        self.path.write_text("\n".join(lines) + "\n")
+
+    async def start(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "router", "serve", "--config", str(self.path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    async with session.get(self.admin_url + "/readyz") as resp:
+                        if resp.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                assert time.monotonic() < deadline, "router did not become ready"
+                assert self.process.poll() is None, self.output()
+                await asyncio.sleep(0.05)
+
+    def output(self) -> str:
+        """Everything the process printed; kills it first if it still runs."""
+        assert self.process is not None
+        if self._output is None:
+            if self.process.poll() is None:
+                self.process.kill()
+            out, _ = self.process.communicate(timeout=10)
+            self._output = out.decode()
+        return self._output
+
+    def signal(self, sig: int) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, sig)
+
+
+@pytest.fixture
+async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
+    process = Serve(tmp_path / "router.toml", free_port(), free_port())
+    yield process
+    if process.process is not None:
+        process.output()
+
+
+async def endpoints(serve: Serve) -> Any:
+    async with aiohttp.ClientSession() as session, session.get(serve.admin_url + "/api/v1/endpoints") as resp:
+        return await resp.json()
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
+    received: list[dict[str, Any]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        received.append(await request.json())
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/usage", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    yield f"http://{host}:{port}/usage", received
+    await runner.cleanup()
+
+
+@pytest.mark.slow
+async def test_sigterm_finishes_streams_in_flight_then_exits_0(
+    serve: Serve, start_fake: StartFake, receiver: tuple[str, list[dict[str, Any]]]
+) -> None:
+    url, received = receiver
+    fake = await start_fake("m", behaviour=Behaviour(tokens=25, token_delay=0.04))
+    serve.write([{"id": "r0", "model": "m", "url": fake.url}], f'usage_push_url = "{url}"')
+    await serve.start()
+    async with aiohttp.ClientSession() as session:
+        stream = await session.post(
+            serve.client_url + "/v1/chat/completions", data=orjson.dumps({**CHAT, "stream": True})
+        )
+        await stream.content.readany()
+        signalled = time.time()
+        serve.signal(signal.SIGTERM)
+        await asyncio.sleep(0.2)
+        async with session.get(serve.admin_url + "/readyz") as resp:
+            assert resp.status == 503
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with aiohttp.ClientSession() as fresh:
+                await fresh.post(serve.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT))
+        body = await stream.read()
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert body.count(b"tok") == 25
+    assert serve.process is not None
+    assert serve.process.wait(timeout=15) == 0
+    final = received[-1]
+    assert final["generated_at"] > signalled
+    assert "r0" in final["last_used"]
+
+
+@pytest.mark.slow
+async def test_sigterm_ends_what_outlives_the_grace_and_cancels_it_upstream(
+    serve: Serve, start_fake: StartFake
+) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(tokens=1000, token_delay=0.02))
+    serve.write([{"id": "r0", "model": "m", "url": fake.url}], "shutdown_grace_seconds = 0.5")
+    await serve.start()
+    async with aiohttp.ClientSession() as session:
+        stream = await session.post(
+            serve.client_url + "/v1/chat/completions", data=orjson.dumps({**CHAT, "stream": True})
+        )
+        await stream.content.readany()
+        began = time.monotonic()
+        serve.signal(signal.SIGTERM)
+        assert serve.process is not None
+        assert await asyncio.to_thread(serve.process.wait, 15) == 0
+        assert time.monotonic() - began < 5
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await stream.read()
+    await wait_for(lambda: fake.cancelled == 1)
+
+
+@pytest.mark.slow
+async def test_sighup_reloads_the_replicas_and_a_bad_file_changes_nothing(serve: Serve, start_fake: StartFake) -> None:
+    a = await start_fake("m")
+    b = await start_fake("m")
+    serve.write([{"id": "a", "model": "m", "url": a.url}])
+    await serve.start()
+    serve.write([{"id": "a", "model": "m", "url": a.url}, {"id": "b", "model": "m", "url": b.url}])
+    serve.signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while [r["id"] for r in (await endpoints(serve))["replicas"]] != ["a", "b"]:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    serve.path.write_text(serve.path.read_text() + "colour = 'red'\n")
+    serve.signal(signal.SIGHUP)
+    await asyncio.sleep(0.5)
+    assert [r["id"] for r in (await endpoints(serve))["replicas"]] == ["a", "b"]
+    serve.signal(signal.SIGTERM)
+    assert serve.process is not None
+    assert serve.process.wait(timeout=15) == 0
+    out = serve.output()
+    assert "reload refused, nothing changed" in out
+    assert "colour: unknown key" in out

@@ -1,0 +1,296 @@
+"""Operating the fleet through the admin API: pushes, the drain fence, ejection, status, auth."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from router.app import RouterServer
+from router.fake import Behaviour
+from tests.conftest import StartFake, StartRouter, replica_entry
+from tests.test_proxy import CHAT, post, wait_for
+from tests.test_usage import get_json, run_ctl, samples, scrape
+
+
+async def admin(
+    server: RouterServer, method: str, path: str, body: Any = None, token: str | None = None
+) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    raw = body if isinstance(body, bytes) else None if body is None else orjson.dumps(body)
+    data = None if raw is None else io.BytesIO(raw)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(method, server.admin_url + path, data=data, headers=headers) as resp,
+    ):
+        return resp.status, await resp.json()
+
+
+async def states(server: RouterServer) -> dict[str, str]:
+    return {r["id"]: r["state"] for r in await get_json(server.admin_url + "/api/v1/replicas")}
+
+
+async def test_a_push_is_validated_whole_and_a_bad_one_changes_nothing(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("a", fake)])
+    before = await get_json(server.admin_url + "/api/v1/endpoints")
+    good = replica_entry("b", fake)
+    for replicas, fragment in (
+        ([good, good], "duplicate replica id"),
+        ([good, {**good, "id": "c", "url": "http://user:pw@127.0.0.1:1"}], "credentials"),
+        ([good, {**good, "id": "c", "url": "http://127.0.0.1:1/\r\nX-Evil: 1"}], "CR, LF"),
+        ([good, {**good, "id": "c", "url": "file:///etc/passwd"}], "http://"),
+        ([good, {**good, "id": "c", "url": "http://127.0.0.1:1/?next=http://evil"}], "query"),
+        ([good, {**good, "id": "c", "colour": "red"}], "replicas[1].colour: unknown key"),
+        ([{"id": "c", "url": fake.url}], "replicas[0].model: is required"),
+    ):
+        status, answer = await admin(server, "PUT", "/api/v1/endpoints", {"replicas": replicas})
+        assert status == 400, replicas
+        assert fragment in answer["error"]["message"]
+    for body, fragment in (
+        (b"{", "not valid JSON"),
+        (b"[]", "JSON object"),
+        (b'{"replicas": [], "extra": 1}', "extra: unknown field"),
+        (b"{}", "replicas: is required"),
+    ):
+        status, answer = await admin(server, "PUT", "/api/v1/endpoints", body)
+        assert status == 400
+        assert fragment in answer["error"]["message"]
+    assert await get_json(server.admin_url + "/api/v1/endpoints") == before
+
+
+async def test_a_push_is_idempotent_and_answers_the_diff(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    other = await start_fake("m")
+    server = await start_router([replica_entry("a", fake), replica_entry("b", fake)])
+    desired = {"replicas": [replica_entry("b", other), replica_entry("c", fake, gpus=2)]}
+    status, diff = await admin(server, "PUT", "/api/v1/endpoints", desired)
+    assert status == 200
+    assert diff == {"added": ["c"], "removed": ["a"], "changed": ["b"], "unchanged": 0}
+    status, diff = await admin(server, "PUT", "/api/v1/endpoints", desired)
+    assert diff == {"added": [], "removed": [], "changed": [], "unchanged": 2}
+    current = await get_json(server.admin_url + "/api/v1/endpoints")
+    assert current == {
+        "replicas": [
+            {"id": "b", "model": "m", "url": other.url, "labels": {}},
+            {"id": "c", "model": "m", "url": fake.url, "labels": {"gpus": 2}},
+        ]
+    }
+
+
+async def test_a_replica_removed_mid_stream_finishes_it_and_gets_nothing_new(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    leaving = await start_fake("m", behaviour=Behaviour(tokens=30, token_delay=0.02))
+    staying = await start_fake("m")
+    server = await start_router([replica_entry("leaving", leaving), replica_entry("staying", staying)])
+    server.pool.set_draining("staying", True)
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(
+            server.client_url + "/v1/chat/completions", data=orjson.dumps({**CHAT, "stream": True})
+        )
+        await resp.content.readany()
+        server.pool.set_draining("staying", False)
+        _, diff = await admin(
+            server, "PUT", "/api/v1/endpoints", {"replicas": [replica_entry("staying", staying)]}
+        )
+        assert diff["removed"] == ["leaving"]
+        assert (await states(server))["leaving"] == "draining"
+        for _ in range(10):
+            code, headers, _ = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+            assert code == 200
+            assert headers["X-Served-By"] == staying.name
+        body = await resp.read()
+        assert body.endswith(b"data: [DONE]\n\n")
+        assert body.count(b"tok") == 30
+    assert len(leaving.seen) == 1
+    await wait_for(lambda: [r.id for r in server.pool] == ["staying"])
+    assert "leaving" not in await states(server)
+
+
+async def test_the_drain_fence_reads_draining_then_drained(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(tokens=20, token_delay=0.03))
+    server = await start_router([replica_entry("r0", fake)])
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(
+            server.client_url + "/v1/chat/completions", data=orjson.dumps({**CHAT, "stream": True})
+        )
+        await resp.content.readany()
+        status, answer = await admin(server, "POST", "/api/v1/replicas/r0/state", {"state": "draining"})
+        assert (status, answer["state"], answer["in_flight"]) == (200, "draining", 1)
+        code, _, body = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+        assert code == 503
+        assert orjson.loads(body)["error"]["code"] == "no_replica_available"
+        waited = asyncio.ensure_future(
+            asyncio.to_thread(run_ctl, "drain", "r0", "--wait", "--server", server.admin_url)
+        )
+        await resp.read()
+        code_and_out = await asyncio.wait_for(waited, 10)
+    assert code_and_out[0] == 0
+    assert "r0: drained" in code_and_out[1]
+    assert (await states(server))["r0"] == "drained"
+    assert len(fake.seen) == 1
+    assert (await asyncio.to_thread(run_ctl, "undrain", "r0", "--server", server.admin_url))[0] == 0
+    assert (await states(server))["r0"] == "ready"
+    code, _, _ = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+    assert code == 200
+
+
+async def test_state_calls_name_what_is_wrong(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    assert (await admin(server, "POST", "/api/v1/replicas/nope/state", {"state": "draining"}))[0] == 404
+    bodies: list[Any] = [{"state": "stopped"}, {"state": "ready", "extra": 1}, [], b"{"]
+    for body in bodies:
+        status, answer = await admin(server, "POST", "/api/v1/replicas/r0/state", body)
+        assert status == 400
+        assert "state" in answer["error"]["message"] or "JSON" in answer["error"]["message"]
+
+
+async def test_consecutive_failures_eject_and_the_replica_comes_back(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    failing = await start_fake("m", behaviour=Behaviour(fail_status=502, fail_body=b"bad gateway"))
+    healthy = await start_fake("m")
+    server = await start_router(
+        [replica_entry("bad", failing), replica_entry("good", healthy)],
+        ejection_failures=3,
+        ejection_base_seconds=0.4,
+        tick_seconds=0.05,
+    )
+    sent = 0
+    while (await states(server))["bad"] != "ejected":
+        code, _, _ = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+        assert code == 200
+        sent += 1
+        assert sent < 200
+    assert len(failing.seen) == 3
+    for _ in range(5):
+        await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+    assert len(failing.seen) == 3
+    failing.behaviour.fail_status = None
+    await asyncio.sleep(0.45)
+    sent = 0
+    while not (len(failing.seen) > 3 and (await states(server))["bad"] == "ready"):
+        await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+        sent += 1
+        assert sent < 200
+    await asyncio.sleep(0.1)
+    text = await scrape(server)
+    key = (("model", "m"), ("replica", "bad"))
+    assert samples(text, "router_replica_ejections_total")[key] == 1.0
+    assert samples(text, "router_replica_recoveries_total")[key] == 1.0
+
+
+async def test_a_500_caused_by_the_request_never_ejects(start_fake: StartFake, start_router: StartRouter) -> None:
+    engine = await start_fake("m", behaviour=Behaviour(fail_status=500, fail_body=b'{"message": "unknown role"}'))
+    other = await start_fake("m")
+    server = await start_router([replica_entry("a", engine), replica_entry("b", other)], ejection_failures=2)
+    for _ in range(12):
+        await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+    assert await states(server) == {"a": "ready", "b": "ready"}
+
+
+async def test_active_health_checks_eject_a_dead_replica_and_readmit_it_early(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    sick = await start_fake("m")
+    fine = await start_fake("m")
+    server = await start_router(
+        [replica_entry("sick", sick), replica_entry("fine", fine)],
+        health_check_interval_seconds=0.05,
+        ejection_base_seconds=60,
+    )
+    sick.behaviour.fail_status = 503
+    await wait_for(lambda: server.pool.get("sick") is not None and server.pool.get("sick").state.value == "ejected")  # type: ignore[union-attr]
+    sick.behaviour.fail_status = None
+    await wait_for(lambda: server.pool.get("sick").state.value == "ready")  # type: ignore[union-attr]
+    assert sick.seen == []
+
+
+async def test_mutating_admin_calls_need_the_token_reads_do_not(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], admin_token="t0ken")
+    for token in (None, "wrong"):
+        status, answer = await admin(server, "POST", "/api/v1/replicas/r0/state", {"state": "draining"}, token)
+        assert status == 401
+        assert answer["error"]["code"] == "invalid_admin_token"
+        status, _ = await admin(server, "PUT", "/api/v1/endpoints", {"replicas": []}, token)
+        assert status == 401
+    assert (await states(server))["r0"] == "ready"
+    status, _ = await admin(server, "POST", "/api/v1/replicas/r0/state", {"state": "draining"}, "t0ken")
+    assert status == 200
+    assert (await get_json(server.admin_url + "/api/v1/usage"))["router"] == "test"
+    code, _ = await asyncio.to_thread(run_ctl, "undrain", "r0", "--server", server.admin_url)
+    assert code == 1
+    code, _ = await asyncio.to_thread(run_ctl, "undrain", "r0", "--server", server.admin_url, "--token", "t0ken")
+    assert code == 0
+
+
+async def test_admin_bodies_are_bounded(start_router: StartRouter) -> None:
+    server = await start_router()
+    status, answer = await admin(server, "PUT", "/api/v1/endpoints", b"{" + b" " * (9 * 1024 * 1024) + b"}")
+    assert status == 413
+    assert answer["error"]["code"] == "request_too_large"
+
+
+async def test_status_summarizes_models_gpus_and_demand(start_fake: StartFake, start_router: StartRouter) -> None:
+    a = await start_fake("a")
+    b = await start_fake("b")
+    server = await start_router(
+        [
+            replica_entry("a0", a, gpu_class="h100", gpus=2),
+            replica_entry("a1", a, gpu_class="h100", gpus=2),
+            replica_entry("b0", b, gpu_class="l4", gpus=1),
+        ],
+        tick_seconds=0.05,
+    )
+    server.pool.set_draining("a1", True)
+    await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "a"}))
+    await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "b"}))
+    await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "wanted"}))
+    await asyncio.sleep(0.3)
+    status = await get_json(server.admin_url + "/api/v1/status?idle_for=0.2")
+    models = {m["model"]: m for m in status["models"]}
+    assert models["a"] | {"requests_per_second": 0} == {
+        "model": "a",
+        "ready": 1,
+        "total": 2,
+        "ejected": 0,
+        "draining": 1,
+        "in_flight": 0,
+        "requests_per_second": 0,
+        "asked": "unknown",
+    }
+    assert models["a"]["requests_per_second"] > 0
+    assert models["b"]["asked"] == "no"
+    gpus = {g["gpu_class"]: g for g in status["gpus"]}
+    assert (gpus["h100"]["idle"], gpus["h100"]["unknown"], gpus["h100"]["total"]) == (2, 2, 4)
+    assert gpus["h100"]["bar"] == "[" + "." * 10 + "?" * 10 + "]"
+    assert {u["id"] for u in status["unasked"]} == {"a0", "b0"}
+    assert status["unserved"] == {"wanted": 1}
+    busy = await get_json(server.admin_url + "/api/v1/status?idle_for=60")
+    assert {m["model"]: m["asked"] for m in busy["models"]} == {"a": "yes", "b": "yes"}
+    assert busy["unasked"] == []
+    async with aiohttp.ClientSession() as session, session.get(server.admin_url + "/api/v1/status?idle_for=x") as r:
+        assert r.status == 400
+    code, out = await asyncio.to_thread(run_ctl, "status", "--server", server.admin_url, "--idle-for", "60s")
+    assert code == 0
+    assert "MODEL" in out and "GPU-CLASS" in out and "wanted" in out
+
+
+@pytest.mark.parametrize("path", ["/api/v1/status", "/api/v1/replicas/r0/state", "/api/v1/endpoints"])
+async def test_admin_routes_do_not_answer_on_the_client_port(start_router: StartRouter, path: str) -> None:
+    server = await start_router()
+    async with aiohttp.ClientSession() as session:
+        for method in ("GET", "POST", "PUT"):
+            async with session.request(method, server.client_url + path, json={"state": "draining"}) as resp:
+                assert resp.status == 404
