@@ -97,9 +97,7 @@ async def test_a_replica_removed_mid_stream_finishes_it_and_gets_nothing_new(
         )
         await resp.content.readany()
         server.pool.set_draining("staying", False)
-        _, diff = await admin(
-            server, "PUT", "/api/v1/endpoints", {"replicas": [replica_entry("staying", staying)]}
-        )
+        _, diff = await admin(server, "PUT", "/api/v1/endpoints", {"replicas": [replica_entry("staying", staying)]})
         assert diff["removed"] == ["leaving"]
         assert (await states(server))["leaving"] == "draining"
         for _ in range(10):
