@@ -292,3 +292,24 @@ async def test_admin_routes_do_not_answer_on_the_client_port(start_router: Start
         for method in ("GET", "POST", "PUT"):
             async with session.request(method, server.client_url + path, json={"state": "draining"}) as resp:
                 assert resp.status == 404
+
+
+async def test_no_client_key_or_admin_token_reaches_any_log_line(
+    start_fake: StartFake, start_router: StartRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("DEBUG")
+    failing = await start_fake("m", behaviour=Behaviour(fail_status=502))
+    server = await start_router(
+        [replica_entry("a", failing)], api_keys=["sk-client-secret"], admin_token="admin-secret", ejection_failures=1
+    )
+    for key in ("sk-client-secret", "sk-wrong-guess"):
+        await post(
+            server.client_url + "/v1/chat/completions",
+            orjson.dumps(CHAT),
+            {"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
+    for token in ("admin-secret", "admin-wrong-guess"):
+        await admin(server, "PUT", "/api/v1/endpoints", {"replicas": [replica_entry("b", failing)]}, token)
+    assert "endpoint push" in caplog.text
+    for secret in ("sk-client-secret", "sk-wrong-guess", "admin-secret", "admin-wrong-guess"):
+        assert secret not in caplog.text
