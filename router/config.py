@@ -213,6 +213,15 @@ def _labels(where: _Where, key: str, value: object) -> Mapping[str, LabelValue]:
     return MappingProxyType(out)
 
 
+def _table(where: _Where, key: str, value: object, allowed: set[str]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise where.error(key, f"must be a table, got {_type_name(value)}")
+    for name in value:
+        if name not in allowed:
+            raise where.error(f"{key}.{name}", "unknown key")
+    return value
+
+
 def parse_replicas(where: _Where, key: str, value: object) -> tuple[ReplicaConfig, ...]:
     """Validate a whole replica set (config file or endpoint push)."""
     if not isinstance(value, list):
@@ -221,11 +230,7 @@ def parse_replicas(where: _Where, key: str, value: object) -> tuple[ReplicaConfi
     out: list[ReplicaConfig] = []
     for index, raw in enumerate(value):
         item_key = f"{key}[{index}]"
-        if not isinstance(raw, dict):
-            raise where.error(item_key, f"must be a table, got {_type_name(raw)}")
-        for name in raw:
-            if name not in _REPLICA_KEYS:
-                raise where.error(f"{item_key}.{name}", "unknown key")
+        _table(where, item_key, raw, _REPLICA_KEYS)
         for name in ("id", "model", "url"):
             if name not in raw:
                 raise where.error(f"{item_key}.{name}", "is required")
@@ -259,11 +264,7 @@ def _models(where: _Where, value: object, replicas: tuple[ReplicaConfig, ...]) -
     out: dict[str, ModelConfig] = {}
     for name, raw in value.items():
         key = f'models."{name}"'
-        if not isinstance(raw, dict):
-            raise where.error(key, f"must be a table, got {_type_name(raw)}")
-        for sub in raw:
-            if sub not in _MODEL_KEYS:
-                raise where.error(f"{key}.{sub}", "unknown key")
+        _table(where, key, raw, _MODEL_KEYS)
         aliases = _string_list(where, f"{key}.aliases", raw.get("aliases", []))
         fallbacks = _string_list(where, f"{key}.fallbacks", raw.get("fallbacks", []))
         for i, alias in enumerate(aliases):

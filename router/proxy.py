@@ -105,6 +105,16 @@ def openai_shaped(body: bytes, status: int) -> bytes | None:
     return error_body(status, message[:4096], type_, None)
 
 
+def _answer(resp: aiohttp.ClientResponse, data: bytes, headers: CIMultiDict[str]) -> web.Response:
+    """The replica's whole answer for the client; an error gets OpenAI's shape if it lacks it."""
+    if resp.status >= 400:
+        wrapped = openai_shaped(data, resp.status)
+        if wrapped is not None:
+            data = wrapped
+            headers["Content-Type"] = "application/json"
+    return web.Response(status=resp.status, reason=resp.reason, body=data, headers=headers)
+
+
 @dataclass(slots=True)
 class _Failed:
     """An attempt that sent nothing to the client: what the client would get."""
@@ -357,12 +367,7 @@ class Proxy:
                 data = await resp.read()
             except (aiohttp.ClientError, OSError) as exc:
                 return self._failed(replica, UpstreamResetError(f"Replica {replica.id} broke off its answer: {exc!r}"))
-            if status >= 400:
-                wrapped = openai_shaped(data, status)
-                if wrapped is not None:
-                    data = wrapped
-                    out_headers["Content-Type"] = "application/json"
-            return web.Response(status=status, reason=resp.reason, body=data, headers=out_headers)
+            return _answer(resp, data, out_headers)
         finally:
             # Back to the pool after a complete answer; closed if the answer
             # was cut short (aiohttp checks), so a half-read stream never lingers.
@@ -378,12 +383,7 @@ class Proxy:
             data = await resp.read()
         except (aiohttp.ClientError, OSError):
             data = b""
-        headers = end_to_end(resp.headers)
-        wrapped = openai_shaped(data, status)
-        if wrapped is not None:
-            data = wrapped
-            headers["Content-Type"] = "application/json"
-        answer = web.Response(status=status, reason=resp.reason, body=data, headers=headers)
+        answer = _answer(resp, data, end_to_end(resp.headers))
         replica.errors["status"] = replica.errors.get("status", 0) + 1
         return _Failed(UpstreamError(f"Replica {replica.id} answered {status}."), retryable=True, answer=answer)
 

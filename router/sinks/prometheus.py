@@ -7,7 +7,7 @@ without a stamp has no last-used sample at all (unknown is not idle).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -126,25 +126,30 @@ class UsageCollector(Collector):
             for reason, count in sorted(r.errors.items()):
                 errors.add_metric([*key, reason], count)
         yield from (last_used, watching, in_flight, state, ejections, recoveries, requests, errors)
-        retries = CounterMetricFamily(
+        yield _tallies(
             "router_retries",
             "Requests sent again to another replica before any byte reached the client.",
-            labels=["model"],
+            ["model"],
+            (((model,), n) for model, n in snapshot.retries.items()),
         )
-        for model, count in sorted(snapshot.retries.items()):
-            retries.add_metric([model], count)
-        yield retries
-        fallbacks = CounterMetricFamily(
-            "router_fallbacks", "Requests served by a fallback model.", labels=["model", "fallback"]
+        yield _tallies(
+            "router_fallbacks",
+            "Requests served by a fallback model.",
+            ["model", "fallback"],
+            snapshot.fallbacks.items(),
         )
-        for (model, to), count in sorted(snapshot.fallbacks.items()):
-            fallbacks.add_metric([model, to], count)
-        yield fallbacks
-        unserved = CounterMetricFamily(
+        yield _tallies(
             "router_unserved_requests",
             "Requests for a model that no replica could serve: demand to place.",
-            labels=["model"],
+            ["model"],
+            (((model,), n) for model, n in snapshot.unserved.items()),
         )
-        for model, count in sorted(snapshot.unserved.items()):
-            unserved.add_metric([model], count)
-        yield unserved
+
+
+def _tallies(
+    name: str, documentation: str, labels: list[str], counts: Iterable[tuple[Sequence[str], int]]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=labels)
+    for values, count in sorted(counts):
+        family.add_metric(list(values), count)
+    return family
