@@ -151,7 +151,7 @@ class RouterServer:
         self.client_address = _bound(self._client_runner)
         self.admin_address = _bound(self._admin_runner)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(ticker.run())]
+        self._tasks = [loop.create_task(ticker.run()), loop.create_task(proxy.stalls.run())]
         if config.health_check_interval_seconds > 0:
             self.health = HealthChecker(
                 self.pool,

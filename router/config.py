@@ -76,6 +76,9 @@ class Config:
     # Idle upstream connections are dropped before the replicas drop them
     # (vLLM/uvicorn: 5 s), so that a reused connection is rarely a dead one.
     upstream_keepalive_seconds: float = 2.0
+    # A client that takes no bytes for this long while its stream waits to be
+    # written is cut off, so that a slow reader holds neither memory nor a replica.
+    write_stall_timeout_seconds: float = 30.0
     # Upstream attempts per model for one client request (first try included).
     max_attempts: int = 3
     shutdown_grace_seconds: float = 30.0
@@ -107,6 +110,7 @@ _TOP_KEYS = {
     "connect_timeout_seconds",
     "first_byte_timeout_seconds",
     "upstream_keepalive_seconds",
+    "write_stall_timeout_seconds",
     "max_attempts",
     "shutdown_grace_seconds",
     "ejection_failures",
@@ -323,6 +327,7 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         connect_timeout_seconds=num("connect_timeout_seconds", 5.0, 0.001),
         first_byte_timeout_seconds=num("first_byte_timeout_seconds", 300.0, 0.001),
         upstream_keepalive_seconds=num("upstream_keepalive_seconds", 2.0, 0.0),
+        write_stall_timeout_seconds=num("write_stall_timeout_seconds", 30.0, 0.001),
         max_attempts=int(num("max_attempts", 3, 1, integer=True)),
         shutdown_grace_seconds=num("shutdown_grace_seconds", 30.0, 0.0),
         ejection_failures=int(num("ejection_failures", 5, 1, integer=True)),

@@ -111,15 +111,19 @@ class SetDiff:
 class Tallies:
     """Per-model figures of the data path that belong to no replica."""
 
-    __slots__ = ("retries", "fallbacks", "unserved")
+    __slots__ = ("retries", "fallbacks", "unserved", "stalled")
 
     def __init__(self) -> None:
+        self.stalled: dict[str, int] = {}
         self.retries: dict[str, int] = {}
         self.fallbacks: dict[tuple[str, str], int] = {}
         self.unserved: dict[str, int] = {}
 
     def retried(self, model: str) -> None:
         self.retries[model] = self.retries.get(model, 0) + 1
+
+    def client_stalled(self, model: str) -> None:
+        self.stalled[model] = self.stalled.get(model, 0) + 1
 
     def fell_back(self, model: str, to: str) -> None:
         key = (model, to)

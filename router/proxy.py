@@ -159,6 +159,35 @@ class DataPathMetrics:
         child.observe(seconds)
 
 
+class StallWatch:
+    """Cuts off clients that take no bytes of their stream for `timeout` seconds.
+
+    A per-write deadline would cost every chunk a timer; instead each write
+    marks its transport with a start time, and one task looks at the marks a
+    few times per timeout. A client that keeps reading is never touched.
+    """
+
+    def __init__(self, pool: Pool, timeout: float) -> None:
+        self.pool = pool
+        self.timeout = timeout
+        self.clock = time.monotonic
+        self.writing: dict[Any, tuple[float, str]] = {}
+
+    def check(self) -> None:
+        now = self.clock()
+        for transport, (since, model) in list(self.writing.items()):
+            if now - since > self.timeout:
+                del self.writing[transport]
+                self.pool.tallies.client_stalled(model)
+                log.warning("cut off a client that read nothing of its %s stream for %gs", model, self.timeout)
+                transport.abort()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.timeout / 4)
+            self.check()
+
+
 class Routes:
     """Which names clients may ask for, and where each leads."""
 
@@ -193,6 +222,7 @@ class Proxy:
         self._drop = frozenset({"authorization"}) if self._keys else frozenset()
         self._first_byte_timeout = config.first_byte_timeout_seconds
         self._max_attempts = config.max_attempts
+        self.stalls = StallWatch(pool, config.write_stall_timeout_seconds)
         self._created = int(started_at if started_at is not None else time.time())
 
     # Entry points -------------------------------------------------------------
@@ -397,6 +427,9 @@ class Proxy:
         out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=headers)
         content = resp.content
         last = b"\n\n"
+        transport = request.transport
+        writing = self.stalls.writing
+        clock = self.stalls.clock
         try:
             await out.prepare(request)
             while True:
@@ -417,13 +450,20 @@ class Proxy:
                     break
                 if not chunk:
                     break
+                # Marked while the write may wait for the client: the stall
+                # watch cuts off a reader that takes nothing for too long.
+                writing[transport] = (clock(), replica.model)
                 await out.write(chunk)
+                del writing[transport]
                 last = chunk
             await out.write_eof()
         except ConnectionError:
-            # The client went away. Nothing more to send; release() in the
-            # caller closes the half-read upstream connection at once.
+            # The client went away (or the stall watch cut it off). Nothing
+            # more to send; release() in the caller closes the half-read
+            # upstream connection at once.
             pass
+        finally:
+            writing.pop(transport, None)
         return out
 
     def _failed(self, replica: Replica, error: UpstreamError, *, retryable: bool = True) -> _Failed:

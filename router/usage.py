@@ -59,6 +59,7 @@ class UsageSnapshot:
     retries: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     fallbacks: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
     unserved: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    stalled: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     def usage_document(self) -> dict[str, object]:
         """The body of GET /api/v1/usage and of the usage push."""
@@ -144,6 +145,7 @@ class Snapshotter:
             retries=MappingProxyType(dict(tallies.retries)),
             fallbacks=MappingProxyType(dict(tallies.fallbacks)),
             unserved=MappingProxyType(dict(tallies.unserved)),
+            stalled=MappingProxyType(dict(tallies.stalled)),
         )
 
 

@@ -144,6 +144,12 @@ class UsageCollector(Collector):
             ["model"],
             (((model,), n) for model, n in snapshot.unserved.items()),
         )
+        yield _tallies(
+            "router_client_write_stalls",
+            "Streams cut off because the client read nothing for write_stall_timeout_seconds.",
+            ["model"],
+            (((model,), n) for model, n in snapshot.stalled.items()),
+        )
 
 
 def _tallies(

@@ -1,0 +1,125 @@
+"""Faults the router survives with nothing lost (fake replicas with failure switches)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import aiohttp
+import orjson
+
+from router.fake import Behaviour
+from tests.conftest import StartFake, StartRouter, replica_entry
+from tests.test_proxy import CHAT, post, wait_for
+
+
+async def slow_reader(host: str, port: int, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # A tiny receive window: the kernel cannot absorb the stream for us.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_slow_reader_is_cut_off_alone_and_memory_stays_bounded(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    big = await start_fake("m", behaviour=Behaviour(tokens=200_000))
+    server = await start_router([replica_entry("r0", big)], write_stall_timeout_seconds=0.5)
+    host, port = server.client_address  # type: ignore[misc]
+    reader, writer = await slow_reader(host, port, orjson.dumps({**CHAT, "stream": True}))
+    received = 0
+    for _ in range(30):  # 1 byte every 10 ms
+        received += len(await reader.read(1))
+        await asyncio.sleep(0.01)
+    # The replica is held back too: its stream waits on the router, not in it.
+    assert big.active == 1
+    await wait_for(lambda: server.pool.tallies.stalled == {"m": 1}, timeout=3)
+    # What reaches the slow client ends: what the kernels buffered, then the cut.
+    try:
+        while chunk := await reader.read(65536):
+            received += len(chunk)
+    except ConnectionResetError:
+        pass
+    writer.close()
+    stream_bytes = 200_000 * 150
+    assert received < stream_bytes // 2
+    # Another client, reading normally, is served meanwhile and after.
+    status, _, body = await post(
+        server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "stream": True, "max_tokens": 5})
+    )
+    assert status == 200
+    assert body.endswith(b"data: [DONE]\n\n")
+    await wait_for(lambda: big.cancelled == 1 and [r.in_flight for r in server.pool] == [0])
+    assert server.pool.tallies.stalled == {"m": 1}
+
+
+async def test_all_replicas_gone_then_back_recovers_without_a_restart(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    a = await start_fake("m")
+    b = await start_fake("m")
+    server = await start_router([replica_entry("a", a), replica_entry("b", b)], ejection_base_seconds=0.2)
+    urls = (a.url, b.url)
+    await a.stop()
+    await b.stop()
+    for _ in range(5):
+        began = time.perf_counter()
+        status, _, answer = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+        assert status == 503
+        assert orjson.loads(answer)["error"]["code"] == "no_replica_available"
+        assert time.perf_counter() - began < 1.0
+    for fake, url in zip((a, b), urls, strict=True):
+        port = int(url.rsplit(":", 1)[1])
+        await fake.start("127.0.0.1", port)
+    await asyncio.sleep(0.3)
+    for _ in range(6):
+        status, _, _ = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+        assert status == 200
+
+
+async def test_endpoint_pushes_every_100ms_under_load_lose_nothing(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fakes = [await start_fake("m", name=f"f{i}", behaviour=Behaviour(tokens=8, token_delay=0.01)) for i in range(3)]
+    server = await start_router([replica_entry("f0", fakes[0]), replica_entry("f1", fakes[1])])
+    statuses: list[int] = []
+    bodies: list[bytes] = []
+
+    async def pusher() -> None:
+        async with aiohttp.ClientSession() as session:
+            for i in range(20):
+                chosen = [fakes[i % 3], fakes[(i + 1) % 3]]
+                body = {"replicas": [replica_entry(f.name, f) for f in chosen]}
+                async with session.put(server.admin_url + "/api/v1/endpoints", json=body) as resp:
+                    assert resp.status == 200
+                await asyncio.sleep(0.1)
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        body = orjson.dumps({**CHAT, "stream": True})
+        async with session.post(server.client_url + "/v1/chat/completions", data=body) as resp:
+            statuses.append(resp.status)
+            bodies.append(await resp.read())
+
+    async def load() -> None:
+        async with aiohttp.ClientSession() as session:
+            tasks = []
+            for _ in range(100):  # 50 requests/s for 2 s
+                tasks.append(asyncio.ensure_future(client(session)))
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*tasks)
+
+    await asyncio.gather(pusher(), load())
+    assert statuses == [200] * 100
+    assert all(body.endswith(b"data: [DONE]\n\n") and body.count(b"tok") == 8 for body in bodies)
+    await wait_for(lambda: all(r.in_flight == 0 for r in server.pool))
+    assert len(list(server.pool)) == 2
