@@ -22,7 +22,7 @@ from router.admin import Admin
 from router.config import Config, load_config
 from router.errors import ConfigError
 from router.health import HealthChecker
-from router.pool import EjectionPolicy, Pool
+from router.pool import EjectionPolicy, Limits, Pool
 from router.proxy import INFERENCE_PATHS, DataPathMetrics, Proxy
 from router.sinks.latest import LatestSink
 from router.sinks.prometheus import PrometheusSink, UsageCollector
@@ -52,6 +52,7 @@ class RouterServer:
             ejection=EjectionPolicy(
                 config.ejection_failures, config.ejection_base_seconds, config.ejection_max_seconds
             ),
+            limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
         )
         self.rates = RateSink()
         self.latest = LatestSink()

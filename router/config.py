@@ -79,6 +79,11 @@ class Config:
     # A client that takes no bytes for this long while its stream waits to be
     # written is cut off, so that a slow reader holds neither memory nor a replica.
     write_stall_timeout_seconds: float = 30.0
+    # Concurrency limits (0 = none): past them a request waits up to
+    # queue_timeout_seconds for a slot, then gets a prompt 503.
+    max_in_flight_per_replica: int = 0
+    max_in_flight: int = 0
+    queue_timeout_seconds: float = 5.0
     # Upstream attempts per model for one client request (first try included).
     max_attempts: int = 3
     shutdown_grace_seconds: float = 30.0
@@ -111,6 +116,9 @@ _TOP_KEYS = {
     "first_byte_timeout_seconds",
     "upstream_keepalive_seconds",
     "write_stall_timeout_seconds",
+    "max_in_flight_per_replica",
+    "max_in_flight",
+    "queue_timeout_seconds",
     "max_attempts",
     "shutdown_grace_seconds",
     "ejection_failures",
@@ -327,6 +335,9 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         connect_timeout_seconds=num("connect_timeout_seconds", 5.0, 0.001),
         first_byte_timeout_seconds=num("first_byte_timeout_seconds", 300.0, 0.001),
         upstream_keepalive_seconds=num("upstream_keepalive_seconds", 2.0, 0.0),
+        max_in_flight_per_replica=int(num("max_in_flight_per_replica", 0, 0, integer=True)),
+        max_in_flight=int(num("max_in_flight", 0, 0, integer=True)),
+        queue_timeout_seconds=num("queue_timeout_seconds", 5.0, 0.0),
         write_stall_timeout_seconds=num("write_stall_timeout_seconds", 30.0, 0.001),
         max_attempts=int(num("max_attempts", 3, 1, integer=True)),
         shutdown_grace_seconds=num("shutdown_grace_seconds", 30.0, 0.0),

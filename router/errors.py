@@ -8,6 +8,7 @@
         ├── ModelNotFound        404 model_not_found
         ├── BodyTooLarge         413 request_too_large
         ├── NoReplicaAvailable   503 no replica of the model (or its fallbacks) can serve
+        ├── Overloaded           503 every replica at its limit past the queue wait
         └── UpstreamError        a replica failed; `reason` labels the metric
             ├── UpstreamConnectError   502 could not connect
             ├── UpstreamResetError     502 connection closed or broken mid-answer
@@ -67,6 +68,12 @@ class NoReplicaAvailable(ClientFacingError):
     status = 503
     type = "server_error"
     code = "no_replica_available"
+
+
+class Overloaded(ClientFacingError):
+    status = 503
+    type = "server_error"
+    code = "server_overloaded"
 
 
 class UpstreamError(ClientFacingError):

@@ -48,6 +48,11 @@ class LeastLoaded(Generic[T]):
         if load == self._lowest:
             self._settle_lowest()
 
+    @property
+    def lowest_load(self) -> int | None:
+        """In flight on the least loaded candidate; None with no candidate."""
+        return self._lowest if self._load else None
+
     def pick(self) -> T | None:
         """The least loaded candidate (a random one among equals), or None."""
         if not self._load:

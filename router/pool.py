@@ -14,6 +14,7 @@ import enum
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -41,6 +42,14 @@ class EjectionPolicy:
     consecutive_failures: int = 5
     base_seconds: float = 10.0
     max_seconds: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Concurrency limits; 0 = none. Beyond them requests wait in a bounded queue."""
+
+    per_replica: int = 0
+    total: int = 0
 
 
 class Replica:
@@ -111,9 +120,10 @@ class SetDiff:
 class Tallies:
     """Per-model figures of the data path that belong to no replica."""
 
-    __slots__ = ("retries", "fallbacks", "unserved", "stalled")
+    __slots__ = ("retries", "fallbacks", "unserved", "stalled", "overloaded")
 
     def __init__(self) -> None:
+        self.overloaded: dict[str, int] = {}
         self.stalled: dict[str, int] = {}
         self.retries: dict[str, int] = {}
         self.fallbacks: dict[tuple[str, str], int] = {}
@@ -121,6 +131,9 @@ class Tallies:
 
     def retried(self, model: str) -> None:
         self.retries[model] = self.retries.get(model, 0) + 1
+
+    def refused_overloaded(self, model: str) -> None:
+        self.overloaded[model] = self.overloaded.get(model, 0) + 1
 
     def client_stalled(self, model: str) -> None:
         self.stalled[model] = self.stalled.get(model, 0) + 1
@@ -143,6 +156,7 @@ class Pool:
         clock: Clock = time.monotonic,
         rng: random.Random | None = None,
         ejection: EjectionPolicy = EjectionPolicy(),
+        limits: Limits = Limits(),
     ) -> None:
         self._clock = clock
         self._rng = rng or random.Random()
@@ -155,6 +169,10 @@ class Pool:
         self._ejected: list[Replica] = []
         self._next_readmit = float("inf")
         self.tallies = Tallies()
+        self.limits = limits
+        self.in_flight = 0
+        # Called, oldest first, each time a request ends: queued requests wake.
+        self.waiters: deque[Callable[[], None]] = deque()
         self.set_replicas(replicas)
 
     # The hot path -----------------------------------------------------------
@@ -176,6 +194,12 @@ class Pool:
         replica = candidates.pick_avoiding(avoid, exclude) if retry else candidates.pick()
         if replica is None:
             return None
+        limits = self.limits
+        if limits.per_replica and replica.in_flight >= limits.per_replica:
+            return None
+        if limits.total and self.in_flight >= limits.total:
+            return None
+        self.in_flight += 1
         candidates.increment(replica)
         replica.in_flight += 1
         replica.requests += 1
@@ -185,11 +209,24 @@ class Pool:
     def release(self, replica: Replica) -> None:
         """Always called once per acquire(), in a `finally`."""
         replica.in_flight -= 1
+        self.in_flight -= 1
+        if self.waiters:
+            self.waiters.popleft()()
         candidates = self._candidates.get(replica.model)
         if candidates is not None and replica in candidates:
             candidates.decrement(replica)
         elif replica.removed and replica.in_flight == 0:
             self._leaving.discard(replica)
+
+    def saturated(self, model: str) -> bool:
+        """True when `model` could serve but every candidate is at a limit."""
+        candidates = self._candidates.get(model)
+        if candidates is None or not len(candidates):
+            return False
+        if self.limits.total and self.in_flight >= self.limits.total:
+            return True
+        lowest = candidates.lowest_load
+        return bool(self.limits.per_replica) and lowest is not None and lowest >= self.limits.per_replica
 
     # Health -----------------------------------------------------------------
 

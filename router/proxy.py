@@ -30,6 +30,7 @@ from router.errors import (
     ClientFacingError,
     ModelNotFound,
     NoReplicaAvailable,
+    Overloaded,
     Unauthorized,
     UpstreamConnectError,
     UpstreamError,
@@ -222,6 +223,7 @@ class Proxy:
         self._drop = frozenset({"authorization"}) if self._keys else frozenset()
         self._first_byte_timeout = config.first_byte_timeout_seconds
         self._max_attempts = config.max_attempts
+        self._queue_timeout = config.queue_timeout_seconds
         self.stalls = StallWatch(pool, config.write_stall_timeout_seconds)
         self._created = int(started_at if started_at is not None else time.time())
 
@@ -319,6 +321,8 @@ class Proxy:
             refused: set[Replica] = set()
             for attempt in range(self._max_attempts):
                 replica = self.pool.acquire(target, avoid, refused)
+                if replica is None and self.pool.saturated(target):
+                    replica = await self._queue(target, avoid, refused)
                 if replica is None:
                     break
                 if attempt:
@@ -347,6 +351,34 @@ class Proxy:
             detail = f" (last failure: {last.error.message})" if last is not None else ""
             return error_response(NoReplicaAvailable(f"No replica of {names} can serve the request now{detail}."))
         return last.answer or error_response(last.error)
+
+    async def _queue(self, model: str, avoid: Replica | None, refused: set[Replica]) -> Replica | None:
+        """Wait for a slot under the limits, up to the queue timeout, then 503."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._queue_timeout
+        waiters = self.pool.waiters
+        while True:
+            woken = loop.create_future()
+
+            def wake(woken: asyncio.Future[None] = woken) -> None:
+                if not woken.done():
+                    woken.set_result(None)
+
+            waiters.append(wake)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await woken
+            except TimeoutError:
+                self.pool.tallies.refused_overloaded(model)
+                raise Overloaded(
+                    f"Every replica of '{model}' is at its concurrency limit; waited {self._queue_timeout:g} s."
+                ) from None
+            finally:
+                if wake in waiters:
+                    waiters.remove(wake)
+            replica = self.pool.acquire(model, avoid, refused)
+            if replica is not None or not self.pool.saturated(model):
+                return replica
 
     async def _attempt(
         self,

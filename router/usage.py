@@ -60,6 +60,7 @@ class UsageSnapshot:
     fallbacks: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
     unserved: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     stalled: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    overloaded: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     def usage_document(self) -> dict[str, object]:
         """The body of GET /api/v1/usage and of the usage push."""
@@ -146,6 +147,7 @@ class Snapshotter:
             fallbacks=MappingProxyType(dict(tallies.fallbacks)),
             unserved=MappingProxyType(dict(tallies.unserved)),
             stalled=MappingProxyType(dict(tallies.stalled)),
+            overloaded=MappingProxyType(dict(tallies.overloaded)),
         )
 
 

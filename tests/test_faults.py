@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import resource
 import socket
 import subprocess
 import sys
@@ -179,3 +180,46 @@ async def wait_for_http(url: str, timeout: float = 20.0) -> None:
                 pass
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
+
+
+@pytest.mark.slow
+async def test_1000_concurrent_streams_succeed_or_get_a_fast_503_and_nothing_leaks(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    # Client, router and replicas share this process: about 2,300 sockets.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 8192 if hard == resource.RLIM_INFINITY else min(hard, 8192)
+    if wanted < 4096:
+        pytest.skip(f"needs about 2,300 open files; the hard limit here is {hard}")
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    fakes = [await start_fake("m", behaviour=Behaviour(tokens=4, token_delay=0.05), record=False) for _ in range(3)]
+    server = await start_router(
+        [replica_entry(f"r{i}", fake) for i, fake in enumerate(fakes)],
+        max_in_flight_per_replica=100,
+        queue_timeout_seconds=0.5,
+    )
+    body = orjson.dumps({**CHAT, "stream": True})
+    outcomes: list[tuple[int, float, bytes]] = []
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        began = time.perf_counter()
+        async with session.post(server.client_url + "/v1/chat/completions", data=body) as resp:
+            payload = await resp.read()
+            outcomes.append((resp.status, time.perf_counter() - began, payload))
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await asyncio.wait_for(asyncio.gather(*(one(session) for _ in range(1000))), 60)
+    ok = [o for o in outcomes if o[0] == 200]
+    refused = [o for o in outcomes if o[0] != 200]
+    assert len(outcomes) == 1000
+    assert ok, "nothing was served"
+    assert all(payload.endswith(b"data: [DONE]\n\n") for _, _, payload in ok)
+    for status, _, payload in refused:
+        assert status == 503
+        assert orjson.loads(payload)["error"]["code"] == "server_overloaded"
+    assert max(fake.active for fake in fakes) == 0
+    assert [r.in_flight for r in server.pool] == [0, 0, 0]
+    assert server.pool.in_flight == 0
+    assert server.pool.tallies.overloaded.get("m", 0) == len(refused)

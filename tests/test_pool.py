@@ -198,3 +198,21 @@ def test_excluded_replicas_are_never_picked_again_for_the_request() -> None:
     assert pool.acquire("m", exclude={first}) is second
     assert pool.acquire("m", avoid=second, exclude={first}) is second
     assert pool.acquire("m", exclude={first, second}) is None
+
+
+def test_limits_refuse_beyond_capacity_and_release_wakes_a_waiter() -> None:
+    from router.pool import Limits
+
+    pool = Pool(configs("m", 2), limits=Limits(per_replica=2, total=3))
+    held = [pool.acquire("m") for _ in range(3)]
+    assert all(r is not None for r in held)
+    assert pool.acquire("m") is None
+    assert pool.saturated("m")
+    woken: list[int] = []
+    pool.waiters.append(lambda: woken.append(1))
+    first = held[0]
+    assert first is not None
+    pool.release(first)
+    assert woken == [1]
+    assert not pool.saturated("m")
+    assert pool.in_flight == 2

@@ -145,6 +145,12 @@ class UsageCollector(Collector):
             (((model,), n) for model, n in snapshot.unserved.items()),
         )
         yield _tallies(
+            "router_overloaded_requests",
+            "Requests refused with 503 after waiting queue_timeout_seconds for a slot under the limits.",
+            ["model"],
+            (((model,), n) for model, n in snapshot.overloaded.items()),
+        )
+        yield _tallies(
             "router_client_write_stalls",
             "Streams cut off because the client read nothing for write_stall_timeout_seconds.",
             ["model"],
