@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import resource
 import socket
 import subprocess
@@ -223,3 +224,26 @@ async def test_1000_concurrent_streams_succeed_or_get_a_fast_503_and_nothing_lea
     assert [r.in_flight for r in server.pool] == [0, 0, 0]
     assert server.pool.in_flight == 0
     assert server.pool.tallies.overloaded.get("m", 0) == len(refused)
+
+
+async def test_the_series_count_stays_flat_while_replicas_churn(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    from tests.test_usage import scrape
+
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r-0", fake)], tick_seconds=0.02)
+    counts = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(1, 31):
+            body = {"replicas": [replica_entry(f"r-{i}", fake), replica_entry(f"r-{i + 1}", fake)]}
+            async with session.put(server.admin_url + "/api/v1/endpoints", json=body) as resp:
+                assert resp.status == 200
+            await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+            await asyncio.sleep(0.05)
+            text = await scrape(server)
+            counts.append(sum(1 for line in text.splitlines() if line.startswith("router_replica_watching")))
+            named = set(re.findall(r'replica="([^"]+)"', text))
+            # Only the replicas of the newest push: the removed ones' series end.
+            assert named <= {f"r-{i - 1}", f"r-{i}", f"r-{i + 1}"}
+    assert counts[5:] == [2] * 25

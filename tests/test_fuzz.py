@@ -63,3 +63,58 @@ async def test_no_input_makes_the_router_answer_500(body: bytes, content_type: s
         await server.stop()
         await fake.stop()
     assert [r.in_flight for r in server.pool] == [0]
+
+
+toml_keys = st.sampled_from(
+    [
+        "listen",
+        "admin_listen",
+        "tick_seconds",
+        "api_keys",
+        "max_body_bytes",
+        "usage_push_url",
+        "replicas",
+        "models",
+        "max_attempts",
+        "health_check_path",
+        "bogus",
+    ]
+)
+toml_values = st.recursive(
+    st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["id", "model", "url", "labels", "aliases", "fallbacks", "x"]), inner, max_size=4
+        )
+    ),
+    max_leaves=10,
+)
+
+
+@given(raw=st.dictionaries(toml_keys, toml_values, max_size=5))
+def test_the_config_loader_raises_only_config_errors(raw: dict[str, object]) -> None:
+    from router.config import parse_config
+    from router.errors import ConfigError
+
+    try:
+        parse_config(raw, "<fuzz>", environ={})
+    except ConfigError as exc:
+        message = str(exc)
+    else:
+        return
+    assert message.startswith("<fuzz>: ")
+    assert "\n" not in message
+
+
+@given(text=st.text(max_size=200))
+def test_arbitrary_toml_text_is_a_config_error_or_a_config(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
+    from router.config import load_config
+    from router.errors import ConfigError
+
+    path = tmp_path_factory.mktemp("toml") / "router.toml"
+    path.write_text(text)
+    try:
+        load_config(path, environ={})
+    except ConfigError:
+        pass
