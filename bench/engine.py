@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import subprocess
 import sys
@@ -26,11 +25,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.proxy import cpu_seconds, free_port, wait_http
-
-ROOT = Path(__file__).resolve().parent.parent
-ENGINE_PYTHON = Path(os.environ.get("ROUTER_ENGINE_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))
-ENGINE_MODEL = Path(os.environ.get("ROUTER_ENGINE_MODEL", ROOT / ".cache" / "models" / "gemma3-270m-q4_k_m.gguf"))
-
+from tests.test_engine import ENGINE_MODEL, ENGINE_PYTHON, engine_argv
 
 TOKEN_EVENT = re.compile(rb'"finish_reason":\s*null')
 
@@ -88,29 +83,7 @@ def main() -> dict[str, Any]:
         sys.exit("no engine: run scripts/install-engine first")
     engine_port, client_port, admin_port = free_port(), free_port(), free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        engine = subprocess.Popen(
-            [
-                str(ENGINE_PYTHON),
-                "-m",
-                "llama_cpp.server",
-                "--model",
-                str(ENGINE_MODEL),
-                "--model_alias",
-                "gemma",
-                "--chat_format",
-                "gemma",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(engine_port),
-                "--n_ctx",
-                "2048",
-                "--n_threads",
-                "1",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        engine = subprocess.Popen(engine_argv(engine_port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         config = Path(tmp) / "router.toml"
         config.write_text(
             f'listen = "127.0.0.1:{client_port}"\nadmin_listen = "127.0.0.1:{admin_port}"\n'

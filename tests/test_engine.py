@@ -53,33 +53,34 @@ def engine_available() -> bool:
     return ENGINE_PYTHON.exists() and ENGINE_MODEL.exists()
 
 
+def engine_argv(port: int) -> list[str]:
+    """llama.cpp's OpenAI server for Gemma 3 270M on one thread (also used by bench/engine.py)."""
+    return [
+        str(ENGINE_PYTHON),
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(ENGINE_MODEL),
+        "--model_alias",
+        "gemma",
+        "--chat_format",
+        "gemma",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        "2048",
+        "--n_threads",
+        "1",
+    ]
+
+
 def start_engine(log_dir: Path, name: str, port: int | None = None) -> Engine:
     port = port or free_port()
     log = log_dir / f"{name}.log"
     with log.open("wb") as out:
-        process = subprocess.Popen(
-            [
-                str(ENGINE_PYTHON),
-                "-m",
-                "llama_cpp.server",
-                "--model",
-                str(ENGINE_MODEL),
-                "--model_alias",
-                "gemma",
-                "--chat_format",
-                "gemma",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--n_ctx",
-                "2048",
-                "--n_threads",
-                "1",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+        process = subprocess.Popen(engine_argv(port), stdout=out, stderr=subprocess.STDOUT)
     return Engine(f"http://127.0.0.1:{port}", process, log)
 
 
