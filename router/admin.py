@@ -22,6 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from router.config import ReplicaConfig, parse_replicas, replicas_where
 from router.errors import ConfigError
+from router.openapi import DOCUMENT
 from router.pool import Pool
 from router.sinks.latest import LatestSink
 from router.sinks.rates import RateSink
@@ -102,6 +103,7 @@ class Admin:
         r.add_put("/api/v1/endpoints", self.put_endpoints)
         r.add_post("/api/v1/replicas/{id}/state", self.set_state)
         r.add_get("/api/v1/status", self.status)
+        r.add_get("/api/v1/openapi.json", self.openapi)
         return app
 
     @web.middleware
@@ -158,6 +160,9 @@ class Admin:
             totals[r.model] = totals.get(r.model, 0) + r.requests
         summary = fleet_status(snapshot, now=now, idle_for=idle_for, rates=self._rates.per_second(totals, now))
         return _json(summary.as_json())
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return _json(DOCUMENT)
 
     async def get_endpoints(self, request: web.Request) -> web.Response:
         return _json({"replicas": [c.as_json() for c in self.pool.configs()]})
