@@ -247,3 +247,63 @@ async def test_the_series_count_stays_flat_while_replicas_churn(
             # Only the replicas of the newest push: the removed ones' series end.
             assert named <= {f"r-{i - 1}", f"r-{i}", f"r-{i + 1}"}
     assert counts[5:] == [2] * 25
+
+
+async def test_after_injected_faults_the_counters_equal_what_was_injected(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    from tests.test_usage import samples, scrape
+
+    loading = await start_fake("m", name="loading", behaviour=Behaviour(fail_status=503))
+    flaky = await start_fake("m", name="flaky", behaviour=Behaviour(reset_after_chunks=0))
+    good = await start_fake("m", name="good")
+    dead = {"id": "dead", "model": "m", "url": f"http://127.0.0.1:{free_port()}"}
+    server = await start_router(
+        [dead, replica_entry("loading", loading), replica_entry("flaky", flaky), replica_entry("good", good)],
+        ejection_failures=1000,
+        tick_seconds=0.02,
+    )
+    pool = server.pool
+
+    def only(rid: str) -> None:
+        for r in list(pool):
+            pool.set_draining(r.id, r.id != rid)
+
+    url = server.client_url + "/v1/chat/completions"
+    only("dead")
+    for _ in range(3):
+        assert (await post(url, orjson.dumps(CHAT)))[0] == 503
+    only("loading")
+    for _ in range(2):
+        assert (await post(url, orjson.dumps(CHAT)))[0] == 503
+    only("flaky")
+    status, _, body = await post(url, orjson.dumps({**CHAT, "stream": True}))
+    assert status == 200
+    assert b"upstream_error" in body
+    for _ in range(2):
+        assert (await post(url, orjson.dumps({**CHAT, "model": "ghost"})))[0] == 404
+    # Both dead and good ready: every time dead is picked first, one retry.
+    only("good")
+    pool.set_draining("dead", False)
+    sent = 0
+    dead_replica = pool.get("dead")
+    assert dead_replica is not None
+    while dead_replica.errors["connect"] < 6:
+        assert (await post(url, orjson.dumps(CHAT)))[0] == 200
+        sent += 1
+        assert sent < 300
+    await asyncio.sleep(0.1)
+    text = await scrape(server)
+    errors = samples(text, "router_upstream_errors_total")
+    assert errors == {
+        (("model", "m"), ("reason", "connect"), ("replica", "dead")): 6.0,
+        (("model", "m"), ("reason", "status"), ("replica", "loading")): 2.0,
+        (("model", "m"), ("reason", "reset"), ("replica", "flaky")): 1.0,
+    }
+    assert samples(text, "router_retries_total") == {(("model", "m"),): 3.0}
+    assert samples(text, "router_unserved_requests_total") == {(("model", "m"),): 3.0, (("model", "ghost"),): 2.0}
+    requests = samples(text, "router_requests_total")
+    assert requests[(("model", "m"), ("replica", "loading"), ("status_class", "5xx"))] == 2.0
+    assert requests[(("model", "m"), ("replica", "flaky"), ("status_class", "2xx"))] == 1.0
+    assert requests[(("model", "m"), ("replica", "good"), ("status_class", "2xx"))] == sent
+    assert sum(samples(text, "router_replica_ejections_total").values()) == 0
