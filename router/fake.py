@@ -43,6 +43,9 @@ class Behaviour:
     # Never answer (until the client gives up).
     stall: bool = False
     embedding_size: int = 8
+    # Streams these bytes verbatim, one write each with a pause between, so
+    # that they arrive split exactly there (SSE framing tests).
+    raw_stream: list[bytes] | None = None
     # Headers added to every answer (tests of what the router forwards).
     extra_headers: dict[str, str] = field(default_factory=dict)
 
@@ -52,6 +55,8 @@ class Seen:
     path: str
     headers: dict[str, str]
     body: bytes
+    # Monotonic time the request arrived (ordering checks against pushes).
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -238,6 +243,12 @@ class FakeReplica:
             }
         )
         await resp.prepare(request)
+        if b.raw_stream is not None:
+            for piece in b.raw_stream:
+                await resp.write(piece)
+                await asyncio.sleep(0.01)
+            await resp.write_eof()
+            return resp
         chunks = _stream_chunks(
             kind,
             f"{self.name}-{ident}",

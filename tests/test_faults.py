@@ -101,6 +101,7 @@ async def test_endpoint_pushes_every_100ms_under_load_lose_nothing(
     server = await start_router([replica_entry("f0", fakes[0]), replica_entry("f1", fakes[1])])
     statuses: list[int] = []
     bodies: list[bytes] = []
+    acknowledged: list[tuple[float, set[str]]] = []
 
     async def pusher() -> None:
         async with aiohttp.ClientSession() as session:
@@ -109,6 +110,7 @@ async def test_endpoint_pushes_every_100ms_under_load_lose_nothing(
                 body = {"replicas": [replica_entry(f.name, f) for f in chosen]}
                 async with session.put(server.admin_url + "/api/v1/endpoints", json=body) as resp:
                     assert resp.status == 200
+                    acknowledged.append((time.monotonic(), {f.name for f in chosen}))
                 await asyncio.sleep(0.1)
 
     async def client(session: aiohttp.ClientSession) -> None:
@@ -130,6 +132,18 @@ async def test_endpoint_pushes_every_100ms_under_load_lose_nothing(
     assert all(body.endswith(b"data: [DONE]\n\n") and body.count(b"tok") == 8 for body in bodies)
     await wait_for(lambda: all(r.in_flight == 0 for r in server.pool))
     assert len(list(server.pool)) == 2
+    # No replica receives a request after a push that removed it was acknowledged.
+    # A request picked just before an acknowledgement may still be on its way:
+    # 50 ms is that allowance, well below the 100 ms between pushes. So a request
+    # must belong to the last set acknowledged 50 ms before it arrived, or to one
+    # acknowledged since.
+    for fake in fakes:
+        for seen in fake.seen:
+            settled = [members for at, members in acknowledged if at <= seen.at - 0.05]
+            recent = [members for at, members in acknowledged if seen.at - 0.05 < at <= seen.at]
+            allowed = settled[-1:] + recent
+            if allowed:
+                assert any(fake.name in members for members in allowed), (fake.name, seen.at)
 
 
 def rss_bytes(pid: int) -> int:
@@ -307,3 +321,25 @@ async def test_after_injected_faults_the_counters_equal_what_was_injected(
     assert requests[(("model", "m"), ("replica", "flaky"), ("status_class", "2xx"))] == 1.0
     assert requests[(("model", "m"), ("replica", "good"), ("status_class", "2xx"))] == sent
     assert sum(samples(text, "router_replica_ejections_total").values()) == 0
+
+
+async def test_oddly_framed_sse_passes_through_byte_identical(start_fake: StartFake, start_router: StartRouter) -> None:
+    huge = b"data: {" + b'"x": "' + b"y" * (1 << 20) + b'"}\n\n'
+    pieces = [
+        b": keep-alive comment\r\n\r\n",
+        b'data: {"choices": [{"delta": {"content": "spl',
+        b'it"}}]}\r\n',
+        b"\r\n",
+        b"event: message\nid: 7\nretry: 100\ndata: line one\ndata: line two\n\n",
+        huge[: len(huge) // 3],
+        huge[len(huge) // 3 :],
+        b"data: [DONE]\n\n",
+    ]
+    fake = await start_fake("m", behaviour=Behaviour(raw_stream=pieces))
+    server = await start_router([replica_entry("r0", fake)])
+    status, headers, body = await post(
+        server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "stream": True})
+    )
+    assert status == 200
+    assert headers["Content-Type"] == "text/event-stream; charset=utf-8"
+    assert body == b"".join(pieces)
