@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from router.admin import Admin
 from router.config import Config, load_config
 from router.errors import ConfigError
+from router.headguard import HeadDeadline
 from router.health import HealthChecker
 from router.pool import EjectionPolicy, Limits, Pool
 from router.proxy import INFERENCE_PATHS, DataPathMetrics, Proxy
@@ -66,6 +67,8 @@ class RouterServer:
         self._client_runner: web.AppRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._client_listener: asyncio.Server | None = None
+        self.slow_heads = 0
         self.health: HealthChecker | None = None
         self.client_address: tuple[str, int] | None = None
         self.admin_address: tuple[str, int] | None = None
@@ -140,16 +143,30 @@ class RouterServer:
         await self._client_runner.setup()
         await self._admin_runner.setup()
         try:
-            client_site = web.TCPSite(self._client_runner, config.listen.host, config.listen.port)
-            await client_site.start()
+            handlers = self._client_runner.server
+            assert handlers is not None
+            timeout = config.header_timeout_seconds
+            # Our own listener instead of a TCPSite, to put the head deadline
+            # in front of aiohttp's handler (see headguard.py).
+            self._client_listener = await asyncio.get_running_loop().create_server(
+                lambda: HeadDeadline(handlers(), timeout, self._slow_head),
+                config.listen.host,
+                config.listen.port,
+                reuse_address=True,
+                backlog=1024,
+            )
             admin_site = web.TCPSite(self._admin_runner, config.admin_listen.host, config.admin_listen.port)
             await admin_site.start()
         except OSError:
+            if self._client_listener is not None:
+                self._client_listener.close()
             await self._client_runner.cleanup()
             await self._admin_runner.cleanup()
             await session.close()
             raise
-        self.client_address = _bound(self._client_runner)
+        assert self._client_listener is not None
+        host, port = self._client_listener.sockets[0].getsockname()[:2]
+        self.client_address = (str(host), int(port))
         self.admin_address = _bound(self._admin_runner)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(ticker.run()), loop.create_task(proxy.stalls.run())]
@@ -167,6 +184,10 @@ class RouterServer:
     async def stop(self) -> None:
         """Graceful: not ready, stop accepting, let requests finish, final push."""
         self.ready = False
+        if self._client_listener is not None:
+            # Stop accepting at once; those connected finish within the grace.
+            self._client_listener.close()
+            self._client_listener = None
         if self._client_runner is not None:
             await self._client_runner.cleanup()
             self._client_runner = None
@@ -183,6 +204,9 @@ class RouterServer:
             await self._admin_runner.cleanup()
             self._admin_runner = None
         await self._session.close()
+
+    def _slow_head(self) -> None:
+        self.slow_heads += 1
 
     def reload(self, path: str) -> bool:
         """SIGHUP: make the config file's replicas the desired set, as a push would.

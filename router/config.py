@@ -79,6 +79,9 @@ class Config:
     # A client that takes no bytes for this long while its stream waits to be
     # written is cut off, so that a slow reader holds neither memory nor a replica.
     write_stall_timeout_seconds: float = 30.0
+    # A connection whose first request head has not fully arrived by then is
+    # closed (slowloris).
+    header_timeout_seconds: float = 10.0
     # Concurrency limits (0 = none): past them a request waits up to
     # queue_timeout_seconds for a slot, then gets a prompt 503.
     max_in_flight_per_replica: int = 0
@@ -116,6 +119,7 @@ _TOP_KEYS = {
     "first_byte_timeout_seconds",
     "upstream_keepalive_seconds",
     "write_stall_timeout_seconds",
+    "header_timeout_seconds",
     "max_in_flight_per_replica",
     "max_in_flight",
     "queue_timeout_seconds",
@@ -335,6 +339,7 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         connect_timeout_seconds=num("connect_timeout_seconds", 5.0, 0.001),
         first_byte_timeout_seconds=num("first_byte_timeout_seconds", 300.0, 0.001),
         upstream_keepalive_seconds=num("upstream_keepalive_seconds", 2.0, 0.0),
+        header_timeout_seconds=num("header_timeout_seconds", 10.0, 0.001),
         max_in_flight_per_replica=int(num("max_in_flight_per_replica", 0, 0, integer=True)),
         max_in_flight=int(num("max_in_flight", 0, 0, integer=True)),
         queue_timeout_seconds=num("queue_timeout_seconds", 5.0, 0.0),

@@ -50,3 +50,44 @@ async def test_smuggling_vectors_are_refused_and_never_forwarded(
     answer = await send_raw(host, port, VECTORS[name])
     assert answer.split(b" ", 2)[1] == b"400", answer[:200]
     assert fake.seen == []
+
+
+async def test_a_slowloris_client_is_closed_and_others_keep_their_latency(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    import time
+
+    import orjson
+
+    from tests.test_proxy import CHAT, post
+
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], header_timeout_seconds=1.0)
+    host, port = server.client_address  # type: ignore[misc]
+    reader, writer = await asyncio.open_connection(host, port)
+    began = time.monotonic()
+    closed_after = None
+    latencies = []
+    try:
+        for byte in HEAD:
+            writer.write(bytes([byte]))
+            await writer.drain()
+            step = time.monotonic()
+            status, _, _ = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+            assert status == 200
+            latencies.append(time.monotonic() - step)
+            try:
+                if await asyncio.wait_for(reader.read(1), 0.2) == b"":
+                    closed_after = time.monotonic() - began
+                    break
+            except TimeoutError:
+                continue
+    except ConnectionError:
+        closed_after = time.monotonic() - began
+    finally:
+        writer.close()
+    assert closed_after is not None, "the slow client was never closed"
+    assert 1.0 <= closed_after < 3.0
+    assert max(latencies) < 0.5
+    assert fake.seen and all(seen.path == "/v1/chat/completions" for seen in fake.seen)
+    assert len(fake.seen) == len(latencies)
