@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -61,3 +62,27 @@ async def start_router() -> AsyncIterator[StartRouter]:
     yield start
     for server in servers:
         await server.stop()
+
+
+RefusedUrl = Callable[[], str]
+
+
+@pytest.fixture
+def refused_url() -> Iterator[RefusedUrl]:
+    """URLs on which connections are refused, reserved for the whole test.
+
+    A socket bound but never listening refuses connections, and holding it
+    keeps the port from going to any other listener (the router's own
+    included) while the test runs.
+    """
+    held: list[socket.socket] = []
+
+    def make() -> str:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        held.append(sock)
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    yield make
+    for sock in held:
+        sock.close()

@@ -17,7 +17,7 @@ import pytest
 
 from router.bench import run_load
 from router.fake import Behaviour
-from tests.conftest import StartFake, StartRouter, replica_entry
+from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
 from tests.test_proxy import CHAT, free_port, post, wait_for
 
 
@@ -264,14 +264,14 @@ async def test_the_series_count_stays_flat_while_replicas_churn(
 
 
 async def test_after_injected_faults_the_counters_equal_what_was_injected(
-    start_fake: StartFake, start_router: StartRouter
+    start_fake: StartFake, start_router: StartRouter, refused_url: RefusedUrl
 ) -> None:
     from tests.test_usage import samples, scrape
 
     loading = await start_fake("m", name="loading", behaviour=Behaviour(fail_status=503))
     flaky = await start_fake("m", name="flaky", behaviour=Behaviour(reset_after_chunks=0))
     good = await start_fake("m", name="good")
-    dead = {"id": "dead", "model": "m", "url": f"http://127.0.0.1:{free_port()}"}
+    dead = {"id": "dead", "model": "m", "url": refused_url()}
     server = await start_router(
         [dead, replica_entry("loading", loading), replica_entry("flaky", flaky), replica_entry("good", good)],
         ejection_failures=1000,

@@ -15,7 +15,7 @@ from multidict import CIMultiDict
 
 from router.app import RouterServer
 from router.fake import Behaviour
-from tests.conftest import StartFake, StartRouter, replica_entry
+from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -292,10 +292,10 @@ async def test_503_from_a_replica_is_retried_on_another(start_fake: StartFake, s
 
 
 async def test_connection_refused_is_retried_on_another_replica(
-    start_fake: StartFake, start_router: StartRouter
+    start_fake: StartFake, start_router: StartRouter, refused_url: RefusedUrl
 ) -> None:
     healthy = await start_fake("m")
-    dead = {"id": "dead", "model": "m", "url": f"http://127.0.0.1:{free_port()}"}
+    dead = {"id": "dead", "model": "m", "url": refused_url()}
     server = await start_router([dead, replica_entry("good", healthy)])
     dead_replica = server.pool.get("dead")
     assert dead_replica is not None
@@ -310,8 +310,8 @@ async def test_connection_refused_is_retried_on_another_replica(
     assert in_flight(server) == {"dead": 0, "good": 0}
 
 
-async def test_every_replica_down_gives_a_prompt_503(start_router: StartRouter) -> None:
-    replicas = [{"id": f"d{i}", "model": "m", "url": f"http://127.0.0.1:{free_port()}"} for i in range(3)]
+async def test_every_replica_down_gives_a_prompt_503(start_router: StartRouter, refused_url: RefusedUrl) -> None:
+    replicas = [{"id": f"d{i}", "model": "m", "url": refused_url()} for i in range(3)]
     server = await start_router(replicas, max_attempts=2)
     began = time.perf_counter()
     status, _, answer = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
