@@ -154,11 +154,9 @@ class Admin:
         if not 0 <= idle_for < float("inf"):
             return _error(400, f"idle_for must be a number of seconds >= 0, got {raw!r}.", "invalid_idle_for")
         snapshot = self._snapshot()
-        now = snapshot.generated_at
-        totals: dict[str, int] = {}
-        for r in snapshot.replicas:
-            totals[r.model] = totals.get(r.model, 0) + r.requests
-        summary = fleet_status(snapshot, now=now, idle_for=idle_for, rates=self._rates.per_second(totals, now))
+        summary = fleet_status(
+            snapshot, now=snapshot.generated_at, idle_for=idle_for, rates=self._rates.per_second(snapshot)
+        )
         return _json(summary.as_json())
 
     async def openapi(self, request: web.Request) -> web.Response:

@@ -39,6 +39,12 @@ def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+def _body(properties: dict[str, Any]) -> dict[str, Any]:
+    """A required JSON object body with exactly these fields, all required."""
+    schema = {"type": "object", "required": list(properties), "additionalProperties": False, "properties": properties}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
 _ERRORS = {
     "400": _json({"$ref": "#/components/schemas/Error"}, "Invalid request; the message names the problem"),
     "401": _json({"$ref": "#/components/schemas/Error"}, "Admin token missing or wrong"),
@@ -104,21 +110,9 @@ DOCUMENT: dict[str, Any] = {
             "put": {
                 "summary": "Replace the whole replica set; answers the diff",
                 "security": [{"adminToken": []}],
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "required": ["replicas"],
-                                "additionalProperties": False,
-                                "properties": {
-                                    "replicas": {"type": "array", "items": {"$ref": "#/components/schemas/Replica"}}
-                                },
-                            }
-                        }
-                    },
-                },
+                "requestBody": _body(
+                    {"replicas": {"type": "array", "items": {"$ref": "#/components/schemas/Replica"}}}
+                ),
                 "responses": {"200": _json({"type": "object"}), **_ERRORS},
             },
         },
@@ -127,19 +121,7 @@ DOCUMENT: dict[str, Any] = {
                 "summary": "Drain a replica or put it back",
                 "security": [{"adminToken": []}],
                 "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "required": ["state"],
-                                "additionalProperties": False,
-                                "properties": {"state": {"enum": ["draining", "ready"]}},
-                            }
-                        }
-                    },
-                },
+                "requestBody": _body({"state": {"enum": ["draining", "ready"]}}),
                 "responses": {
                     "200": _json({"type": "object"}),
                     "404": _json({"$ref": "#/components/schemas/Error"}, "No such replica"),

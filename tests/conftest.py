@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
+from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from router.app import RouterServer
@@ -86,3 +88,29 @@ def refused_url() -> Iterator[RefusedUrl]:
     yield make
     for sock in held:
         sock.close()
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[tuple[str, list[dict[str, Any]], dict[str, Any]]]:
+    received: list[dict[str, Any]] = []
+    switches: dict[str, Any] = {"status": 200, "delay": 0.0, "active": 0, "most_active": 0}
+
+    async def handle(request: web.Request) -> web.Response:
+        switches["active"] += 1
+        switches["most_active"] = max(switches["most_active"], switches["active"])
+        try:
+            received.append(await request.json())
+            await asyncio.sleep(switches["delay"])
+            return web.Response(status=switches["status"])
+        finally:
+            switches["active"] -= 1
+
+    app = web.Application()
+    app.router.add_post("/usage", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    yield f"http://{host}:{port}/usage", received, switches
+    await runner.cleanup()

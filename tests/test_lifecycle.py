@@ -15,7 +15,6 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 
 from router.fake import Behaviour
 from tests.conftest import StartFake
@@ -88,29 +87,11 @@ async def endpoints(serve: Serve) -> Any:
         return await resp.json()
 
 
-@pytest.fixture
-async def receiver() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
-    received: list[dict[str, Any]] = []
-
-    async def handle(request: web.Request) -> web.Response:
-        received.append(await request.json())
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_post("/usage", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}/usage", received
-    await runner.cleanup()
-
-
 @pytest.mark.slow
 async def test_sigterm_finishes_streams_in_flight_then_exits_0(
-    serve: Serve, start_fake: StartFake, receiver: tuple[str, list[dict[str, Any]]]
+    serve: Serve, start_fake: StartFake, receiver: tuple[str, list[dict[str, Any]], dict[str, Any]]
 ) -> None:
-    url, received = receiver
+    url, received, _ = receiver
     fake = await start_fake("m", behaviour=Behaviour(tokens=25, token_delay=0.04))
     serve.write([{"id": "r0", "model": "m", "url": fake.url}], f'usage_push_url = "{url}"')
     await serve.start()

@@ -8,13 +8,11 @@ import io
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from router import ctl
@@ -231,32 +229,6 @@ def test_stamps_become_unix_seconds_at_the_tick() -> None:
     assert usage.last_used == pytest.approx(5000.0)
     assert usage.quiet_seconds(5010.0) == pytest.approx(10.0)
     assert usage.watching_since == 5000.0
-
-
-@pytest.fixture
-async def receiver() -> AsyncIterator[tuple[str, list[dict[str, Any]], dict[str, Any]]]:
-    received: list[dict[str, Any]] = []
-    switches: dict[str, Any] = {"status": 200, "delay": 0.0, "active": 0, "most_active": 0}
-
-    async def handle(request: web.Request) -> web.Response:
-        switches["active"] += 1
-        switches["most_active"] = max(switches["most_active"], switches["active"])
-        try:
-            received.append(await request.json())
-            await asyncio.sleep(switches["delay"])
-            return web.Response(status=switches["status"])
-        finally:
-            switches["active"] -= 1
-
-    app = web.Application()
-    app.router.add_post("/usage", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}/usage", received, switches
-    await runner.cleanup()
 
 
 async def test_the_usage_document_is_pushed_each_tick(

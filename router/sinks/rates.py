@@ -17,16 +17,14 @@ class RateSink:
         self._points: deque[tuple[float, dict[str, int]]] = deque()
 
     def publish(self, snapshot: UsageSnapshot) -> None:
-        totals: dict[str, int] = {}
-        for r in snapshot.replicas:
-            totals[r.model] = totals.get(r.model, 0) + r.requests
-        self._points.append((snapshot.generated_at, totals))
+        self._points.append((snapshot.generated_at, requests_by_model(snapshot)))
         # Keep one point older than the window, so that the rate spans all of it.
         while len(self._points) > 2 and self._points[1][0] <= snapshot.generated_at - self.window:
             self._points.popleft()
 
-    def per_second(self, now_totals: dict[str, int], now: float) -> dict[str, float]:
-        """Requests per second by model from the oldest point in the window to `now`."""
+    def per_second(self, snapshot: UsageSnapshot) -> dict[str, float]:
+        """Requests per second by model, from the oldest point in the window to `snapshot`."""
+        now, now_totals = snapshot.generated_at, requests_by_model(snapshot)
         if not self._points:
             return {}
         then, old = self._points[0]
@@ -35,3 +33,10 @@ class RateSink:
             return {}
         # A replica removed meanwhile takes its count along: never a negative rate.
         return {model: max(0, total - old.get(model, 0)) / span for model, total in now_totals.items()}
+
+
+def requests_by_model(snapshot: UsageSnapshot) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for r in snapshot.replicas:
+        totals[r.model] = totals.get(r.model, 0) + r.requests
+    return totals
