@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from router.admin import Admin
+from router.client import Client
 from router.config import Config, load_config
 from router.errors import ConfigError
 from router.headguard import HeadDeadline
@@ -111,7 +112,10 @@ class RouterServer:
             )
         )
         metrics = DataPathMetrics(self.registry)
-        self.proxy = proxy = Proxy(config, self.pool, session, metrics, started_at=self.started_at)
+        self.upstream = Client(
+            connect_timeout=config.connect_timeout_seconds, keepalive_seconds=config.upstream_keepalive_seconds
+        )
+        self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
 
         client = web.Application(client_max_size=config.max_body_bytes)
         for path in INFERENCE_PATHS:
@@ -163,6 +167,7 @@ class RouterServer:
             await self._client_runner.cleanup()
             await self._admin_runner.cleanup()
             await session.close()
+            await self.upstream.close()
             raise
         assert self._client_listener is not None
         host, port = self._client_listener.sockets[0].getsockname()[:2]
@@ -204,6 +209,7 @@ class RouterServer:
             await self._admin_runner.cleanup()
             self._admin_runner = None
         await self._session.close()
+        await self.upstream.close()
 
     def _slow_head(self) -> None:
         self.slow_heads += 1

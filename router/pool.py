@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
+from router.client import Origin
 from router.config import ReplicaConfig
 from router.picking import LeastLoaded
 
@@ -60,6 +61,7 @@ class Replica:
         "id",
         "model",
         "base_url",
+        "origin",
         "in_flight",
         "requests",
         "last_used",
@@ -80,6 +82,7 @@ class Replica:
         self.id = config.id
         self.model = config.model
         self.base_url = config.url
+        self.origin = Origin.parse(config.url)
         self.in_flight = 0
         self.requests = 0
         # Monotonic time of the last request sent here; None until the first one.

@@ -17,12 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Histogram
 
+from router.client import Client, ConnectFailed, ConnectionBroken, Response
 from router.config import Config
 from router.errors import (
     BadRequest,
@@ -38,7 +38,7 @@ from router.errors import (
     UpstreamTimeout,
 )
 from router.pool import Pool, Replica
-from router.upstream import end_to_end
+from router.upstream import request_headers, response_headers
 
 log = logging.getLogger("router.proxy")
 
@@ -52,6 +52,8 @@ RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # bad requests must not eject healthy replicas.
 UNHEALTHY_STATUSES = frozenset({502, 503, 504})
 _STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+# Bytes queued for a client beyond which its stream waits for it to read.
+_CLIENT_HIGH_WATER = 64 * 1024
 
 
 def error_body(status: int, message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
@@ -106,7 +108,7 @@ def openai_shaped(body: bytes, status: int) -> bytes | None:
     return error_body(status, message[:4096], type_, None)
 
 
-def _answer(resp: aiohttp.ClientResponse, data: bytes, headers: CIMultiDict[str]) -> web.Response:
+def _answer(resp: Response, data: bytes, headers: CIMultiDict[str]) -> web.Response:
     """The replica's whole answer for the client; an error gets OpenAI's shape if it lacks it."""
     if resp.status >= 400:
         wrapped = openai_shaped(data, resp.status)
@@ -208,19 +210,19 @@ class Proxy:
         self,
         config: Config,
         pool: Pool,
-        session: aiohttp.ClientSession,
+        client: Client,
         metrics: DataPathMetrics,
         *,
         started_at: float | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
-        self.session = session
+        self.client = client
         self.metrics = metrics
         self.routes = Routes(config)
         self._keys = tuple(key.encode() for key in config.api_keys)
         # The router consumes the client's key; the replicas never see it.
-        self._drop = frozenset({"authorization"}) if self._keys else frozenset()
+        self._drop = frozenset({b"authorization"}) if self._keys else frozenset()
         self._first_byte_timeout = config.first_byte_timeout_seconds
         self._max_attempts = config.max_attempts
         self._queue_timeout = config.queue_timeout_seconds
@@ -305,11 +307,9 @@ class Proxy:
     async def _serve(
         self, request: web.Request, body: bytes, obj: dict[str, Any], requested: str, model: str, stream: bool
     ) -> web.StreamResponse:
-        headers = end_to_end(request.headers, self._drop)
-        if "Accept-Encoding" not in headers:
-            # Otherwise aiohttp asks for gzip on the client's behalf, and the
-            # encoded answer would reach a client that never asked for it.
-            headers["Accept-Encoding"] = "identity"
+        # Framed once for every attempt; only Host and the length differ.
+        headers = request_headers(request.raw_headers, self._drop)
+        target_path = request.raw_path.encode("utf-8", "surrogateescape")
         chain = (model, *self.routes.fallbacks.get(model, ()))
         last: _Failed | None = None
         only_connect_failures = True
@@ -330,7 +330,7 @@ class Proxy:
                 if target != model and attempt == 0:
                     self.pool.tallies.fell_back(model, target)
                 try:
-                    outcome = await self._attempt(request, replica, upstream_body, headers, target, stream)
+                    outcome = await self._attempt(request, replica, target_path, upstream_body, headers, target, stream)
                 finally:
                     self.pool.release(replica)
                 if not isinstance(outcome, _Failed):
@@ -384,28 +384,39 @@ class Proxy:
         self,
         request: web.Request,
         replica: Replica,
+        path: bytes,
         body: bytes,
-        headers: CIMultiDict[str],
+        headers: bytes,
         model: str,
         stream: bool,
     ) -> web.StreamResponse | _Failed:
-        url = replica.base_url + request.path_qs
+        origin = replica.origin
+        head = b"".join(
+            (
+                b"POST ",
+                origin.prefix.encode(),
+                path,
+                b" HTTP/1.1\r\nHost: ",
+                origin.host_header,
+                b"\r\n",
+                headers,
+                b"Content-Length: %d\r\n\r\n" % len(body),
+            )
+        )
         began = time.perf_counter()
         try:
             async with asyncio.timeout(self._first_byte_timeout):
-                resp = await self.session.post(url, data=body, headers=headers, allow_redirects=False)
+                resp = await self.client.request(origin, head, body)
         except TimeoutError:
             return self._failed(
                 replica,
                 UpstreamTimeout(f"Replica {replica.id} sent no response within {self._first_byte_timeout:g} s."),
                 retryable=False,
             )
-        except aiohttp.ClientConnectorError as exc:
+        except ConnectFailed as exc:
             return self._failed(replica, UpstreamConnectError(f"Cannot connect to replica {replica.id}: {exc}"))
-        except (aiohttp.ClientError, OSError) as exc:
-            return self._failed(
-                replica, UpstreamResetError(f"Replica {replica.id} closed the connection before answering: {exc!r}")
-            )
+        except ConnectionBroken as exc:
+            return self._failed(replica, UpstreamResetError(f"Replica {replica.id} closed the connection: {exc}"))
         try:
             self.metrics.observe_first_byte(model, time.perf_counter() - began)
             status = resp.status
@@ -416,26 +427,26 @@ class Proxy:
                 self.pool.record_failure(replica)
             else:
                 self.pool.record_success(replica)
-            out_headers = end_to_end(resp.headers)
+            out_headers = response_headers(resp.headers)
             # Passed through as it arrives: a stream, or anything without a length.
             # A replica's error answer is read whole, to give it OpenAI's shape.
             if status < 400 and (
                 stream
                 or resp.content_length is None
-                or resp.headers.get("Content-Type", "").startswith("text/event-stream")
+                or out_headers.get("Content-Type", "").startswith("text/event-stream")
             ):
                 return await self._stream(request, replica, resp, out_headers)
             try:
                 data = await resp.read()
-            except (aiohttp.ClientError, OSError) as exc:
-                return self._failed(replica, UpstreamResetError(f"Replica {replica.id} broke off its answer: {exc!r}"))
+            except ConnectionBroken as exc:
+                return self._failed(replica, UpstreamResetError(f"Replica {replica.id} broke off its answer: {exc}"))
             return _answer(resp, data, out_headers)
         finally:
             # Back to the pool after a complete answer; closed if the answer
-            # was cut short (aiohttp checks), so a half-read stream never lingers.
+            # was cut short, so a half-read stream never lingers.
             resp.release()
 
-    async def _refused(self, replica: Replica, resp: aiohttp.ClientResponse) -> _Failed:
+    async def _refused(self, replica: Replica, resp: Response) -> _Failed:
         """A 429/502/503/504: keep the answer for the client in case no one else serves."""
         status = resp.status
         self._count_response(replica, status)
@@ -443,9 +454,9 @@ class Proxy:
             self.pool.record_failure(replica)
         try:
             data = await resp.read()
-        except (aiohttp.ClientError, OSError):
+        except ConnectionBroken:
             data = b""
-        answer = _answer(resp, data, end_to_end(resp.headers))
+        answer = _answer(resp, data, response_headers(resp.headers))
         replica.errors["status"] = replica.errors.get("status", 0) + 1
         return _Failed(UpstreamError(f"Replica {replica.id} answered {status}."), retryable=True, answer=answer)
 
@@ -453,41 +464,63 @@ class Proxy:
         self,
         request: web.Request,
         replica: Replica,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         headers: CIMultiDict[str],
     ) -> web.StreamResponse:
+        """Pass the body through as it arrives, each chunk written in the replica's callback.
+
+        Nothing runs per chunk but the write and a buffer check: when the
+        client stops taking bytes, the replica's connection stops being read
+        (TCP pushes back to the replica) and this task waits on the drain,
+        marked for the stall watch.
+        """
         out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=headers)
-        content = resp.content
-        last = b"\n\n"
         transport = request.transport
         writing = self.stalls.writing
         clock = self.stalls.clock
+        model = replica.model
+        last = b"\n\n"
         try:
-            await out.prepare(request)
-            while True:
-                try:
-                    chunk = await content.readany()
-                except (aiohttp.ClientError, OSError) as exc:
-                    # Bytes already reached the client: no retry, but a clear end.
-                    replica.errors["reset"] = replica.errors.get("reset", 0) + 1
-                    self.pool.record_failure(replica)
-                    log.warning("replica %s broke off a stream: %r", replica.id, exc)
-                    event = b"data: " + error_body(
-                        502, f"Replica {replica.id} broke off the stream.", "server_error", "upstream_error"
-                    )
-                    # Close a half-sent event first, so that the error is an event of its own.
-                    prefix = b"" if last.endswith(b"\n\n") else b"\n\n"
-                    out.force_close()
-                    await out.write(prefix + event + b"\n\n")
-                    break
-                if not chunk:
-                    break
-                # Marked while the write may wait for the client: the stall
-                # watch cuts off a reader that takes nothing for too long.
-                writing[transport] = (clock(), replica.model)
-                await out.write(chunk)
-                del writing[transport]
+            writer = await out.prepare(request)
+            if transport is None or writer is None:
+                return out
+            # Headers out now: from here on chunks go straight to the transport.
+            writer.send_headers()
+            chunked = bool(getattr(writer, "chunked", False))
+            write = transport.write
+            buffered = transport.get_write_buffer_size
+
+            def sink(chunk: bytes) -> bool:
+                nonlocal last
                 last = chunk
+                if transport.is_closing():
+                    return True  # the drain below raises: the client is gone
+                write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+                return buffered() > _CLIENT_HIGH_WATER
+
+            async def drain() -> None:
+                if transport.is_closing():
+                    raise ConnectionResetError("the client went away")
+                writing[transport] = (clock(), model)
+                try:
+                    await writer.drain()
+                finally:
+                    writing.pop(transport, None)
+
+            try:
+                await resp.pipe(sink, drain)
+            except ConnectionBroken as exc:
+                # Bytes already reached the client: no retry, but a clear end.
+                replica.errors["reset"] = replica.errors.get("reset", 0) + 1
+                self.pool.record_failure(replica)
+                log.warning("replica %s broke off a stream: %s", replica.id, exc)
+                event = b"data: " + error_body(
+                    502, f"Replica {replica.id} broke off the stream.", "server_error", "upstream_error"
+                )
+                # Close a half-sent event first, so that the error is an event of its own.
+                prefix = b"" if last.endswith(b"\n\n") else b"\n\n"
+                out.force_close()
+                sink(prefix + event + b"\n\n")
             await out.write_eof()
         except ConnectionError:
             # The client went away (or the stall watch cut it off). Nothing

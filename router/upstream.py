@@ -1,15 +1,19 @@
-"""The shared upstream ClientSession and what crosses the proxy's two sides.
+"""What crosses the proxy's two sides, and the ClientSession for everything else.
 
-One session for every replica keeps connections alive between requests; its
-idle timeout sits below the replicas' own (vLLM/uvicorn close idle
-connections after 5 s), and a connection the replica closed anyway is caught
-by the proxy's retry before any byte reaches the client.
+Requests to replicas go through router.client; the aiohttp session is for
+the health checks and the usage push, where its conveniences cost nothing
+that matters. Keep-alive idle timeouts sit below the replicas' own
+(vLLM/uvicorn close idle connections after 5 s), and a connection the
+replica closed anyway is caught by the proxy's retry before any byte
+reaches the client.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import aiohttp
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from router.config import Config
 
@@ -32,24 +36,38 @@ _NOT_FORWARDED = frozenset(
 )
 
 
-def _connection_named(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> frozenset[str]:
-    values = headers.getall("Connection", ())
-    if not values:
-        return frozenset()
-    return frozenset(token.strip().lower() for value in values for token in value.split(",") if token.strip())
+def _connection_named(values: list[bytes]) -> frozenset[bytes]:
+    return frozenset(token.strip().lower() for value in values for token in value.split(b",") if token.strip())
 
 
-def end_to_end(
-    headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str] = frozenset()
-) -> CIMultiDict[str]:
-    """The headers of `headers` that belong to the message, not the hop."""
-    named = _connection_named(headers)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
+_NOT_FORWARDED_RAW = frozenset(name.encode() for name in _NOT_FORWARDED)
+
+
+def _hop_filter(
+    raw: tuple[tuple[bytes, bytes], ...] | list[tuple[bytes, bytes]], drop: frozenset[bytes]
+) -> Iterator[tuple[bytes, bytes]]:
+    named = _connection_named([value for name, value in raw if name.lower() == b"connection"])
+    for name, value in raw:
         lower = name.lower()
-        if lower in _NOT_FORWARDED or lower.startswith("proxy-") or lower in named or lower in drop:
+        if lower in _NOT_FORWARDED_RAW or lower.startswith(b"proxy-") or lower in named or lower in drop:
             continue
-        out.add(name, value)
+        yield name, value
+
+
+def request_headers(raw: tuple[tuple[bytes, bytes], ...], drop: frozenset[bytes] = frozenset()) -> bytes:
+    """The client's end-to-end headers, framed for the replica (each line ends CRLF).
+
+    The parser on the client side has already refused values with CR, LF or
+    NUL, so the raw bytes are safe to pass on as they came.
+    """
+    return b"".join(name + b": " + value + b"\r\n" for name, value in _hop_filter(raw, drop))
+
+
+def response_headers(raw: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
+    """The replica's end-to-end headers, for the answer to the client."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in _hop_filter(raw, frozenset()):
+        out.add(name.decode("latin-1"), value.decode("latin-1"))
     return out
 
 
