@@ -370,8 +370,19 @@ class Client:
         the replica closed just then looks like that.
         """
         connection = self._reuse(origin)
-        if connection is None:
-            connection = await self._connect(origin)
+        if connection is not None:
+            try:
+                return await self._exchange(connection, head, body)
+            except ConnectionBroken as exc:
+                if not exc.before_head:
+                    raise
+                # The keep-alive race: the replica closed the idle connection
+                # as the request went out. Once more, on a fresh connection.
+        connection = await self._connect(origin)
+        return await self._exchange(connection, head, body)
+
+    async def _exchange(self, connection: _Connection, head: bytes, body: bytes) -> Response:
+        # One write for a small request; a big body is not copied into the head.
         future = connection.send(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             assert connection.transport is not None
@@ -392,7 +403,8 @@ class Client:
         while idle:
             # The most recently used first: the most likely to be open still.
             connection = idle.pop()
-            if connection.idle_since >= cutoff and not connection.closed:
+            transport = connection.transport
+            if connection.idle_since >= cutoff and not connection.closed and transport and not transport.is_closing():
                 return connection
             connection.close()
         return None

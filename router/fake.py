@@ -67,6 +67,8 @@ class FakeReplica:
     # Seconds an idle keep-alive connection stays open (uvicorn's default is 5).
     keepalive_timeout: float = 75.0
     record: bool = True
+    # Reported to SGLang's and vLLM's routers, which otherwise fetch a tokenizer from a hub.
+    tokenizer_path: str = ""
     seen: list[Seen] = field(default_factory=list)
     cancelled: int = 0
     active: int = 0
@@ -82,6 +84,11 @@ class FakeReplica:
         app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        # What SGLang's and vLLM's own routers probe before they route (bench/compare.py).
+        app.router.add_get("/get_model_info", self._engine_info)
+        app.router.add_get("/get_server_info", self._engine_info)
+        app.router.add_get("/model_info", self._engine_info)
+        app.router.add_get("/server_info", self._engine_info)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None) -> str:
@@ -110,6 +117,11 @@ class FakeReplica:
         if self.behaviour.fail_status is not None:
             return web.Response(status=503, text="unhealthy")
         return web.Response(text="ok")
+
+    async def _engine_info(self, request: web.Request) -> web.Response:
+        model = self.models[0]
+        info = {"model_path": model, "tokenizer_path": self.tokenizer_path or model, "is_generation": True}
+        return web.Response(body=orjson.dumps(info), content_type="application/json")
 
     async def _models(self, request: web.Request) -> web.Response:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": self.name} for m in self.models]
@@ -311,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--first-token-delay", type=float, default=0.0)
+    parser.add_argument("--tokenizer-path", default="", help="reported by /get_model_info (for peer routers)")
     parser.add_argument("--processes", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     args = parser.parse_args(argv)
     children: list[int] = []
@@ -340,6 +353,7 @@ async def _serve_forever(args: argparse.Namespace) -> None:
         behaviour=Behaviour(tokens=args.tokens, token_delay=args.token_delay, first_token_delay=args.first_token_delay),
         record=False,
         name=f"fake-{args.port}",
+        tokenizer_path=args.tokenizer_path,
     )
     await fake.start(args.host, args.port)
     await asyncio.Event().wait()

@@ -381,7 +381,8 @@ async def test_a_plain_error_from_a_replica_is_given_openai_shape(
 async def test_the_replica_sees_a_client_leave_during_a_stream(
     start_fake: StartFake, start_router: StartRouter
 ) -> None:
-    fake = await start_fake("m", behaviour=Behaviour(tokens=400, token_delay=0.02))
+    # Tokens 10 s apart: the replica must hear of it at once, not at the next chunk.
+    fake = await start_fake("m", behaviour=Behaviour(tokens=4, token_delay=10.0))
     server = await start_router([replica_entry("r0", fake)])
     async with aiohttp.ClientSession() as session:
         resp = await session.post(
@@ -391,7 +392,7 @@ async def test_the_replica_sees_a_client_leave_during_a_stream(
         await resp.content.readany()
         assert server.pool.get("r0") is not None and in_flight(server) == {"r0": 1}
         resp.close()
-    await wait_for(lambda: fake.cancelled == 1 and in_flight(server) == {"r0": 0})
+    await wait_for(lambda: fake.cancelled == 1 and in_flight(server) == {"r0": 0}, timeout=1.0)
 
 
 async def test_the_replica_sees_a_client_leave_before_the_first_token(
