@@ -13,7 +13,7 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -23,7 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from router.config import ReplicaConfig, parse_replicas, replicas_where
 from router.errors import ConfigError
 from router.openapi import DOCUMENT
-from router.pool import Pool
+from router.pool import Pool, SetDiff
 from router.sinks.latest import LatestSink
 from router.sinks.rates import RateSink
 from router.status import fleet_status
@@ -36,6 +36,57 @@ DEFAULT_IDLE_FOR = 1800.0
 _MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Fleet(Protocol):
+    """What the admin API reads and steers: one process's pool, or every worker's."""
+
+    async def snapshot(self) -> UsageSnapshot: ...
+
+    async def configs(self) -> tuple[ReplicaConfig, ...]: ...
+
+    async def set_replicas(self, configs: tuple[ReplicaConfig, ...]) -> dict[str, Any]:
+        """Make `configs` the desired set; the diff as PUT /api/v1/endpoints answers it."""
+        ...
+
+    async def set_draining(self, replica_id: str, draining: bool) -> dict[str, Any] | None:
+        """The replica's new {"id", "state", "in_flight"}, or None if there is no such replica."""
+        ...
+
+    async def metrics(self) -> bytes: ...
+
+
+class LocalFleet:
+    """The pool of this process."""
+
+    def __init__(self, pool: Pool, registry: CollectorRegistry, snapshot: Callable[[], UsageSnapshot]) -> None:
+        self.pool = pool
+        self.registry = registry
+        self._snapshot = snapshot
+
+    async def snapshot(self) -> UsageSnapshot:
+        return self._snapshot()
+
+    async def configs(self) -> tuple[ReplicaConfig, ...]:
+        return tuple(self.pool.configs())
+
+    async def set_replicas(self, configs: tuple[ReplicaConfig, ...]) -> dict[str, Any]:
+        diff = self.pool.set_replicas(configs)
+        log.info(
+            "endpoint push: %d added, %d removed, %d changed", len(diff.added), len(diff.removed), len(diff.changed)
+        )
+        return diff_json(diff)
+
+    async def set_draining(self, replica_id: str, draining: bool) -> dict[str, Any] | None:
+        replica = self.pool.set_draining(replica_id, draining)
+        if replica is None:
+            return None
+        return {"id": replica.id, "state": replica.state.value, "in_flight": replica.in_flight}
+
+    async def metrics(self) -> bytes:
+        # Rendering thousands of replicas' series takes a noticeable while;
+        # off the event loop the data path keeps moving meanwhile.
+        return await asyncio.get_running_loop().run_in_executor(None, generate_latest, self.registry)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -72,21 +123,17 @@ def replica_rows(snapshot: UsageSnapshot, now: float) -> list[dict[str, Any]]:
 class Admin:
     def __init__(
         self,
-        pool: Pool,
+        fleet: Fleet,
         latest: LatestSink,
-        registry: CollectorRegistry,
         *,
         admin_token: str,
-        snapshot: Callable[[], UsageSnapshot],
         is_ready: Callable[[], bool],
         rates: RateSink,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        self.pool = pool
+        self.fleet = fleet
         self.latest = latest
-        self.registry = registry
         self._token = admin_token.encode()
-        self._snapshot = snapshot
         self._is_ready = is_ready
         self._rates = rates
         self._wall = wall
@@ -115,6 +162,8 @@ class Admin:
                 return _error(401, "This call needs 'Authorization: Bearer <admin token>'.", "invalid_admin_token")
         try:
             return await handler(request)
+        except FleetUnavailable as exc:
+            return _error(503, str(exc), "workers_unavailable")
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"The request body exceeds {ADMIN_BODY_LIMIT} bytes.", "request_too_large")
         except web.HTTPException as exc:
@@ -131,9 +180,7 @@ class Admin:
         return _json({"status": "not ready"}, status=503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        # Rendering thousands of replicas' series takes a noticeable while;
-        # off the event loop the data path keeps moving meanwhile.
-        body = await asyncio.get_running_loop().run_in_executor(None, generate_latest, self.registry)
+        body = await self.fleet.metrics()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def usage(self, request: web.Request) -> web.Response:
@@ -143,7 +190,7 @@ class Admin:
         return web.Response(body=body, content_type="application/json")
 
     async def replicas(self, request: web.Request) -> web.Response:
-        return _json(replica_rows(self._snapshot(), self._wall()))
+        return _json(replica_rows(await self.fleet.snapshot(), self._wall()))
 
     async def status(self, request: web.Request) -> web.Response:
         raw = request.query.get("idle_for", str(DEFAULT_IDLE_FOR))
@@ -153,7 +200,7 @@ class Admin:
             idle_for = -1.0
         if not 0 <= idle_for < float("inf"):
             return _error(400, f"idle_for must be a number of seconds >= 0, got {raw!r}.", "invalid_idle_for")
-        snapshot = self._snapshot()
+        snapshot = await self.fleet.snapshot()
         summary = fleet_status(
             snapshot, now=snapshot.generated_at, idle_for=idle_for, rates=self._rates.per_second(snapshot)
         )
@@ -163,7 +210,7 @@ class Admin:
         return _json(DOCUMENT)
 
     async def get_endpoints(self, request: web.Request) -> web.Response:
-        return _json({"replicas": [c.as_json() for c in self.pool.configs()]})
+        return _json({"replicas": [c.as_json() for c in await self.fleet.configs()]})
 
     async def _body(self, request: web.Request) -> Any:
         raw = await request.read()
@@ -185,18 +232,7 @@ class Admin:
             configs = _parse_pushed(body["replicas"])
         except _BadBody as exc:
             return _error(400, str(exc), "invalid_endpoints")
-        diff = self.pool.set_replicas(configs)
-        log.info(
-            "endpoint push: %d added, %d removed, %d changed", len(diff.added), len(diff.removed), len(diff.changed)
-        )
-        return _json(
-            {
-                "added": list(diff.added),
-                "removed": list(diff.removed),
-                "changed": list(diff.changed),
-                "unchanged": len(diff.unchanged),
-            }
-        )
+        return _json(await self.fleet.set_replicas(configs))
 
     async def set_state(self, request: web.Request) -> web.Response:
         replica_id = request.match_info["id"]
@@ -207,10 +243,23 @@ class Admin:
         state = body.get("state") if isinstance(body, dict) else None
         if state not in ("draining", "ready") or not isinstance(body, dict) or set(body) != {"state"}:
             return _error(400, 'The body must be {"state": "draining"} or {"state": "ready"}.', "invalid_state")
-        replica = self.pool.set_draining(replica_id, state == "draining")
-        if replica is None:
+        answer = await self.fleet.set_draining(replica_id, state == "draining")
+        if answer is None:
             return _error(404, f"No replica with id {replica_id!r}.", "replica_not_found")
-        return _json({"id": replica.id, "state": replica.state.value, "in_flight": replica.in_flight})
+        return _json(answer)
+
+
+def diff_json(diff: SetDiff) -> dict[str, Any]:
+    return {
+        "added": list(diff.added),
+        "removed": list(diff.removed),
+        "changed": list(diff.changed),
+        "unchanged": len(diff.unchanged),
+    }
+
+
+class FleetUnavailable(Exception):
+    """A worker did not take a change; the message names it."""
 
 
 class _BadBody(Exception):

@@ -15,11 +15,13 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from router.admin import Admin
+from router.admin import Admin, LocalFleet
 from router.client import Client
+from router.combined import snapshot_to_json
 from router.config import Config, load_config
 from router.errors import ConfigError
 from router.headguard import HeadDeadline
@@ -35,6 +37,9 @@ from router.usage import Ticker, UsageSink
 
 log = logging.getLogger("router")
 
+# On a worker's private socket only: its whole snapshot, for the supervisor.
+SNAPSHOT_PATH = "/internal/v1/snapshot"
+
 
 class RouterServer:
     def __init__(
@@ -44,8 +49,14 @@ class RouterServer:
         registry: CollectorRegistry | None = None,
         wall: Callable[[], float] = time.time,
         mono: Callable[[], float] = time.monotonic,
+        worker_socket: str | None = None,
     ) -> None:
+        """`worker_socket`: run as one worker of `router serve --workers N` (workers.py):
+        the client port is shared (SO_REUSEPORT), the admin API listens on that
+        private Unix socket for the supervisor, and the supervisor, not this
+        process, ticks, pushes and exports usage."""
         self.config = config
+        self.worker_socket = worker_socket
         self.registry = registry if registry is not None else CollectorRegistry()
         self.started_at = wall()
         self.pool = Pool(
@@ -77,15 +88,17 @@ class RouterServer:
     @property
     def client_url(self) -> str:
         assert self.client_address is not None, "start() first"
-        return _url(self.client_address)
+        return http_url(self.client_address)
 
     @property
     def admin_url(self) -> str:
         assert self.admin_address is not None, "start() first"
-        return _url(self.admin_address)
+        return http_url(self.admin_address)
 
-    async def start(self) -> None:
+    async def start(self, before_clients: Callable[[], None] | None = None) -> None:
+        """Listen on both ports; `before_clients` runs once the admin API is up."""
         config = self.config
+        worker_socket = self.worker_socket
         session = make_session(config)
         self._session = session
         sinks: list[UsageSink] = [self.latest, self.prometheus, self.rates]
@@ -103,14 +116,15 @@ class RouterServer:
             mono=self._mono,
         )
         push = self.push
-        self.registry.register(
-            UsageCollector(
-                self.prometheus,
-                sink_failures=lambda: ticker.sink_failures,
-                push_failures=(lambda: push.failures) if push is not None else (lambda: None),
-                tick_seconds=lambda: ticker.last_tick_seconds,
+        if worker_socket is None:
+            self.registry.register(
+                UsageCollector(
+                    self.prometheus,
+                    sink_failures=lambda: ticker.sink_failures,
+                    push_failures=(lambda: push.failures) if push is not None else (lambda: None),
+                    tick_seconds=lambda: ticker.last_tick_seconds,
+                )
             )
-        )
         metrics = DataPathMetrics(self.registry)
         self.upstream = Client(
             connect_timeout=config.connect_timeout_seconds, keepalive_seconds=config.upstream_keepalive_seconds
@@ -124,11 +138,9 @@ class RouterServer:
         client.router.add_route("*", "/{tail:.*}", proxy.not_found)
 
         admin = Admin(
-            self.pool,
+            LocalFleet(self.pool, self.registry, ticker.snapshot),
             self.latest,
-            self.registry,
             admin_token=config.admin_token,
-            snapshot=ticker.snapshot,
             is_ready=lambda: self.ready,
             rates=self.rates,
             wall=self._wall,
@@ -143,10 +155,23 @@ class RouterServer:
             access_log=None,
             shutdown_timeout=config.shutdown_grace_seconds,
         )
-        self._admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=1.0)
+        admin_app = admin.app()
+        if worker_socket is not None:
+            admin_app.router.add_get(SNAPSHOT_PATH, self._snapshot_json)
+        self._admin_runner = web.AppRunner(admin_app, access_log=None, shutdown_timeout=1.0)
         await self._client_runner.setup()
         await self._admin_runner.setup()
         try:
+            admin_site: web.BaseSite
+            if worker_socket is not None:
+                admin_site = web.UnixSite(self._admin_runner, worker_socket)
+            else:
+                admin_site = web.TCPSite(self._admin_runner, config.admin_listen.host, config.admin_listen.port)
+            # The admin API first: a worker takes the supervisor's pushes from
+            # here on, so its pool is current before the first client arrives.
+            await admin_site.start()
+            if before_clients is not None:
+                before_clients()
             handlers = self._client_runner.server
             assert handlers is not None
             timeout = config.header_timeout_seconds
@@ -157,10 +182,9 @@ class RouterServer:
                 config.listen.host,
                 config.listen.port,
                 reuse_address=True,
+                reuse_port=worker_socket is not None,
                 backlog=1024,
             )
-            admin_site = web.TCPSite(self._admin_runner, config.admin_listen.host, config.admin_listen.port)
-            await admin_site.start()
         except OSError:
             if self._client_listener is not None:
                 self._client_listener.close()
@@ -172,9 +196,11 @@ class RouterServer:
         assert self._client_listener is not None
         host, port = self._client_listener.sockets[0].getsockname()[:2]
         self.client_address = (str(host), int(port))
-        self.admin_address = _bound(self._admin_runner)
+        self.admin_address = _bound(self._admin_runner) if worker_socket is None else ("", 0)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(ticker.run()), loop.create_task(proxy.stalls.run())]
+        self._tasks = [loop.create_task(proxy.stalls.run())]
+        if worker_socket is None:
+            self._tasks.append(loop.create_task(ticker.run()))
         if config.health_check_interval_seconds > 0:
             self.health = HealthChecker(
                 self.pool,
@@ -211,6 +237,11 @@ class RouterServer:
         await self._session.close()
         await self.upstream.close()
 
+    async def _snapshot_json(self, request: web.Request) -> web.Response:
+        assert self.ticker is not None
+        body = orjson.dumps(snapshot_to_json(self.ticker.snapshot()))
+        return web.Response(body=body, content_type="application/json")
+
     def _slow_head(self) -> None:
         self.slow_heads += 1
 
@@ -243,7 +274,7 @@ def _bound(runner: web.AppRunner) -> tuple[str, int]:
     return str(host), int(port)
 
 
-def _url(address: tuple[str, int]) -> str:
+def http_url(address: tuple[str, int]) -> str:
     host, port = address
     if ":" in host:
         host = f"[{host}]"

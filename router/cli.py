@@ -50,7 +50,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     _setup_logging(args.log_level)
     try:
-        _run(serve(config, config_path=args.config))
+        if args.workers > 1:
+            from router.workers import serve_workers
+
+            _run(serve_workers(config, config_path=args.config, workers=args.workers, log_level=args.log_level))
+        else:
+            _run(serve(config, config_path=args.config))
     except OSError as exc:
         print(f"router: cannot listen: {exc}", file=sys.stderr)
         return 1
@@ -138,12 +143,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workers(value: str) -> int:
+    from router.workers import worker_count
+
+    return worker_count(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="router", description="An OpenAI-compatible gateway for LLM replicas.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the router")
     serve.add_argument("--config", "-c", required=True, help="the TOML configuration file")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--workers",
+        type=_workers,
+        default=1,
+        metavar="N|auto",
+        help="processes sharing the client port, one admin view (auto: one per core; default 1)",
+    )
     demo = sub.add_parser("demo", help="a local fleet of fake replicas behind the router")
     demo.add_argument("--listen", default="127.0.0.1:8080")
     demo.add_argument("--admin-listen", default="127.0.0.1:9090")
@@ -161,6 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from router.ctl import main as ctl_main
 
         return ctl_main(argv[1:])
+    if argv and argv[0] == "_worker":
+        from router.workers import worker_main
+
+        return worker_main(argv[1:])
     if argv and argv[0] == "bench":
         from router.bench import main as bench_main
 

@@ -163,6 +163,18 @@ class UsageSink(Protocol):
     def publish(self, snapshot: UsageSnapshot) -> None: ...
 
 
+def publish(sinks: Iterable[UsageSink], snapshot: UsageSnapshot, failures: dict[str, int]) -> None:
+    """Hand `snapshot` to every sink; a sink that raises is counted in `failures`."""
+    for sink in sinks:
+        try:
+            sink.publish(snapshot)
+        except Exception:
+            # The root of a sink call: one broken exporter must not starve
+            # the others or stop the tick. Logged and counted, then on.
+            failures[sink.name] = failures.get(sink.name, 0) + 1
+            log.exception("usage sink %s failed", sink.name)
+
+
 class Ticker:
     """Takes a snapshot every `tick_seconds` and hands it to every sink."""
 
@@ -197,14 +209,7 @@ class Ticker:
         began = time.perf_counter()
         snapshot = self.snapshot()
         self.latest = snapshot
-        for sink in self.sinks:
-            try:
-                sink.publish(snapshot)
-            except Exception:
-                # The root of a sink call: one broken exporter must not starve
-                # the others or stop the tick. Logged and counted, then on.
-                self.sink_failures[sink.name] = self.sink_failures.get(sink.name, 0) + 1
-                log.exception("usage sink %s failed", sink.name)
+        publish(self.sinks, snapshot, self.sink_failures)
         self.ticks += 1
         self.last_tick_seconds = time.perf_counter() - began
         return snapshot

@@ -40,9 +40,9 @@ class Serve:
             lines += ["[[replicas]]", *(f'{k} = "{v}"' for k, v in r.items())]
         self.path.write_text("\n".join(lines) + "\n")
 
-    async def start(self) -> None:
+    async def start(self, *args: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "router", "serve", "--config", str(self.path)],
+            [sys.executable, "-m", "router", "serve", "--config", str(self.path), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )

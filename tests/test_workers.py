@@ -1,0 +1,336 @@
+"""`router serve --workers 2` as real processes: one admin view over two workers.
+
+Streams are opened on separate connections, so that the kernel's
+SO_REUSEPORT hash spreads them over both workers; with 16 of them the chance
+that one worker gets all is 1 in 32,768, and each test checks that both did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.fake import Behaviour, FakeReplica
+from router.workers import worker_count
+from tests.conftest import StartFake
+from tests.test_lifecycle import Serve
+from tests.test_proxy import CHAT, free_port, wait_for
+
+STREAMS = 16
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def workers(tmp_path: Path) -> AsyncIterator[Serve]:
+    process = Serve(tmp_path / "router.toml", free_port(), free_port())
+    yield process
+    if process.process is not None:
+        process.output()
+
+
+async def get(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url) as resp:
+        assert resp.status == 200, await resp.text()
+        if resp.content_type == "application/json":
+            return await resp.json()
+        return await resp.text()
+
+
+async def metrics(session: aiohttp.ClientSession, serve: Serve) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    families: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    text = await get(session, serve.admin_url + "/metrics")
+    for family in text_string_to_metric_families(text):
+        assert family.name not in families, f"{family.name} appears twice"
+        families[family.name] = {(("sample", s.name), *sorted(s.labels.items())): s.value for s in family.samples}
+    return families
+
+
+def per_worker(families: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str) -> dict[str, float]:
+    return {dict(key)["worker"]: value for key, value in families[name].items()}
+
+
+class Streams:
+    """Slow streams, each on its own connection, read until told to stop."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.sessions: list[aiohttp.ClientSession] = []
+        self.responses: list[aiohttp.ClientResponse] = []
+
+    async def open(self, count: int) -> None:
+        for _ in range(count):
+            session = aiohttp.ClientSession()
+            self.sessions.append(session)
+            resp = await session.post(self.url + "/v1/chat/completions", data=orjson.dumps({**CHAT, "stream": True}))
+            assert resp.status == 200
+            await resp.content.readany()
+            self.responses.append(resp)
+
+    async def close(self) -> None:
+        for resp in self.responses:
+            resp.close()
+        for session in self.sessions:
+            await session.close()
+
+
+async def replicas(session: aiohttp.ClientSession, serve: Serve) -> dict[str, dict[str, Any]]:
+    rows = await get(session, serve.admin_url + "/api/v1/replicas")
+    return {row["id"]: row for row in rows}
+
+
+async def test_the_admin_view_is_one_router_over_both_workers(
+    workers: Serve, start_fake: StartFake, receiver: tuple[str, list[dict[str, Any]], dict[str, Any]]
+) -> None:
+    url, received, _ = receiver
+    slow = await start_fake("m", behaviour=Behaviour(tokens=1000, token_delay=0.05))
+    workers.write([{"id": "r0", "model": "m", "url": slow.url}], f'usage_push_url = "{url}"')
+    await workers.start("--workers", "2")
+    streams = Streams(workers.client_url)
+    async with aiohttp.ClientSession() as session:
+        try:
+            await streams.open(STREAMS)
+            rows = await replicas(session, workers)
+            # In flight is summed over the workers...
+            assert rows["r0"]["in_flight"] == STREAMS
+            assert rows["r0"]["requests"] == STREAMS
+            families = await metrics(session, workers)
+            split = per_worker(families, "router_worker_in_flight_requests")
+            # ...and both workers hold some of them.
+            assert sorted(split) == ["0", "1"]
+            assert all(value > 0 for value in split.values()), split
+            assert sum(split.values()) == STREAMS
+            assert families["router_workers"][(("sample", "router_workers"),)] == 2
+        finally:
+            await streams.close()
+        await wait_for(lambda: slow.active == 0)
+        # Short requests: the data-path histograms are summed into one series.
+        for _ in range(10):
+            async with (
+                aiohttp.ClientSession() as one,
+                one.post(workers.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
+            ):
+                assert resp.status == 200
+        families = await metrics(session, workers)
+        first_bytes = families["router_time_to_first_byte_seconds"][
+            (("sample", "router_time_to_first_byte_seconds_count"), ("model", "m"))
+        ]
+        assert first_bytes == STREAMS + 10
+        # Streams the client left have no duration: only the 10 that ended.
+        durations = families["router_request_duration_seconds"][
+            (("sample", "router_request_duration_seconds_count"), ("model", "m"))
+        ]
+        assert durations == 10
+        # The usage map moves once a tick (0.1 s here).
+        for _ in range(50):
+            usage = await get(session, workers.admin_url + "/api/v1/usage")
+            if "r0" in usage["last_used"]:
+                break
+            await asyncio.sleep(0.1)
+        assert set(usage["last_used"]) == {"r0"}
+        assert set(usage["watching_since"]) == {"r0"}
+        families = await metrics(session, workers)
+        assert len(families["router_replica_last_used_timestamp_seconds"]) == 1
+    # The supervisor pushes the combined map, not one push per worker.
+    await wait_for(lambda: any("r0" in doc.get("last_used", {}) for doc in received), timeout=5)
+    assert len({doc["router"] for doc in received}) == 1
+
+
+async def test_a_push_reaches_every_worker_before_it_is_answered(workers: Serve, start_fake: StartFake) -> None:
+    kept = await start_fake("m", name="kept")
+    removed = await start_fake("m", name="removed")
+    both = [{"id": "kept", "model": "m", "url": kept.url}, {"id": "removed", "model": "m", "url": removed.url}]
+    workers.write(both)
+    await workers.start("--workers", "2")
+    async with aiohttp.ClientSession() as session:
+        body = {"replicas": [dict(both[0], labels={})]}
+        async with session.put(workers.admin_url + "/api/v1/endpoints", json=body) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["removed"] == ["removed"]
+        seen_before = len(removed.seen)
+        # New connections, so that both workers take some of these.
+        for _ in range(40):
+            async with (
+                aiohttp.ClientSession() as one,
+                one.post(workers.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
+            ):
+                assert resp.status == 200
+        assert len(removed.seen) == seen_before
+        assert len(kept.seen) == 40
+        endpoints = await get(session, workers.admin_url + "/api/v1/endpoints")
+        assert [r["id"] for r in endpoints["replicas"]] == ["kept"]
+        # A body that is wrong is refused once, by the supervisor, naming the problem.
+        async with session.put(workers.admin_url + "/api/v1/endpoints", json={"replicas": [{"id": 1}]}) as resp:
+            assert resp.status == 400
+            assert "replicas[0]" in (await resp.json())["error"]["message"]
+
+
+async def test_drained_only_when_no_worker_has_the_replica_in_flight(workers: Serve, start_fake: StartFake) -> None:
+    slow = await start_fake("m", behaviour=Behaviour(tokens=1000, token_delay=0.05))
+    workers.write([{"id": "r0", "model": "m", "url": slow.url}])
+    await workers.start("--workers", "2")
+    streams = Streams(workers.client_url)
+    async with aiohttp.ClientSession() as session:
+        try:
+            await streams.open(STREAMS)
+            async with session.post(
+                workers.admin_url + "/api/v1/replicas/r0/state", json={"state": "draining"}
+            ) as resp:
+                assert resp.status == 200
+                answer = await resp.json()
+            assert answer == {"id": "r0", "state": "draining", "in_flight": STREAMS}
+            split = per_worker(await metrics(session, workers), "router_worker_in_flight_requests")
+            assert all(value > 0 for value in split.values()), split
+            # No new request reaches it, from either worker.
+            async with (
+                aiohttp.ClientSession() as one,
+                one.post(workers.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
+            ):
+                assert resp.status == 503
+            # Ending the streams one by one: draining while any worker has one.
+            for resp in streams.responses[:-1]:
+                resp.close()
+            await wait_for(lambda: slow.active == 1)
+            assert (await replicas(session, workers))["r0"]["state"] == "draining"
+        finally:
+            await streams.close()
+        await wait_for(lambda: slow.active == 0)
+        rows = await replicas(session, workers)
+        assert (rows["r0"]["state"], rows["r0"]["in_flight"]) == ("drained", 0)
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+async def test_a_worker_that_dies_is_restarted_and_nothing_goes_backwards(
+    workers: Serve, start_fake: StartFake
+) -> None:
+    fake: FakeReplica = await start_fake("m")
+    workers.write([{"id": "r0", "model": "m", "url": fake.url}])
+    await workers.start("--workers", "2")
+    assert workers.process is not None
+    pids = children(workers.process.pid)
+    assert len(pids) == 2
+    async with aiohttp.ClientSession() as session:
+        for _ in range(20):
+            async with (
+                aiohttp.ClientSession() as one,
+                one.post(workers.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
+            ):
+                assert resp.status == 200
+        before = (await replicas(session, workers))["r0"]
+        assert before["requests"] == 20
+        os.kill(pids[0], signal.SIGKILL)
+
+        async def restarted() -> bool:
+            families = await metrics(session, workers)
+            return sum(per_worker(families, "router_worker_restarts").values()) == 1 and (
+                families["router_workers"][(("sample", "router_workers"),)] == 2
+            )
+
+        for _ in range(100):
+            if await restarted():
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the worker was not restarted")
+        after = (await replicas(session, workers))["r0"]
+        # The dead worker's totals stay; its stamps too; the watch restarts.
+        assert after["requests"] == 20
+        assert after["last_used"] >= before["last_used"]
+        assert after["watching_since"] > before["watching_since"]
+        async with session.get(workers.admin_url + "/readyz") as resp:
+            assert resp.status == 200
+    assert len(children(workers.process.pid)) == 2
+    workers.signal(signal.SIGTERM)
+    assert workers.process.wait(timeout=30) == 0
+    assert "exited with status -9; restarting it" in workers.output()
+
+
+async def test_sigterm_lets_every_worker_finish_its_streams(workers: Serve, start_fake: StartFake) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(tokens=20, token_delay=0.05))
+    workers.write([{"id": "r0", "model": "m", "url": fake.url}])
+    await workers.start("--workers", "2")
+
+    async def one_stream() -> bytes:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                workers.client_url + "/v1/chat/completions", data=orjson.dumps({**CHAT, "stream": True})
+            ) as resp,
+        ):
+            return await resp.read()
+
+    tasks = [asyncio.ensure_future(one_stream()) for _ in range(8)]
+    await wait_for(lambda: fake.active == 8)
+    workers.signal(signal.SIGTERM)
+    bodies = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+    assert all(body.endswith(b"data: [DONE]\n\n") for body in bodies)
+    assert workers.process is not None
+    assert workers.process.wait(timeout=30) == 0
+
+
+async def test_workers_refuse_a_port_that_something_else_listens_on(workers: Serve, start_fake: StartFake) -> None:
+    fake = await start_fake("m")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        workers.client_url = f"http://127.0.0.1:{port}"
+        workers.write([{"id": "r0", "model": "m", "url": fake.url}])
+        done = subprocess.run(
+            [sys.executable, "-m", "router", "serve", "--config", str(workers.path), "--workers", "2"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    finally:
+        taken.close()
+    assert done.returncode == 1
+    assert "cannot listen" in done.stderr
+    assert "Address already in use" in done.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", ""])
+def test_a_bad_worker_count_is_refused_by_name(tmp_path: Path, value: str) -> None:
+    config = tmp_path / "router.toml"
+    config.write_text('listen = "127.0.0.1:0"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "router", "serve", "--config", str(config), "--workers", value],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "--workers" in done.stderr
+    assert "whole number >= 1 or 'auto'" in done.stderr
+
+
+def test_auto_is_one_worker_per_usable_core() -> None:
+    assert worker_count("auto") == len(os.sched_getaffinity(0))
+    assert worker_count("3") == 3
