@@ -17,6 +17,10 @@ from dataclasses import replace
 
 import orjson
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CollectorRegistry
 
 from router.admin import Admin, LocalFleet
@@ -27,7 +31,7 @@ from router.errors import ConfigError
 from router.headguard import HeadDeadline
 from router.health import HealthChecker
 from router.pool import EjectionPolicy, Limits, Pool
-from router.proxy import INFERENCE_PATHS, DataPathMetrics, Proxy
+from router.proxy import DataPathMetrics, Proxy
 from router.sinks.latest import LatestSink
 from router.sinks.prometheus import PrometheusSink, UsageCollector
 from router.sinks.push import PushSink
@@ -76,7 +80,7 @@ class RouterServer:
         self.ticker: Ticker | None = None
         self.proxy: Proxy | None = None
         self.ready = False
-        self._client_runner: web.AppRunner | None = None
+        self._client_runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._client_listener: asyncio.Server | None = None
@@ -131,11 +135,28 @@ class RouterServer:
         )
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
 
-        client = web.Application(client_max_size=config.max_body_bytes)
-        for path in INFERENCE_PATHS:
-            client.router.add_post(path, proxy.inference)
-        client.router.add_get("/v1/models", proxy.models)
-        client.router.add_route("*", "/{tail:.*}", proxy.not_found)
+        loop = asyncio.get_running_loop()
+        limit = config.max_body_bytes
+
+        def make_request(
+            message: RawRequestMessage,
+            payload: StreamReader,
+            protocol: RequestHandler,
+            writer: AbstractStreamWriter,
+            task: asyncio.Task[None],
+        ) -> web.BaseRequest:
+            return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=limit)
+
+        # aiohttp's low-level server with one handler: four routes need no
+        # router, middleware chain or Application per request.
+        client = web.Server(
+            proxy.dispatch,
+            request_factory=make_request,
+            # A client that goes away cancels its handler, and with it the
+            # upstream request, even while the replica computes the first token.
+            handler_cancellation=True,
+            access_log=None,
+        )
 
         admin = Admin(
             LocalFleet(self.pool, self.registry, ticker.snapshot),
@@ -147,14 +168,7 @@ class RouterServer:
         )
         # The first snapshot exists before anyone can ask for it.
         ticker.tick()
-        self._client_runner = web.AppRunner(
-            client,
-            # A client that goes away cancels its handler, and with it the
-            # upstream request, even while the replica computes the first token.
-            handler_cancellation=True,
-            access_log=None,
-            shutdown_timeout=config.shutdown_grace_seconds,
-        )
+        self._client_runner = web.ServerRunner(client, shutdown_timeout=config.shutdown_grace_seconds)
         admin_app = admin.app()
         if worker_socket is not None:
             admin_app.router.add_get(SNAPSHOT_PATH, self._snapshot_json)

@@ -36,6 +36,10 @@ class ConnectFailed(Exception):
     """No connection could be made: the request was not sent."""
 
 
+class HeadTimeout(Exception):
+    """The replica sent no response head within the deadline."""
+
+
 class ConnectionBroken(Exception):
     """The connection ended or sent something that is not HTTP."""
 
@@ -215,6 +219,10 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.closed = False
         self.used = False
+        # Body bytes parsed from the current read, handed on as one piece
+        # after it: a read holding many SSE events costs one client write.
+        self._body: list[bytes] = []
+        self._deadline: asyncio.TimerHandle | None = None
 
     # asyncio callbacks -------------------------------------------------------------
 
@@ -225,8 +233,17 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            self._body.clear()
             self._broken(f"the replica's answer is not valid HTTP: {exc}")
             self.close()
+            return
+        self._flush()
+
+    def _flush(self) -> None:
+        body = self._body
+        if body and self.response is not None:
+            self.response._feed(body[0] if len(body) == 1 else b"".join(body))
+        body.clear()
 
     def eof_received(self) -> bool:
         # Only a body delimited by the end of the connection ends here well.
@@ -238,6 +255,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._flush()
+        self._stop_deadline()
         if self.response is not None and not self.complete:
             # A body without a length ends with the connection (RFC 9112 6.3).
             if self.response.content_length is None and self._close_delimited():
@@ -264,6 +283,7 @@ class _Connection(asyncio.Protocol):
             self._status_line = b""
             self._headers = []
             return
+        self._stop_deadline()
         response = Response(self, status, self._status_line.decode("latin-1"), self._headers)
         self.response = response
         head = self.head
@@ -271,13 +291,13 @@ class _Connection(asyncio.Protocol):
             head.set_result(response)
 
     def on_body(self, body: bytes) -> None:
-        if self.response is not None:
-            self.response._feed(body)
+        self._body.append(body)
 
     def on_message_complete(self) -> None:
         response = self.response
         if response is None:
             return  # the end of an interim answer
+        self._flush()
         self.complete = True
         self.reusable = self.parser.should_keep_alive()
         response._finish()
@@ -296,17 +316,33 @@ class _Connection(asyncio.Protocol):
 
     # The client's side ---------------------------------------------------------------
 
-    def send(self, data: bytes) -> asyncio.Future[Response]:
+    def send(self, data: bytes, head_timeout: float | None) -> asyncio.Future[Response]:
         assert self.transport is not None
+        loop = asyncio.get_running_loop()
         self.used = True
         self.complete = False
         self.reusable = False
         self.response = None
         self._status_line = b""
         self._headers = []
-        self.head = asyncio.get_running_loop().create_future()
+        self.head = loop.create_future()
+        if head_timeout is not None:
+            # One timer per request, cancelled by the head: cheaper than an
+            # asyncio.timeout() around the await.
+            self._deadline = loop.call_later(head_timeout, self._head_late, head_timeout)
         self.transport.write(data)
         return self.head
+
+    def _head_late(self, seconds: float) -> None:
+        self._deadline = None
+        head = self.head
+        if head is not None and not head.done():
+            head.set_exception(HeadTimeout(f"no response head within {seconds:g} s"))
+
+    def _stop_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
     def response_released(self, response: Response) -> None:
         if response is not self.response:
@@ -327,6 +363,7 @@ class _Connection(asyncio.Protocol):
 
     def abandon(self) -> None:
         """The caller gave up before the head (timeout, client gone): never reuse."""
+        self._stop_deadline()
         self.response = None
         self.head = None
         if self.transport is not None and not self.closed:
@@ -362,28 +399,31 @@ class Client:
         self._sweeper: asyncio.TimerHandle | None = None
         self.connections_made = 0
 
-    async def request(self, origin: Origin, head: bytes, body: bytes) -> Response:
+    async def request(self, origin: Origin, head: bytes, body: bytes, head_timeout: float | None = None) -> Response:
         """Send one request (head already framed) and wait for the response head.
 
-        Raises ConnectFailed, or ConnectionBroken(before_head=True) when the
-        connection ended before any answer: a stale keep-alive connection that
-        the replica closed just then looks like that.
+        Raises ConnectFailed; HeadTimeout when no head came within
+        `head_timeout` seconds of sending; or ConnectionBroken(before_head=True)
+        when the connection ended before any answer (a stale keep-alive
+        connection that the replica closed just then looks like that).
         """
         connection = self._reuse(origin)
         if connection is not None:
             try:
-                return await self._exchange(connection, head, body)
+                return await self._exchange(connection, head, body, head_timeout)
             except ConnectionBroken as exc:
                 if not exc.before_head:
                     raise
                 # The keep-alive race: the replica closed the idle connection
                 # as the request went out. Once more, on a fresh connection.
         connection = await self._connect(origin)
-        return await self._exchange(connection, head, body)
+        return await self._exchange(connection, head, body, head_timeout)
 
-    async def _exchange(self, connection: _Connection, head: bytes, body: bytes) -> Response:
+    async def _exchange(
+        self, connection: _Connection, head: bytes, body: bytes, head_timeout: float | None
+    ) -> Response:
         # One write for a small request; a big body is not copied into the head.
-        future = connection.send(head + body if len(body) < 65536 else head)
+        future = connection.send(head + body if len(body) < 65536 else head, head_timeout)
         if len(body) >= 65536:
             assert connection.transport is not None
             connection.transport.write(body)

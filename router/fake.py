@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import itertools
 import os
+import random
 import signal
 import socket
 import sys
@@ -48,6 +49,9 @@ class Behaviour:
     raw_stream: list[bytes] | None = None
     # Headers added to every answer (tests of what the router forwards).
     extra_headers: dict[str, str] = field(default_factory=dict)
+    # Per model: seconds between streamed tokens, drawn uniformly from
+    # (low, high) for each token, like a real engine's uneven pace (bench).
+    paced: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -269,13 +273,17 @@ class FakeReplica:
             n,
             include_usage=bool((obj.get("stream_options") or {}).get("include_usage")),
         )
+        pace = b.paced.get(model)
         for index, chunk in enumerate(chunks):
             if b.reset_after_chunks is not None and index >= b.reset_after_chunks:
                 if request.transport is not None:
                     request.transport.abort()
                 return resp
-            if b.token_delay and 0 < index < n + 1:
-                await asyncio.sleep(b.token_delay)
+            if 0 < index < n + 1:
+                if pace is not None:
+                    await asyncio.sleep(random.uniform(*pace))
+                elif b.token_delay:
+                    await asyncio.sleep(b.token_delay)
             await resp.write(chunk)
         await resp.write_eof()
         return resp
@@ -323,6 +331,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--first-token-delay", type=float, default=0.0)
+    parser.add_argument(
+        "--paced",
+        action="append",
+        default=[],
+        metavar="MODEL=LOW:HIGH",
+        help="stream MODEL's tokens LOW to HIGH seconds apart (repeatable; MODEL is also served)",
+    )
     parser.add_argument("--tokenizer-path", default="", help="reported by /get_model_info (for peer routers)")
     parser.add_argument("--processes", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     args = parser.parse_args(argv)
@@ -347,10 +362,29 @@ def main(argv: Sequence[str] | None = None) -> None:
                 pass
 
 
+def _pace(spec: str) -> tuple[str, tuple[float, float]]:
+    model, _, span = spec.partition("=")
+    low, _, high = span.partition(":")
+    try:
+        pace = (float(low), float(high or low))
+    except ValueError:
+        pace = (-1.0, -1.0)
+    if not model or not 0 <= pace[0] <= pace[1]:
+        raise SystemExit(f"--paced: expected MODEL=LOW:HIGH seconds with 0 <= LOW <= HIGH, got {spec!r}")
+    return model, pace
+
+
 async def _serve_forever(args: argparse.Namespace) -> None:
+    paced = dict(_pace(spec) for spec in args.paced)
+    models = [*(args.models or ([] if paced else ["fake-model"])), *paced]
     fake = FakeReplica(
-        models=tuple(args.models or ["fake-model"]),
-        behaviour=Behaviour(tokens=args.tokens, token_delay=args.token_delay, first_token_delay=args.first_token_delay),
+        models=tuple(models),
+        behaviour=Behaviour(
+            tokens=args.tokens,
+            token_delay=args.token_delay,
+            first_token_delay=args.first_token_delay,
+            paced=paced,
+        ),
         record=False,
         name=f"fake-{args.port}",
         tokenizer_path=args.tokenizer_path,

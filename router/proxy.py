@@ -22,7 +22,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Histogram
 
-from router.client import Client, ConnectFailed, ConnectionBroken, Response
+from router.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response
 from router.config import Config
 from router.errors import (
     BadRequest,
@@ -42,7 +42,7 @@ from router.upstream import request_headers, response_headers
 
 log = logging.getLogger("router.proxy")
 
-INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 
 # A replica answering these is busy or broken, not saying no to the request:
 # another replica may well serve it.
@@ -231,7 +231,17 @@ class Proxy:
 
     # Entry points -------------------------------------------------------------
 
-    async def inference(self, request: web.Request) -> web.StreamResponse:
+    async def dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        """The client port's one handler."""
+        path = request.path
+        method = request.method
+        if method == "POST" and path in INFERENCE_PATHS:
+            return await self.inference(request)
+        if path == "/v1/models" and method in ("GET", "HEAD"):
+            return await self.models(request)
+        return await self.not_found(request)
+
+    async def inference(self, request: web.BaseRequest) -> web.StreamResponse:
         started = time.perf_counter()
         try:
             self._authorize(request)
@@ -247,7 +257,7 @@ class Proxy:
         self.metrics.observe_duration(model, time.perf_counter() - started)
         return response
 
-    async def models(self, request: web.Request) -> web.StreamResponse:
+    async def models(self, request: web.BaseRequest) -> web.StreamResponse:
         try:
             self._authorize(request)
         except ClientFacingError as exc:
@@ -258,7 +268,7 @@ class Proxy:
         data = [{"id": name, "object": "model", "created": self._created, "owned_by": "router"} for name in names]
         return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
 
-    async def not_found(self, request: web.Request) -> web.StreamResponse:
+    async def not_found(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.path in INFERENCE_PATHS or request.path == "/v1/models":
             return web.Response(
                 status=405,
@@ -279,7 +289,7 @@ class Proxy:
 
     # Steps ----------------------------------------------------------------------
 
-    def _authorize(self, request: web.Request) -> None:
+    def _authorize(self, request: web.BaseRequest) -> None:
         if not self._keys:
             return
         header = request.headers.get("Authorization", "")
@@ -294,7 +304,7 @@ class Proxy:
                 return
         raise Unauthorized("Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.")
 
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def _read_body(self, request: web.BaseRequest) -> bytes:
         limit = self.config.max_body_bytes
         length = request.content_length
         if length is not None and length > limit:
@@ -305,7 +315,7 @@ class Proxy:
             raise BodyTooLarge(f"The request body exceeds the limit of {limit} bytes.") from exc
 
     async def _serve(
-        self, request: web.Request, body: bytes, obj: dict[str, Any], requested: str, model: str, stream: bool
+        self, request: web.BaseRequest, body: bytes, obj: dict[str, Any], requested: str, model: str, stream: bool
     ) -> web.StreamResponse:
         # Framed once for every attempt; only Host and the length differ.
         headers = request_headers(request.raw_headers, self._drop)
@@ -382,7 +392,7 @@ class Proxy:
 
     async def _attempt(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         replica: Replica,
         path: bytes,
         body: bytes,
@@ -405,9 +415,10 @@ class Proxy:
         )
         began = time.perf_counter()
         try:
-            async with asyncio.timeout(self._first_byte_timeout):
-                resp = await self.client.request(origin, head, body)
-        except TimeoutError:
+            # The connect timeout is the client's own; the first-byte deadline
+            # runs from the request going out.
+            resp = await self.client.request(origin, head, body, self._first_byte_timeout)
+        except HeadTimeout:
             return self._failed(
                 replica,
                 UpstreamTimeout(f"Replica {replica.id} sent no response within {self._first_byte_timeout:g} s."),
@@ -462,7 +473,7 @@ class Proxy:
 
     async def _stream(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         replica: Replica,
         resp: Response,
         headers: CIMultiDict[str],
