@@ -17,16 +17,18 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from router.config import LabelValue
-from router.pool import Pool, Replica
+from router.pool import Pool, Replica, ReplicaState
 
 log = logging.getLogger("router.usage")
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaUsage:
+class ReplicaUsage(NamedTuple):
+    """One replica in a snapshot. A tuple: a tick builds thousands of these,
+    and a tuple is built in C where a frozen dataclass sets each field in Python."""
+
     id: str
     model: str
     url: str
@@ -109,32 +111,49 @@ class Snapshotter:
         started_at = self.started_at
         previous = self._frozen
         frozen: dict[Replica, tuple[tuple[object, ...], ReplicaUsage]] = {}
-        replicas = []
+        replicas: list[ReplicaUsage] = []
+        append = replicas.append
+        get = previous.get
+        build = tuple.__new__
+        draining, drained = ReplicaState.DRAINING.value, ReplicaState.DRAINED.value
+        ejected, ready = ReplicaState.EJECTED.value, ReplicaState.READY.value
         for r in self.pool:
-            if r.in_flight > 0:
+            in_flight = r.in_flight
+            if in_flight > 0:
                 r.last_used = mono
-            key = (r.requests, r.in_flight, r.last_used, r.ejected_until, r.draining, r.removed, r.config, r.recoveries)
-            known = previous.get(r)
+            last_used = r.last_used
+            ejected_until = r.ejected_until
+            key = (r.requests, in_flight, last_used, ejected_until, r.draining, r.removed, r.config, r.recoveries)
+            known = get(r)
             if known is not None and known[0] == key:
                 usage = known[1]
             else:
-                usage = ReplicaUsage(
-                    id=r.id,
-                    model=r.model,
-                    url=r.base_url,
-                    state=r.state.value,
-                    in_flight=r.in_flight,
-                    requests=r.requests,
-                    last_used=None if r.last_used is None else r.last_used + offset,
-                    watching_since=max(started_at, r.added_at + offset),
-                    labels=r.config.labels,
-                    responses=MappingProxyType(dict(r.responses)) if r.responses else _EMPTY,
-                    errors=MappingProxyType(dict(r.errors)) if r.errors else _EMPTY,
-                    ejections=r.ejections,
-                    recoveries=r.recoveries,
+                # Replica.state, inlined: this loop runs over every replica.
+                if r.draining or r.removed:
+                    state = draining if in_flight else drained
+                else:
+                    state = ready if ejected_until is None else ejected
+                watching = r.added_at + offset
+                usage = build(
+                    ReplicaUsage,
+                    (
+                        r.id,
+                        r.model,
+                        r.base_url,
+                        state,
+                        in_flight,
+                        r.requests,
+                        None if last_used is None else last_used + offset,
+                        watching if watching > started_at else started_at,
+                        r.config.labels,
+                        MappingProxyType(r.responses.copy()) if r.responses else _EMPTY,
+                        MappingProxyType(r.errors.copy()) if r.errors else _EMPTY,
+                        r.ejections,
+                        r.recoveries,
+                    ),
                 )
             frozen[r] = (key, usage)
-            replicas.append(usage)
+            append(usage)
         self._frozen = frozen
         tallies = self.pool.tallies
         return UsageSnapshot(
