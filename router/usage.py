@@ -291,10 +291,13 @@ def merge_reports(
 ) -> MergedUsage:
     """Merge several routers' usage maps into a proven lower bound of quiet time.
 
-    No request reached replica r through router i after
-    max(last_used_i[r], watching_since_i[r]); so r has been quiet for at least
-    now - max over i of that. A replica that some router does not watch, or any
-    router that did not answer (None), makes the bound unprovable: unknown.
+    Router i says that no request reached replica r between
+    max(last_used_i[r], watching_since_i[r]) and its snapshot's generated_at;
+    after that it says nothing. So r has been quiet for at least the oldest
+    snapshot's time minus the latest of those horizons (a tick less than
+    `now - horizon` at worst: what arrived since a snapshot is not known).
+    A replica that some router does not watch, or any router that did not
+    answer (None), makes the bound unprovable: unknown.
     """
     answered: list[RouterReport] = []
     complete = True
@@ -304,6 +307,7 @@ def merge_reports(
         else:
             answered.append(report)
     ids = sorted({rid for rep in answered for rid in (*rep.watching_since, *rep.last_used)})
+    as_of = min([now, *(rep.generated_at for rep in answered)])
     quiet_for: dict[str, float | None] = {}
     newest: dict[str, float | None] = {}
     for rid in ids:
@@ -319,7 +323,7 @@ def merge_reports(
                     break
                 horizons.append(max(watching, rep.last_used.get(rid, watching)))
             if horizons:
-                bound = max(0.0, now - max(horizons))
+                bound = max(0.0, as_of - max(horizons))
         quiet_for[rid] = bound
     candidates = tuple(
         Candidate(

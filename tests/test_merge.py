@@ -83,3 +83,13 @@ def test_unknown_is_not_idle_for_a_single_fresh_router() -> None:
     assert merged.candidates == ()
     assert merged.quiet_for["a"] == 5.0
     assert merged.last_used["a"] is None
+
+
+def test_the_bound_holds_as_of_the_oldest_snapshot_not_as_of_now() -> None:
+    # A snapshot taken 10 s ago says nothing of the last 10 s: a request may
+    # have arrived since. The proven quiet time ends at the snapshot.
+    stale = RouterReport(server="r", last_used={"a": NOW - 100}, watching_since={"a": 0.0}, generated_at=NOW - 10)
+    fresh = RouterReport(server="s", last_used={}, watching_since={"a": 0.0}, generated_at=NOW)
+    merged = merge_reports([stale, fresh], now=NOW, idle_for=95.0)
+    assert merged.quiet_for["a"] == 90.0
+    assert merged.candidates == ()
