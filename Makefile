@@ -24,7 +24,11 @@ lint: setup
 test: lint
 	$(BIN)/pytest
 
+# The peers (bench/peers: LiteLLM, SGLang's and vLLM's routers, nginx, wrk) go
+# into .cache/peers and need root for Debian's packages; the run needs wrk.
 bench: setup
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	bench/peers
 	$(BIN)/python bench/run.py
 
 clean:

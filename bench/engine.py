@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.proxy import cpu_seconds, free_port, wait_http
+from bench.compare import cpu_seconds, free_port, wait_http
 from tests.test_engine import ENGINE_MODEL, ENGINE_PYTHON, engine_argv
 
 TOKEN_EVENT = re.compile(rb'"finish_reason":\s*null')
@@ -100,10 +100,10 @@ def main() -> dict[str, Any]:
             for _ in range(args.rounds):
                 for streams in (1, 8):
                     for name, url in paths.items():
-                        before = cpu_seconds(router.pid)
+                        before = cpu_seconds([router.pid])
                         figures = asyncio.run(load(url, streams, args.max_tokens))
                         if name == "router":
-                            figures["cpu_us"] = (cpu_seconds(router.pid) - before) * 1e6
+                            figures["cpu_us"] = (cpu_seconds([router.pid]) - before) * 1e6
                         results.setdefault(f"{name} {streams}", []).append(figures)
         finally:
             router.terminate()

@@ -1,10 +1,10 @@
-"""The one benchmark command: every bench in one run, a markdown report.
+"""The one benchmark command: every bench in one run, one markdown report.
 
-    .venv/bin/python bench/run.py          (or: make bench)
+    make bench            (= .venv/bin/python bench/run.py, after bench/peers)
 
-Runs the acquire()+release() bench, the tick bench and the proxy bench
-(straight to a fake replica vs through the router with 4 and 4,000 replicas
-configured), and writes bench/results/latest.md. Ratios within the run are
+Runs the acquire()+release() bench, the usage-tick bench and bench/compare.py
+(router against the floor proxy and the peers, 4 and 4,000 replicas, 10,000
+open streams), and writes bench/results/latest.md. Ratios within the run are
 what to compare: the machines are shared and noisy.
 """
 
@@ -23,24 +23,36 @@ HERE = Path(__file__).resolve().parent
 
 def run(script: str, *extra: str) -> str:
     return subprocess.run(
-        [sys.executable, str(HERE / script), *extra], capture_output=True, text=True, check=True, timeout=1800
+        [sys.executable, str(HERE / script), *extra], capture_output=True, text=True, check=True, timeout=3600
     ).stdout
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", default="5")
-    parser.add_argument("--rounds", default="3")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", default="5", help="per measurement of bench/compare.py")
+    parser.add_argument("--rounds", default="2")
+    parser.add_argument("--hold", default="10000", help="open streams to hold (0: skip)")
     args = parser.parse_args()
     acquire = json.loads(run("acquire.py", "--json"))
     tick = json.loads(run("tick.py", "--json"))
-    proxy_table = run("proxy.py", "--seconds", args.seconds, "--rounds", args.rounds, "--replicas", "4,4000")
+    subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "compare.py"),
+            *("--seconds", args.seconds, "--rounds", args.rounds, "--hold", args.hold),
+        ],
+        check=True,
+        timeout=3600,
+        stdout=subprocess.DEVNULL,
+    )
+    compared = (HERE / "results" / "compare.md").read_text()
     base = acquire["4"]
     lines = [
         "# Benchmark results",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, Python "
-        f"{platform.python_version()}, command: `python bench/run.py --seconds {args.seconds} --rounds {args.rounds}`",
+        f"{platform.python_version()}, command: `python bench/run.py --seconds {args.seconds} "
+        f"--rounds {args.rounds} --hold {args.hold}`",
         "",
         "## acquire() + release(), one model, 4,000 replicas of other models beside it",
         "",
@@ -57,12 +69,8 @@ def main() -> None:
             for n, t in tick.items()
         ),
         "",
-        "## Through the router vs straight to a fake replica",
-        "",
-        "Tick every second and a poller reading /api/v1/usage twice a second, both routers running.",
-        "",
-        proxy_table.strip(),
-        "",
+        # The comparison's own report, one heading level down.
+        compared.replace("\n## ", "\n### ").replace("# router against", "## router against", 1),
     ]
     out = HERE / "results" / "latest.md"
     out.parent.mkdir(exist_ok=True)
