@@ -261,7 +261,10 @@ class Supervisor:
         self.started_at = wall()
         self.ready = False
         self.stopping = False
+        # desired: what a (re)starting worker loads; current: what every live
+        # worker has acknowledged, which GET /api/v1/endpoints answers.
         self.desired: tuple[ReplicaConfig, ...] = config.replicas
+        self.current: tuple[ReplicaConfig, ...] = config.replicas
         self.draining: set[str] = set()
         self.memory = Memory()
         self.registry = CollectorRegistry()
@@ -567,7 +570,11 @@ class Supervisor:
             self.draining &= {c.id for c in configs}
             self._write_state()
             body = orjson.dumps({"replicas": [c.as_json() for c in configs]})
-            answers = await self._everywhere("PUT", "/api/v1/endpoints", body)
+            try:
+                answers = await self._everywhere("PUT", "/api/v1/endpoints", body)
+            finally:
+                # Those that answered have it; one that did not restarts with it.
+                self.current = configs
         diff: dict[str, Any] = orjson.loads(answers[0][1])
         log.info(
             "endpoint push to %d workers: %d added, %d removed, %d changed",
@@ -706,7 +713,7 @@ class _SupervisedFleet:
         return snapshot
 
     async def configs(self) -> tuple[ReplicaConfig, ...]:
-        return self.s.desired
+        return self.s.current
 
     async def set_replicas(self, configs: tuple[ReplicaConfig, ...]) -> dict[str, Any]:
         return await self.s.set_replicas(configs)

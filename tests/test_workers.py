@@ -334,3 +334,42 @@ def test_a_bad_worker_count_is_refused_by_name(tmp_path: Path, value: str) -> No
 def test_auto_is_one_worker_per_usable_core() -> None:
     assert worker_count("auto") == len(os.sched_getaffinity(0))
     assert worker_count("3") == 3
+
+
+async def test_sighup_reloads_every_worker_and_sigterm_pushes_the_last_map(
+    workers: Serve, start_fake: StartFake, receiver: tuple[str, list[dict[str, Any]], dict[str, Any]]
+) -> None:
+    url, received, _ = receiver
+    first = await start_fake("m", name="first")
+    second = await start_fake("m", name="second")
+    push = f'usage_push_url = "{url}"'
+    workers.write([{"id": "first", "model": "m", "url": first.url}], push)
+    await workers.start("--workers", "2")
+    workers.write([{"id": "second", "model": "m", "url": second.url}], push)
+    workers.signal(signal.SIGHUP)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(100):
+            endpoints = await get(session, workers.admin_url + "/api/v1/endpoints")
+            if [r["id"] for r in endpoints["replicas"]] == ["second"]:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the reload was not applied")
+    # Both workers route to the new set only (new connections reach both).
+    for _ in range(20):
+        async with (
+            aiohttp.ClientSession() as one,
+            one.post(workers.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
+        ):
+            assert resp.status == 200
+    assert (len(first.seen), len(second.seen)) == (0, 20)
+    received.clear()
+    workers.signal(signal.SIGTERM)
+    process = workers.process
+    assert process is not None
+    # Waited for without blocking the loop: the receiver answers in this loop.
+    await wait_for(lambda: process.poll() is not None, timeout=30)
+    assert process.returncode == 0
+    # The last push holds what both workers did, stamps of their final word included.
+    assert received, "no final push"
+    assert "second" in received[-1]["last_used"]
