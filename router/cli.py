@@ -59,6 +59,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"router: cannot listen: {exc}", file=sys.stderr)
         return 1
+    except RuntimeError as exc:
+        # A worker of --workers that did not start (workers.WorkerFailed).
+        print(f"router: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

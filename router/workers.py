@@ -335,7 +335,8 @@ class Supervisor:
                 _SupervisedFleet(self),
                 self.latest,
                 admin_token=config.admin_token,
-                is_ready=lambda: self.ready and all(w.live for w in self.workers),
+                # Ready while any worker serves: one restarting leaves the others.
+                is_ready=lambda: self.ready and any(w.live for w in self.workers),
                 rates=self.rates,
                 wall=self._wall,
             )
@@ -361,14 +362,16 @@ class Supervisor:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # No restart from here on, not even one already under way.
+        watchers = [w.watcher for w in self.workers if w.watcher is not None]
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
         for worker in self.workers:
             if worker.process is not None and worker.process.returncode is None:
                 worker.process.send_signal(signal.SIGTERM)
         grace = self.config.shutdown_grace_seconds + 10.0
         await asyncio.gather(*(self._reap(w, grace) for w in self.workers))
-        for worker in self.workers:
-            if worker.watcher is not None:
-                worker.watcher.cancel()
         finals = []
         for worker in self.workers:
             try:
@@ -632,7 +635,7 @@ class Supervisor:
         return own + generate_latest(extra)
 
 
-class WorkerFailed(Exception):
+class WorkerFailed(RuntimeError):
     """A worker did not start."""
 
 
