@@ -17,10 +17,6 @@ from dataclasses import replace
 
 import orjson
 from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
-from aiohttp.http_parser import RawRequestMessage
-from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CollectorRegistry
 
 from router.admin import Admin, LocalFleet
@@ -28,10 +24,10 @@ from router.client import Client
 from router.combined import snapshot_to_json
 from router.config import Config, load_config
 from router.errors import ConfigError
-from router.headguard import HeadDeadline
 from router.health import HealthChecker
 from router.pool import EjectionPolicy, Limits, Pool
-from router.proxy import DataPathMetrics, Proxy
+from router.proxy import DataPathMetrics, Proxy, server_error
+from router.server import Server as ClientServer
 from router.sinks.latest import LatestSink
 from router.sinks.prometheus import PrometheusSink, UsageCollector
 from router.sinks.push import PushSink
@@ -80,7 +76,7 @@ class RouterServer:
         self.ticker: Ticker | None = None
         self.proxy: Proxy | None = None
         self.ready = False
-        self._client_runner: web.ServerRunner | None = None
+        self._client_server: ClientServer | None = None
         self._admin_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._client_listener: asyncio.Server | None = None
@@ -135,27 +131,15 @@ class RouterServer:
         )
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
 
-        loop = asyncio.get_running_loop()
-        limit = config.max_body_bytes
-
-        def make_request(
-            message: RawRequestMessage,
-            payload: StreamReader,
-            protocol: RequestHandler,
-            writer: AbstractStreamWriter,
-            task: asyncio.Task[None],
-        ) -> web.BaseRequest:
-            return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=limit)
-
-        # aiohttp's low-level server with one handler: four routes need no
-        # router, middleware chain or Application per request.
-        client = web.Server(
+        # The client port's own HTTP/1.1 server (server.py): the request
+        # path stays in one protocol object, with no framework per request.
+        self._client_server = client = ClientServer(
             proxy.dispatch,
-            request_factory=make_request,
-            # A client that goes away cancels its handler, and with it the
-            # upstream request, even while the replica computes the first token.
-            handler_cancellation=True,
-            access_log=None,
+            max_body_bytes=config.max_body_bytes,
+            header_timeout=config.header_timeout_seconds,
+            error=server_error,
+            on_slow_head=self._slow_head,
+            log_exception=log.exception,
         )
 
         admin = Admin(
@@ -168,12 +152,10 @@ class RouterServer:
         )
         # The first snapshot exists before anyone can ask for it.
         ticker.tick()
-        self._client_runner = web.ServerRunner(client, shutdown_timeout=config.shutdown_grace_seconds)
         admin_app = admin.app()
         if worker_socket is not None:
             admin_app.router.add_get(SNAPSHOT_PATH, self._snapshot_json)
         self._admin_runner = web.AppRunner(admin_app, access_log=None, shutdown_timeout=1.0)
-        await self._client_runner.setup()
         await self._admin_runner.setup()
         try:
             admin_site: web.BaseSite
@@ -186,13 +168,8 @@ class RouterServer:
             await admin_site.start()
             if before_clients is not None:
                 before_clients()
-            handlers = self._client_runner.server
-            assert handlers is not None
-            timeout = config.header_timeout_seconds
-            # Our own listener instead of a TCPSite, to put the head deadline
-            # in front of aiohttp's handler (see headguard.py).
             self._client_listener = await asyncio.get_running_loop().create_server(
-                lambda: HeadDeadline(handlers(), timeout, self._slow_head),
+                client,
                 config.listen.host,
                 config.listen.port,
                 reuse_address=True,
@@ -202,7 +179,6 @@ class RouterServer:
         except OSError:
             if self._client_listener is not None:
                 self._client_listener.close()
-            await self._client_runner.cleanup()
             await self._admin_runner.cleanup()
             await session.close()
             await self.upstream.close()
@@ -233,9 +209,10 @@ class RouterServer:
             # Stop accepting at once; those connected finish within the grace.
             self._client_listener.close()
             self._client_listener = None
-        if self._client_runner is not None:
-            await self._client_runner.cleanup()
-            self._client_runner = None
+        if self._client_server is not None:
+            # Idle connections close now; requests in flight get the grace.
+            await self._client_server.shutdown(self.config.shutdown_grace_seconds)
+            self._client_server = None
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -90,13 +90,16 @@ class Response:
         "content_length",
         "headers",
         "reason",
+        "reason_bytes",
         "status",
     )
 
-    def __init__(self, connection: _Connection, status: int, reason: str, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, connection: _Connection, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         self._connection = connection
         self.status = status
-        self.reason = reason
+        # As the replica sent it, for the answer to the client.
+        self.reason_bytes = reason
+        self.reason = reason.decode("latin-1")
         # Raw (name, value) pairs in the replica's order and spelling.
         self.headers = headers
         self.content_length: int | None = None
@@ -284,7 +287,7 @@ class _Connection(asyncio.Protocol):
             self._headers = []
             return
         self._stop_deadline()
-        response = Response(self, status, self._status_line.decode("latin-1"), self._headers)
+        response = Response(self, status, self._status_line, self._headers)
         self.response = response
         head = self.head
         if head is not None and not head.done():

@@ -79,8 +79,8 @@ class Config:
     # A client that takes no bytes for this long while its stream waits to be
     # written is cut off, so that a slow reader holds neither memory nor a replica.
     write_stall_timeout_seconds: float = 30.0
-    # A connection whose first request head has not fully arrived by then is
-    # closed (slowloris).
+    # A connection whose request head (any request, not only the first) has
+    # not fully arrived this long after its first byte is closed (slowloris).
     header_timeout_seconds: float = 10.0
     # Concurrency limits (0 = none): past them a request waits up to
     # queue_timeout_seconds for a slot, then gets a prompt 503.

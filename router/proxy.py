@@ -13,20 +13,16 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from aiohttp import web
-from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Histogram
 
 from router.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response
 from router.config import Config
 from router.errors import (
     BadRequest,
-    BodyTooLarge,
     ClientFacingError,
     ModelNotFound,
     NoReplicaAvailable,
@@ -38,6 +34,7 @@ from router.errors import (
     UpstreamTimeout,
 )
 from router.pool import Pool, Replica
+from router.server import Reply, Request
 from router.upstream import request_headers, response_headers
 
 log = logging.getLogger("router.proxy")
@@ -60,13 +57,18 @@ def error_body(status: int, message: str, type_: str, code: str | None, param: s
     return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
-def error_response(exc: ClientFacingError, headers: Mapping[str, str] | None = None) -> web.Response:
-    return web.Response(
-        status=exc.status,
-        body=error_body(exc.status, exc.message, exc.type, exc.code, exc.param),
-        content_type="application/json",
-        headers=headers,
-    )
+_JSON = (b"Content-Type", b"application/json")
+
+
+def error_response(exc: ClientFacingError, headers: list[tuple[bytes, bytes]] | None = None) -> Reply:
+    body = error_body(exc.status, exc.message, exc.type, exc.code, exc.param)
+    return Reply(exc.status, body, [_JSON, *(headers or ())])
+
+
+def server_error(status: int, message: str, *, code: str | None = None) -> Reply:
+    """The server's own answers (unparsable request, body too large, handler failure)."""
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    return Reply(status, error_body(status, message, type_, code), [_JSON])
 
 
 def parse_request(body: bytes) -> tuple[dict[str, Any], str, bool]:
@@ -108,14 +110,15 @@ def openai_shaped(body: bytes, status: int) -> bytes | None:
     return error_body(status, message[:4096], type_, None)
 
 
-def _answer(resp: Response, data: bytes, headers: CIMultiDict[str]) -> web.Response:
+def _answer(resp: Response, data: bytes, headers: list[tuple[bytes, bytes]]) -> Reply:
     """The replica's whole answer for the client; an error gets OpenAI's shape if it lacks it."""
     if resp.status >= 400:
         wrapped = openai_shaped(data, resp.status)
         if wrapped is not None:
             data = wrapped
-            headers["Content-Type"] = "application/json"
-    return web.Response(status=resp.status, reason=resp.reason, body=data, headers=headers)
+            headers = [h for h in headers if h[0].lower() != b"content-type"]
+            headers.append(_JSON)
+    return Reply(resp.status, data, headers, resp.reason_bytes)
 
 
 @dataclass(slots=True)
@@ -125,7 +128,7 @@ class _Failed:
     error: ClientFacingError
     retryable: bool
     # The replica's own answer (status, headers, body) when it gave one.
-    answer: web.Response | None = None
+    answer: Reply | None = None
 
 
 class DataPathMetrics:
@@ -231,21 +234,21 @@ class Proxy:
 
     # Entry points -------------------------------------------------------------
 
-    async def dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
-        """The client port's one handler."""
+    async def dispatch(self, request: Request) -> Reply | None:
+        """The client port's one handler: a Reply, or None when a stream was written."""
         path = request.path
         method = request.method
         if method == "POST" and path in INFERENCE_PATHS:
             return await self.inference(request)
         if path == "/v1/models" and method in ("GET", "HEAD"):
-            return await self.models(request)
-        return await self.not_found(request)
+            return self.models(request)
+        return self.not_found(request)
 
-    async def inference(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def inference(self, request: Request) -> Reply | None:
         started = time.perf_counter()
         try:
             self._authorize(request)
-            body = await self._read_body(request)
+            body = request.body
             obj, requested, stream = parse_request(body)
             model = self.routes.aliases.get(requested, requested)
             if not self.pool.serves(model) and model not in self.routes.declared:
@@ -257,7 +260,7 @@ class Proxy:
         self.metrics.observe_duration(model, time.perf_counter() - started)
         return response
 
-    async def models(self, request: web.BaseRequest) -> web.StreamResponse:
+    def models(self, request: Request) -> Reply:
         try:
             self._authorize(request)
         except ClientFacingError as exc:
@@ -266,36 +269,30 @@ class Proxy:
         names = list(served)
         names += [alias for alias, target in self.routes.aliases.items() if self.pool.serves(target)]
         data = [{"id": name, "object": "model", "created": self._created, "owned_by": "router"} for name in names]
-        return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
+        return Reply(200, orjson.dumps({"object": "list", "data": data}), [_JSON])
 
-    async def not_found(self, request: web.BaseRequest) -> web.StreamResponse:
+    def not_found(self, request: Request) -> Reply:
         if request.path in INFERENCE_PATHS or request.path == "/v1/models":
-            return web.Response(
-                status=405,
-                body=error_body(
-                    405,
-                    f"Method {request.method} is not allowed on {request.path}.",
-                    "invalid_request_error",
-                    "method_not_allowed",
-                ),
-                content_type="application/json",
-                headers={"Allow": "GET" if request.path == "/v1/models" else "POST"},
+            allow = b"GET" if request.path == "/v1/models" else b"POST"
+            body = error_body(
+                405,
+                f"Method {request.method} is not allowed on {request.path}.",
+                "invalid_request_error",
+                "method_not_allowed",
             )
-        return web.Response(
-            status=404,
-            body=error_body(404, f"Unknown path: {request.path}", "invalid_request_error", "unknown_url"),
-            content_type="application/json",
-        )
+            return Reply(405, body, [_JSON, (b"Allow", allow)])
+        body = error_body(404, f"Unknown path: {request.path}", "invalid_request_error", "unknown_url")
+        return Reply(404, body, [_JSON])
 
     # Steps ----------------------------------------------------------------------
 
-    def _authorize(self, request: web.BaseRequest) -> None:
+    def _authorize(self, request: Request) -> None:
         if not self._keys:
             return
-        header = request.headers.get("Authorization", "")
+        header = (request.header(b"authorization") or b"").decode("latin-1")
         scheme, _, given = header.partition(" ")
         if scheme.lower() == "bearer" and given:
-            candidate = given.strip().encode()
+            candidate = given.strip().encode("latin-1")
             # Compare with every key, in constant time, so timing tells nothing.
             matched = False
             for key in self._keys:
@@ -304,22 +301,12 @@ class Proxy:
                 return
         raise Unauthorized("Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.")
 
-    async def _read_body(self, request: web.BaseRequest) -> bytes:
-        limit = self.config.max_body_bytes
-        length = request.content_length
-        if length is not None and length > limit:
-            raise BodyTooLarge(f"The request body is {length} bytes; the limit is {limit}.")
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise BodyTooLarge(f"The request body exceeds the limit of {limit} bytes.") from exc
-
     async def _serve(
-        self, request: web.BaseRequest, body: bytes, obj: dict[str, Any], requested: str, model: str, stream: bool
-    ) -> web.StreamResponse:
+        self, request: Request, body: bytes, obj: dict[str, Any], requested: str, model: str, stream: bool
+    ) -> Reply | None:
         # Framed once for every attempt; only Host and the length differ.
         headers = request_headers(request.raw_headers, self._drop)
-        target_path = request.raw_path.encode("utf-8", "surrogateescape")
+        target_path = request.target
         chain = (model, *self.routes.fallbacks.get(model, ()))
         last: _Failed | None = None
         only_connect_failures = True
@@ -392,14 +379,14 @@ class Proxy:
 
     async def _attempt(
         self,
-        request: web.BaseRequest,
+        request: Request,
         replica: Replica,
         path: bytes,
         body: bytes,
         headers: bytes,
         model: str,
         stream: bool,
-    ) -> web.StreamResponse | _Failed:
+    ) -> Reply | _Failed | None:
         origin = replica.origin
         head = b"".join(
             (
@@ -444,9 +431,10 @@ class Proxy:
             if status < 400 and (
                 stream
                 or resp.content_length is None
-                or out_headers.get("Content-Type", "").startswith("text/event-stream")
+                or (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
             ):
-                return await self._stream(request, replica, resp, out_headers)
+                await self._stream(request, replica, resp, out_headers)
+                return None
             try:
                 data = await resp.read()
             except ConnectionBroken as exc:
@@ -473,51 +461,40 @@ class Proxy:
 
     async def _stream(
         self,
-        request: web.BaseRequest,
+        request: Request,
         replica: Replica,
         resp: Response,
-        headers: CIMultiDict[str],
-    ) -> web.StreamResponse:
-        """Pass the body through as it arrives, each chunk written in the replica's callback.
+        headers: list[tuple[bytes, bytes]],
+    ) -> None:
+        """Pass the body through as it arrives, each piece written in the replica's callback.
 
         Nothing runs per chunk but the write and a buffer check: when the
         client stops taking bytes, the replica's connection stops being read
         (TCP pushes back to the replica) and this task waits on the drain,
         marked for the stall watch.
         """
-        out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=headers)
-        transport = request.transport
+        connection = request.connection
+        transport = connection.transport
         writing = self.stalls.writing
         clock = self.stalls.clock
         model = replica.model
         last = b"\n\n"
+        write_chunk = connection.write_chunk
+
+        def sink(chunk: bytes) -> bool:
+            nonlocal last
+            last = chunk
+            return write_chunk(chunk)
+
+        async def drain() -> None:
+            writing[transport] = (clock(), model)
+            try:
+                await connection.drain()
+            finally:
+                writing.pop(transport, None)
+
         try:
-            writer = await out.prepare(request)
-            if transport is None or writer is None:
-                return out
-            # Headers out now: from here on chunks go straight to the transport.
-            writer.send_headers()
-            chunked = bool(getattr(writer, "chunked", False))
-            write = transport.write
-            buffered = transport.get_write_buffer_size
-
-            def sink(chunk: bytes) -> bool:
-                nonlocal last
-                last = chunk
-                if transport.is_closing():
-                    return True  # the drain below raises: the client is gone
-                write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
-                return buffered() > _CLIENT_HIGH_WATER
-
-            async def drain() -> None:
-                if transport.is_closing():
-                    raise ConnectionResetError("the client went away")
-                writing[transport] = (clock(), model)
-                try:
-                    await writer.drain()
-                finally:
-                    writing.pop(transport, None)
-
+            connection.start_stream(resp.status, resp.reason_bytes, headers, request.version_11)
             try:
                 await resp.pipe(sink, drain)
             except ConnectionBroken as exc:
@@ -530,17 +507,16 @@ class Proxy:
                 )
                 # Close a half-sent event first, so that the error is an event of its own.
                 prefix = b"" if last.endswith(b"\n\n") else b"\n\n"
-                out.force_close()
+                connection.close_after_answer()
                 sink(prefix + event + b"\n\n")
-            await out.write_eof()
+            connection.end_stream()
         except ConnectionError:
             # The client went away (or the stall watch cut it off). Nothing
             # more to send; release() in the caller closes the half-read
             # upstream connection at once.
-            pass
+            connection.close_after_answer()
         finally:
             writing.pop(transport, None)
-        return out
 
     def _failed(self, replica: Replica, error: UpstreamError, *, retryable: bool = True) -> _Failed:
         replica.errors[error.reason] = replica.errors.get(error.reason, 0) + 1

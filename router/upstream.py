@@ -10,10 +10,9 @@ reaches the client.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import aiohttp
-from multidict import CIMultiDict
 
 from router.config import Config
 
@@ -30,7 +29,7 @@ _NOT_FORWARDED = frozenset(
         "proxy-connection",
         "host",
         "content-length",
-        # aiohttp answers Expect itself; the replica gets the body at once.
+        # The router answers Expect itself; the replica gets the body at once.
         "expect",
     }
 )
@@ -43,9 +42,7 @@ def _connection_named(values: list[bytes]) -> frozenset[bytes]:
 _NOT_FORWARDED_RAW = frozenset(name.encode() for name in _NOT_FORWARDED)
 
 
-def _hop_filter(
-    raw: tuple[tuple[bytes, bytes], ...] | list[tuple[bytes, bytes]], drop: frozenset[bytes]
-) -> Iterator[tuple[bytes, bytes]]:
+def _hop_filter(raw: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes]) -> Iterator[tuple[bytes, bytes]]:
     named = _connection_named([value for name, value in raw if name.lower() == b"connection"])
     for name, value in raw:
         lower = name.lower()
@@ -54,7 +51,7 @@ def _hop_filter(
         yield name, value
 
 
-def request_headers(raw: tuple[tuple[bytes, bytes], ...], drop: frozenset[bytes] = frozenset()) -> bytes:
+def request_headers(raw: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes] = frozenset()) -> bytes:
     """The client's end-to-end headers, framed for the replica (each line ends CRLF).
 
     The parser on the client side has already refused values with CR, LF or
@@ -63,12 +60,9 @@ def request_headers(raw: tuple[tuple[bytes, bytes], ...], drop: frozenset[bytes]
     return b"".join(name + b": " + value + b"\r\n" for name, value in _hop_filter(raw, drop))
 
 
-def response_headers(raw: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
+def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The replica's end-to-end headers, for the answer to the client."""
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in _hop_filter(raw, frozenset()):
-        out.add(name.decode("latin-1"), value.decode("latin-1"))
-    return out
+    return list(_hop_filter(raw, frozenset()))
 
 
 def make_session(config: Config) -> aiohttp.ClientSession:

@@ -91,3 +91,46 @@ async def test_a_slowloris_client_is_closed_and_others_keep_their_latency(
     assert max(latencies) < 0.5
     assert fake.seen and all(seen.path == "/v1/chat/completions" for seen in fake.seen)
     assert len(fake.seen) == len(latencies)
+
+
+async def test_a_slow_head_after_a_first_request_is_closed_too(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    import time
+
+    import orjson
+
+    from tests.test_proxy import CHAT
+
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], header_timeout_seconds=1.0)
+    host, port = server.client_address  # type: ignore[misc]
+    reader, writer = await asyncio.open_connection(host, port)
+    body = orjson.dumps(CHAT)
+    try:
+        # One whole request on the connection, answered; it stays open.
+        writer.write(HEAD + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+        await reader.readexactly(length)
+        # Then a second head, a byte every 0.1 s: closed at the deadline.
+        began = time.monotonic()
+        closed_after = None
+        for byte in HEAD:
+            try:
+                writer.write(bytes([byte]))
+                await writer.drain()
+                if await asyncio.wait_for(reader.read(1), 0.1) == b"":
+                    closed_after = time.monotonic() - began
+                    break
+            except TimeoutError:
+                continue
+            except ConnectionError:
+                closed_after = time.monotonic() - began
+                break
+    finally:
+        writer.close()
+    assert closed_after is not None, "the slow second head was never cut off"
+    assert 0.9 <= closed_after < 3.0
+    assert len(fake.seen) == 1
