@@ -211,6 +211,7 @@ class _Connection(asyncio.Protocol):
         self.client = client
         self.origin = origin
         self.transport: asyncio.Transport | None = None
+        self.loop = asyncio.get_running_loop()
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
         self.head: asyncio.Future[Response] | None = None
@@ -321,7 +322,7 @@ class _Connection(asyncio.Protocol):
 
     def send(self, data: bytes, head_timeout: float | None) -> asyncio.Future[Response]:
         assert self.transport is not None
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self.used = True
         self.complete = False
         self.reusable = False

@@ -153,7 +153,11 @@ class Connection(asyncio.Protocol):
         self._refused: Reply | None = None
         self._pending: deque[Request] = deque()
         self.task: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        # When this connection's current wait ends (monotonic; 0 = none), and
+        # whether it waits for a head (slowloris) or idles. One sweep over all
+        # connections checks these: no timer to arm and cancel per request.
+        self._deadline = 0.0
+        self._slow = False
         self._closing = False
         self._discarding = False
         self._paused = False
@@ -386,16 +390,23 @@ class Connection(asyncio.Protocol):
         self._arm(2.0, slow=False)
 
     def _arm(self, seconds: float, *, slow: bool) -> None:
-        self._disarm()
-        self._timer = asyncio.get_running_loop().call_later(seconds, self._expired, slow)
+        self._deadline = time.monotonic() + seconds
+        self._slow = slow
+        self.server.watch()
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline = 0.0
 
-    def _expired(self, slow: bool) -> None:
-        self._timer = None
+    def expired(self, now: float) -> bool:
+        return 0.0 < self._deadline < now
+
+    @property
+    def waiting(self) -> bool:
+        return self._deadline > 0.0
+
+    def expire(self) -> None:
+        slow = self._slow
+        self._deadline = 0.0
         if self.task is not None:
             return
         if slow and not self._discarding:
@@ -441,9 +452,29 @@ class Server:
         self.log_exception = log_exception
         self.connections: set[Connection] = set()
         self.stopping = False
+        self._sweeper: asyncio.TimerHandle | None = None
+        # Deadlines are checked this often: a few times per head deadline.
+        self._every = max(0.05, min(1.0, header_timeout / 4))
 
     def __call__(self) -> Connection:
         return Connection(self)
+
+    def watch(self) -> None:
+        """Make sure the sweep runs while any connection waits on a deadline."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(self._every, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        now = time.monotonic()
+        waiting = False
+        for connection in list(self.connections):
+            if connection.expired(now):
+                connection.expire()
+            elif connection.waiting:
+                waiting = True
+        if waiting:
+            self.watch()
 
     def internal_error(self) -> Reply:
         return self.error(500, "The router failed to handle the request.", code="internal_error")
@@ -461,6 +492,9 @@ class Server:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for connection in list(self.connections):
             if connection.transport is not None:
                 connection.transport.abort()
