@@ -10,7 +10,7 @@ reaches the client.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import aiohttp
 
@@ -35,20 +35,25 @@ _NOT_FORWARDED = frozenset(
 )
 
 
-def _connection_named(values: list[bytes]) -> frozenset[bytes]:
-    return frozenset(token.strip().lower() for value in values for token in value.split(b",") if token.strip())
-
-
 _NOT_FORWARDED_RAW = frozenset(name.encode() for name in _NOT_FORWARDED)
 
 
-def _hop_filter(raw: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes]) -> Iterator[tuple[bytes, bytes]]:
-    named = _connection_named([value for name, value in raw if name.lower() == b"connection"])
+def _hop_filter(raw: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes]) -> list[tuple[bytes, bytes]]:
+    """The end-to-end headers of `raw`: one pass, and a second only if Connection names some."""
+    kept: list[tuple[bytes, bytes, bytes]] = []
+    named: set[bytes] | None = None
     for name, value in raw:
         lower = name.lower()
-        if lower in _NOT_FORWARDED_RAW or lower.startswith(b"proxy-") or lower in named or lower in drop:
+        if lower in _NOT_FORWARDED_RAW or lower in drop or lower.startswith(b"proxy-"):
+            if lower == b"connection":
+                tokens = {token.strip().lower() for token in value.split(b",")}
+                tokens.discard(b"")
+                named = tokens if named is None else named | tokens
             continue
-        yield name, value
+        kept.append((name, value, lower))
+    if named:
+        return [(name, value) for name, value, lower in kept if lower not in named]
+    return [(name, value) for name, value, _ in kept]
 
 
 def request_headers(raw: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes] = frozenset()) -> bytes:
@@ -57,12 +62,15 @@ def request_headers(raw: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes] =
     The parser on the client side has already refused values with CR, LF or
     NUL, so the raw bytes are safe to pass on as they came.
     """
-    return b"".join(name + b": " + value + b"\r\n" for name, value in _hop_filter(raw, drop))
+    return b"".join([name + b": " + value + b"\r\n" for name, value in _hop_filter(raw, drop)])
+
+
+_NOTHING: frozenset[bytes] = frozenset()
 
 
 def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The replica's end-to-end headers, for the answer to the client."""
-    return list(_hop_filter(raw, frozenset()))
+    return _hop_filter(raw, _NOTHING)
 
 
 def make_session(config: Config) -> aiohttp.ClientSession:
