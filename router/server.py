@@ -278,8 +278,9 @@ class Connection(asyncio.Protocol):
             self._start(request)
         else:
             self._pending.append(request)
-            if len(self._pending) > 8 and self.transport is not None:
-                # A client pipelining far ahead waits for its answers.
+            if self.transport is not None:
+                # A client pipelining ahead waits for its answers: at most two
+                # bodies of max_body_bytes are held per connection.
                 self.transport.pause_reading()
 
     # Running requests ---------------------------------------------------------------
