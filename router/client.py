@@ -58,6 +58,9 @@ class Origin:
     # Path prefix of the base URL ("" or "/prefix"), put before the client's path.
     prefix: str
     host_header: bytes
+    # What the connection pools are keyed by: a str hashes once and compares
+    # in C, where the dataclass would build tuples on every lookup.
+    key: str
 
     @classmethod
     def parse(cls, url: str) -> Origin:
@@ -68,7 +71,8 @@ class Origin:
         shown = f"[{host}]" if ":" in host else host
         default = 443 if tls else 80
         header = shown if port == default else f"{shown}:{port}"
-        return cls(host, port, tls, parts.path.rstrip("/"), header.encode("idna"))
+        key = f"{'https' if tls else 'http'}://{shown}:{port}"
+        return cls(host, port, tls, parts.path.rstrip("/"), header.encode("idna"), key)
 
 
 class Response:
@@ -397,7 +401,7 @@ class Client:
     def __init__(self, *, connect_timeout: float, keepalive_seconds: float) -> None:
         self.connect_timeout = connect_timeout
         self.keepalive_seconds = keepalive_seconds
-        self._idle: dict[Origin, list[_Connection]] = {}
+        self._idle: dict[str, list[_Connection]] = {}
         self._all: set[_Connection] = set()
         self._tls: ssl.SSLContext | None = None
         self._sweeper: asyncio.TimerHandle | None = None
@@ -440,7 +444,7 @@ class Client:
             raise
 
     def _reuse(self, origin: Origin) -> _Connection | None:
-        idle = self._idle.get(origin)
+        idle = self._idle.get(origin.key)
         if not idle:
             return None
         cutoff = time.monotonic() - self.keepalive_seconds
@@ -479,7 +483,7 @@ class Client:
 
     def _idle_again(self, connection: _Connection) -> None:
         connection.idle_since = time.monotonic()
-        self._idle.setdefault(connection.origin, []).append(connection)
+        self._idle.setdefault(connection.origin.key, []).append(connection)
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().call_later(self.keepalive_seconds, self._sweep)
 
@@ -487,21 +491,21 @@ class Client:
         """Close connections idle longer than the keep-alive, before the replica does."""
         self._sweeper = None
         cutoff = time.monotonic() - self.keepalive_seconds
-        for origin, idle in list(self._idle.items()):
+        for key, idle in list(self._idle.items()):
             keep = [c for c in idle if c.idle_since >= cutoff and not c.closed]
             for connection in idle:
                 if connection not in keep:
                     connection.close()
             if keep:
-                self._idle[origin] = keep
+                self._idle[key] = keep
             else:
-                del self._idle[origin]
+                del self._idle[key]
         if self._idle:
             self._sweeper = asyncio.get_running_loop().call_later(self.keepalive_seconds, self._sweep)
 
     def _forget(self, connection: _Connection) -> None:
         self._all.discard(connection)
-        idle = self._idle.get(connection.origin)
+        idle = self._idle.get(connection.origin.key)
         if idle and connection in idle:
             idle.remove(connection)
 
