@@ -41,7 +41,24 @@ log = logging.getLogger("router")
 SNAPSHOT_PATH = "/internal/v1/snapshot"
 
 
-class RouterServer:
+class Listening:
+    """Where a router listens, once started: its client and admin addresses."""
+
+    client_address: tuple[str, int] | None = None
+    admin_address: tuple[str, int] | None = None
+
+    @property
+    def client_url(self) -> str:
+        assert self.client_address is not None, "start() first"
+        return http_url(self.client_address)
+
+    @property
+    def admin_url(self) -> str:
+        assert self.admin_address is not None, "start() first"
+        return http_url(self.admin_address)
+
+
+class RouterServer(Listening):
     def __init__(
         self,
         config: Config,
@@ -84,16 +101,6 @@ class RouterServer:
         self.health: HealthChecker | None = None
         self.client_address: tuple[str, int] | None = None
         self.admin_address: tuple[str, int] | None = None
-
-    @property
-    def client_url(self) -> str:
-        assert self.client_address is not None, "start() first"
-        return http_url(self.client_address)
-
-    @property
-    def admin_url(self) -> str:
-        assert self.admin_address is not None, "start() first"
-        return http_url(self.admin_address)
 
     async def start(self, before_clients: Callable[[], None] | None = None) -> None:
         """Listen on both ports; `before_clients` runs once the admin API is up."""

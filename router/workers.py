@@ -55,7 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from router.admin import Admin, FleetUnavailable
-from router.app import SNAPSHOT_PATH, RouterServer, http_url
+from router.app import SNAPSHOT_PATH, Listening, RouterServer
 from router.combined import Memory, _state, combine, snapshot_from_json, snapshot_to_json
 from router.config import Config, ReplicaConfig, load_config, parse_replicas, replicas_where
 from router.errors import ConfigError
@@ -243,7 +243,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return hold
 
 
-class Supervisor:
+class Supervisor(Listening):
     def __init__(
         self,
         config: Config,
@@ -285,16 +285,6 @@ class Supervisor:
         self._changes = asyncio.Lock()
         self.client_address: tuple[str, int] | None = None
         self.admin_address: tuple[str, int] | None = None
-
-    @property
-    def client_url(self) -> str:
-        assert self.client_address is not None, "start() first"
-        return http_url(self.client_address)
-
-    @property
-    def admin_url(self) -> str:
-        assert self.admin_address is not None, "start() first"
-        return http_url(self.admin_address)
 
     # Lifecycle --------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from aiohttp import web
@@ -14,6 +15,9 @@ from prometheus_client import CollectorRegistry
 from router.app import RouterServer
 from router.config import parse_config
 from router.fake import Behaviour, FakeReplica
+
+if TYPE_CHECKING:
+    from tests.test_lifecycle import Serve
 
 StartFake = Callable[..., Awaitable[FakeReplica]]
 StartRouter = Callable[..., Awaitable[RouterServer]]
@@ -40,6 +44,18 @@ async def start_fake() -> AsyncIterator[StartFake]:
 
 def replica_entry(rid: str, fake: FakeReplica, model: str | None = None, **labels: Any) -> dict[str, Any]:
     return {"id": rid, "model": model or fake.models[0], "url": fake.url, "labels": labels}
+
+
+@pytest.fixture
+async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
+    """`router serve` as a real process (tests/test_lifecycle.py's Serve); killed at the end."""
+    from tests.test_lifecycle import Serve as ServeProcess
+    from tests.test_proxy import free_port
+
+    process = ServeProcess(tmp_path / "router.toml", free_port(), free_port())
+    yield process
+    if process.process is not None:
+        process.output()
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 
 from router.fake import Behaviour
 from tests.conftest import StartFake
-from tests.test_proxy import CHAT, free_port, wait_for
+from tests.test_proxy import CHAT, wait_for
 
 
 class Serve:
@@ -72,14 +71,6 @@ class Serve:
     def signal(self, sig: int) -> None:
         assert self.process is not None
         os.kill(self.process.pid, sig)
-
-
-@pytest.fixture
-async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
-    process = Serve(tmp_path / "router.toml", free_port(), free_port())
-    yield process
-    if process.process is not None:
-        process.output()
 
 
 async def endpoints(serve: Serve) -> Any:

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +25,11 @@ from router.fake import Behaviour, FakeReplica
 from router.workers import worker_count
 from tests.conftest import StartFake
 from tests.test_lifecycle import Serve
-from tests.test_proxy import CHAT, free_port, wait_for
+from tests.test_proxy import CHAT, wait_for
 
 STREAMS = 16
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def workers(tmp_path: Path) -> AsyncIterator[Serve]:
-    process = Serve(tmp_path / "router.toml", free_port(), free_port())
-    yield process
-    if process.process is not None:
-        process.output()
 
 
 async def get(session: aiohttp.ClientSession, url: str) -> Any:
@@ -92,21 +83,21 @@ async def replicas(session: aiohttp.ClientSession, serve: Serve) -> dict[str, di
 
 
 async def test_the_admin_view_is_one_router_over_both_workers(
-    workers: Serve, start_fake: StartFake, receiver: tuple[str, list[dict[str, Any]], dict[str, Any]]
+    serve: Serve, start_fake: StartFake, receiver: tuple[str, list[dict[str, Any]], dict[str, Any]]
 ) -> None:
     url, received, _ = receiver
     slow = await start_fake("m", behaviour=Behaviour(tokens=1000, token_delay=0.05))
-    workers.write([{"id": "r0", "model": "m", "url": slow.url}], f'usage_push_url = "{url}"')
-    await workers.start("--workers", "2")
-    streams = Streams(workers.client_url)
+    serve.write([{"id": "r0", "model": "m", "url": slow.url}], f'usage_push_url = "{url}"')
+    await serve.start("--workers", "2")
+    streams = Streams(serve.client_url)
     async with aiohttp.ClientSession() as session:
         try:
             await streams.open(STREAMS)
-            rows = await replicas(session, workers)
+            rows = await replicas(session, serve)
             # In flight is summed over the workers...
             assert rows["r0"]["in_flight"] == STREAMS
             assert rows["r0"]["requests"] == STREAMS
-            families = await metrics(session, workers)
+            families = await metrics(session, serve)
             split = per_worker(families, "router_worker_in_flight_requests")
             # ...and both workers hold some of them.
             assert sorted(split) == ["0", "1"]
@@ -120,10 +111,10 @@ async def test_the_admin_view_is_one_router_over_both_workers(
         for _ in range(10):
             async with (
                 aiohttp.ClientSession() as one,
-                one.post(workers.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
+                one.post(serve.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
             ):
                 assert resp.status == 200
-        families = await metrics(session, workers)
+        families = await metrics(session, serve)
         first_bytes = families["router_time_to_first_byte_seconds"][
             (("sample", "router_time_to_first_byte_seconds_count"), ("model", "m"))
         ]
@@ -135,28 +126,28 @@ async def test_the_admin_view_is_one_router_over_both_workers(
         assert durations == 10
         # The usage map moves once a tick (0.1 s here).
         for _ in range(50):
-            usage = await get(session, workers.admin_url + "/api/v1/usage")
+            usage = await get(session, serve.admin_url + "/api/v1/usage")
             if "r0" in usage["last_used"]:
                 break
             await asyncio.sleep(0.1)
         assert set(usage["last_used"]) == {"r0"}
         assert set(usage["watching_since"]) == {"r0"}
-        families = await metrics(session, workers)
+        families = await metrics(session, serve)
         assert len(families["router_replica_last_used_timestamp_seconds"]) == 1
     # The supervisor pushes the combined map, not one push per worker.
     await wait_for(lambda: any("r0" in doc.get("last_used", {}) for doc in received), timeout=5)
     assert len({doc["router"] for doc in received}) == 1
 
 
-async def test_a_push_reaches_every_worker_before_it_is_answered(workers: Serve, start_fake: StartFake) -> None:
+async def test_a_push_reaches_every_worker_before_it_is_answered(serve: Serve, start_fake: StartFake) -> None:
     kept = await start_fake("m", name="kept")
     removed = await start_fake("m", name="removed")
     both = [{"id": "kept", "model": "m", "url": kept.url}, {"id": "removed", "model": "m", "url": removed.url}]
-    workers.write(both)
-    await workers.start("--workers", "2")
+    serve.write(both)
+    await serve.start("--workers", "2")
     async with aiohttp.ClientSession() as session:
         body = {"replicas": [dict(both[0], labels={})]}
-        async with session.put(workers.admin_url + "/api/v1/endpoints", json=body) as resp:
+        async with session.put(serve.admin_url + "/api/v1/endpoints", json=body) as resp:
             assert resp.status == 200
             assert (await resp.json())["removed"] == ["removed"]
         seen_before = len(removed.seen)
@@ -164,50 +155,48 @@ async def test_a_push_reaches_every_worker_before_it_is_answered(workers: Serve,
         for _ in range(40):
             async with (
                 aiohttp.ClientSession() as one,
-                one.post(workers.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
+                one.post(serve.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
             ):
                 assert resp.status == 200
         assert len(removed.seen) == seen_before
         assert len(kept.seen) == 40
-        endpoints = await get(session, workers.admin_url + "/api/v1/endpoints")
+        endpoints = await get(session, serve.admin_url + "/api/v1/endpoints")
         assert [r["id"] for r in endpoints["replicas"]] == ["kept"]
         # A body that is wrong is refused once, by the supervisor, naming the problem.
-        async with session.put(workers.admin_url + "/api/v1/endpoints", json={"replicas": [{"id": 1}]}) as resp:
+        async with session.put(serve.admin_url + "/api/v1/endpoints", json={"replicas": [{"id": 1}]}) as resp:
             assert resp.status == 400
             assert "replicas[0]" in (await resp.json())["error"]["message"]
 
 
-async def test_drained_only_when_no_worker_has_the_replica_in_flight(workers: Serve, start_fake: StartFake) -> None:
+async def test_drained_only_when_no_worker_has_the_replica_in_flight(serve: Serve, start_fake: StartFake) -> None:
     slow = await start_fake("m", behaviour=Behaviour(tokens=1000, token_delay=0.05))
-    workers.write([{"id": "r0", "model": "m", "url": slow.url}])
-    await workers.start("--workers", "2")
-    streams = Streams(workers.client_url)
+    serve.write([{"id": "r0", "model": "m", "url": slow.url}])
+    await serve.start("--workers", "2")
+    streams = Streams(serve.client_url)
     async with aiohttp.ClientSession() as session:
         try:
             await streams.open(STREAMS)
-            async with session.post(
-                workers.admin_url + "/api/v1/replicas/r0/state", json={"state": "draining"}
-            ) as resp:
+            async with session.post(serve.admin_url + "/api/v1/replicas/r0/state", json={"state": "draining"}) as resp:
                 assert resp.status == 200
                 answer = await resp.json()
             assert answer == {"id": "r0", "state": "draining", "in_flight": STREAMS}
-            split = per_worker(await metrics(session, workers), "router_worker_in_flight_requests")
+            split = per_worker(await metrics(session, serve), "router_worker_in_flight_requests")
             assert all(value > 0 for value in split.values()), split
             # No new request reaches it, from either worker.
             async with (
                 aiohttp.ClientSession() as one,
-                one.post(workers.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
+                one.post(serve.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
             ):
                 assert resp.status == 503
             # Ending the streams one by one: draining while any worker has one.
             for resp in streams.responses[:-1]:
                 resp.close()
             await wait_for(lambda: slow.active == 1)
-            assert (await replicas(session, workers))["r0"]["state"] == "draining"
+            assert (await replicas(session, serve))["r0"]["state"] == "draining"
         finally:
             await streams.close()
         await wait_for(lambda: slow.active == 0)
-        rows = await replicas(session, workers)
+        rows = await replicas(session, serve)
         assert (rows["r0"]["state"], rows["r0"]["in_flight"]) == ("drained", 0)
 
 
@@ -224,28 +213,26 @@ def children(pid: int) -> list[int]:
     return found
 
 
-async def test_a_worker_that_dies_is_restarted_and_nothing_goes_backwards(
-    workers: Serve, start_fake: StartFake
-) -> None:
+async def test_a_worker_that_dies_is_restarted_and_nothing_goes_backwards(serve: Serve, start_fake: StartFake) -> None:
     fake: FakeReplica = await start_fake("m")
-    workers.write([{"id": "r0", "model": "m", "url": fake.url}])
-    await workers.start("--workers", "2")
-    assert workers.process is not None
-    pids = children(workers.process.pid)
+    serve.write([{"id": "r0", "model": "m", "url": fake.url}])
+    await serve.start("--workers", "2")
+    assert serve.process is not None
+    pids = children(serve.process.pid)
     assert len(pids) == 2
     async with aiohttp.ClientSession() as session:
         for _ in range(20):
             async with (
                 aiohttp.ClientSession() as one,
-                one.post(workers.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
+                one.post(serve.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
             ):
                 assert resp.status == 200
-        before = (await replicas(session, workers))["r0"]
+        before = (await replicas(session, serve))["r0"]
         assert before["requests"] == 20
         os.kill(pids[0], signal.SIGKILL)
 
         async def restarted() -> bool:
-            families = await metrics(session, workers)
+            families = await metrics(session, serve)
             return sum(per_worker(families, "router_worker_restarts").values()) == 1 and (
                 families["router_workers"][(("sample", "router_workers"),)] == 2
             )
@@ -256,53 +243,53 @@ async def test_a_worker_that_dies_is_restarted_and_nothing_goes_backwards(
             await asyncio.sleep(0.1)
         else:
             raise AssertionError("the worker was not restarted")
-        after = (await replicas(session, workers))["r0"]
+        after = (await replicas(session, serve))["r0"]
         # The dead worker's totals stay; its stamps too; the watch restarts.
         assert after["requests"] == 20
         assert after["last_used"] >= before["last_used"]
         assert after["watching_since"] > before["watching_since"]
-        async with session.get(workers.admin_url + "/readyz") as resp:
+        async with session.get(serve.admin_url + "/readyz") as resp:
             assert resp.status == 200
-    assert len(children(workers.process.pid)) == 2
-    workers.signal(signal.SIGTERM)
-    assert workers.process.wait(timeout=30) == 0
-    assert "exited with status -9; restarting it" in workers.output()
+    assert len(children(serve.process.pid)) == 2
+    serve.signal(signal.SIGTERM)
+    assert serve.process.wait(timeout=30) == 0
+    assert "exited with status -9; restarting it" in serve.output()
 
 
-async def test_sigterm_lets_every_worker_finish_its_streams(workers: Serve, start_fake: StartFake) -> None:
+async def test_sigterm_lets_every_worker_finish_its_streams(serve: Serve, start_fake: StartFake) -> None:
     fake = await start_fake("m", behaviour=Behaviour(tokens=20, token_delay=0.05))
-    workers.write([{"id": "r0", "model": "m", "url": fake.url}])
-    await workers.start("--workers", "2")
+    serve.write([{"id": "r0", "model": "m", "url": fake.url}])
+    await serve.start("--workers", "2")
 
     async def one_stream() -> bytes:
         async with (
             aiohttp.ClientSession() as session,
             session.post(
-                workers.client_url + "/v1/chat/completions", data=orjson.dumps({**CHAT, "stream": True})
+                serve.client_url + "/v1/chat/completions", data=orjson.dumps({**CHAT, "stream": True})
             ) as resp,
         ):
             return await resp.read()
 
     tasks = [asyncio.ensure_future(one_stream()) for _ in range(8)]
     await wait_for(lambda: fake.active == 8)
-    workers.signal(signal.SIGTERM)
+    serve.signal(signal.SIGTERM)
     bodies = await asyncio.wait_for(asyncio.gather(*tasks), 20)
     assert all(body.endswith(b"data: [DONE]\n\n") for body in bodies)
-    assert workers.process is not None
-    assert workers.process.wait(timeout=30) == 0
+    assert serve.process is not None
+    assert serve.process.wait(timeout=30) == 0
 
 
-async def test_workers_refuse_a_port_that_something_else_listens_on(workers: Serve, start_fake: StartFake) -> None:
+async def test_workers_refuse_a_port_that_something_else_listens_on(serve: Serve, start_fake: StartFake) -> None:
     fake = await start_fake("m")
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        workers.client_url = f"http://127.0.0.1:{port}"
-        workers.write([{"id": "r0", "model": "m", "url": fake.url}])
+        serve.client_url = f"http://127.0.0.1:{port}"
+        serve.write([{"id": "r0", "model": "m", "url": fake.url}])
         done = subprocess.run(
-            [sys.executable, "-m", "router", "serve", "--config", str(workers.path), "--workers", "2"],
+            [sys.executable, "-m", "router", "serve", "--config", str(serve.path), "--workers", "2"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -337,19 +324,19 @@ def test_auto_is_one_worker_per_usable_core() -> None:
 
 
 async def test_sighup_reloads_every_worker_and_sigterm_pushes_the_last_map(
-    workers: Serve, start_fake: StartFake, receiver: tuple[str, list[dict[str, Any]], dict[str, Any]]
+    serve: Serve, start_fake: StartFake, receiver: tuple[str, list[dict[str, Any]], dict[str, Any]]
 ) -> None:
     url, received, _ = receiver
     first = await start_fake("m", name="first")
     second = await start_fake("m", name="second")
     push = f'usage_push_url = "{url}"'
-    workers.write([{"id": "first", "model": "m", "url": first.url}], push)
-    await workers.start("--workers", "2")
-    workers.write([{"id": "second", "model": "m", "url": second.url}], push)
-    workers.signal(signal.SIGHUP)
+    serve.write([{"id": "first", "model": "m", "url": first.url}], push)
+    await serve.start("--workers", "2")
+    serve.write([{"id": "second", "model": "m", "url": second.url}], push)
+    serve.signal(signal.SIGHUP)
     async with aiohttp.ClientSession() as session:
         for _ in range(100):
-            endpoints = await get(session, workers.admin_url + "/api/v1/endpoints")
+            endpoints = await get(session, serve.admin_url + "/api/v1/endpoints")
             if [r["id"] for r in endpoints["replicas"]] == ["second"]:
                 break
             await asyncio.sleep(0.05)
@@ -359,13 +346,13 @@ async def test_sighup_reloads_every_worker_and_sigterm_pushes_the_last_map(
     for _ in range(20):
         async with (
             aiohttp.ClientSession() as one,
-            one.post(workers.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
+            one.post(serve.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
         ):
             assert resp.status == 200
     assert (len(first.seen), len(second.seen)) == (0, 20)
     received.clear()
-    workers.signal(signal.SIGTERM)
-    process = workers.process
+    serve.signal(signal.SIGTERM)
+    process = serve.process
     assert process is not None
     # Waited for without blocking the loop: the receiver answers in this loop.
     await wait_for(lambda: process.poll() is not None, timeout=30)
