@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +206,8 @@ class _Worker:
     last: UsageSnapshot | None = None
     restarts: int = 0
     quick_deaths: int = 0
+    # Its data-path samples at the last /metrics it answered.
+    samples: dict[_SampleKey, float] = field(default_factory=dict)
     watcher: asyncio.Task[None] | None = None
 
     @property
@@ -274,6 +276,8 @@ class Supervisor(Listening):
         self.sink_failures: dict[str, int] = {}
         self.last_tick_seconds = 0.0
         self.collect_failures = 0
+        self.families: dict[str, _Family] = {}
+        self.retired_samples: dict[_SampleKey, float] = {}
         self.workers: list[_Worker] = []
         self.push: PushSink | None = None
         self._sinks: list[UsageSink] = [self.latest, self.prometheus, self.rates]
@@ -466,6 +470,8 @@ class Supervisor(Listening):
             if worker.last is not None:
                 self.memory.retire(worker.last)
                 worker.last = None
+            _add_samples(self.retired_samples, worker.samples)
+            worker.samples = {}
             lived = time.monotonic() - worker.started
             worker.quick_deaths = worker.quick_deaths + 1 if lived < 10.0 else 0
             if worker.quick_deaths:
@@ -612,16 +618,21 @@ class Supervisor(Listening):
         """One set of series: the supervisor's own, and the workers' histograms summed."""
         # Fresh per-worker figures for router_worker_in_flight_requests.
         await self.collect()
+        # Counters summed over workers must never go down: a worker that does
+        # not answer (dying, restarting) counts with its last figures, and a
+        # dead worker's last figures stay in the sum (_watch retires them).
         live = [w for w in self.workers if w.live]
         answers = await asyncio.gather(*(w.call("GET", "/metrics") for w in live), return_exceptions=True)
-        texts = [a[1].decode() for a in answers if not isinstance(a, BaseException) and a[0] == 200]
-        if len(texts) < len(live):
-            raise FleetUnavailable("Not every worker answered for /metrics; try again.")
-        summed = _sum_families(texts)
+        for worker, answer in zip(live, answers, strict=True):
+            if not isinstance(answer, BaseException) and answer[0] == 200:
+                worker.samples = _data_path_samples(answer[1].decode(), self.families)
+        summed = dict(self.retired_samples)
+        for worker in self.workers:
+            _add_samples(summed, worker.samples)
         loop = asyncio.get_running_loop()
         own = await loop.run_in_executor(None, generate_latest, self.registry)
         extra = CollectorRegistry()
-        extra.register(_Fixed(summed))
+        extra.register(_Fixed(_as_families(self.families, summed)))
         return own + generate_latest(extra)
 
 
@@ -637,28 +648,38 @@ class _Fixed(Collector):
         yield from self.families
 
 
-def _sum_families(texts: Sequence[str]) -> list[Metric]:
-    """The workers' data-path families, every sample summed over the workers."""
-    sums: dict[str, tuple[Metric, dict[tuple[str, tuple[tuple[str, str], ...]], float]]] = {}
-    for text in texts:
-        for family in text_string_to_metric_families(text):
-            if family.name not in _WORKER_FAMILIES:
-                continue
-            entry = sums.get(family.name)
-            if entry is None:
-                entry = sums[family.name] = (Metric(family.name, family.documentation, family.type), {})
-            values = entry[1]
-            for sample in family.samples:
-                if sample.name.endswith("_created"):
-                    continue  # a creation time, not a count: meaningless summed
-                key = (sample.name, tuple(sorted(sample.labels.items())))
-                values[key] = values.get(key, 0.0) + sample.value
-    out = []
-    for metric, values in sums.values():
-        for (name, labels), value in values.items():
-            metric.add_sample(name, dict(labels), value)
-        out.append(metric)
-    return out
+# One family's identity, and one sample's: (family, sample name, labels).
+_Family = tuple[str, str, str]  # name, help, type
+_SampleKey = tuple[str, str, tuple[tuple[str, str], ...]]
+
+
+def _data_path_samples(text: str, families: dict[str, _Family]) -> dict[_SampleKey, float]:
+    """A worker's data-path samples from its /metrics text; their families noted in `families`."""
+    samples: dict[_SampleKey, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in _WORKER_FAMILIES:
+            continue
+        families[family.name] = (family.name, family.documentation, family.type)
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue  # a creation time, not a count: meaningless summed
+            samples[(family.name, sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def _add_samples(total: dict[_SampleKey, float], more: dict[_SampleKey, float]) -> None:
+    for key, value in more.items():
+        total[key] = total.get(key, 0.0) + value
+
+
+def _as_families(families: dict[str, _Family], samples: dict[_SampleKey, float]) -> list[Metric]:
+    out: dict[str, Metric] = {}
+    for (family, name, labels), value in samples.items():
+        metric = out.get(family)
+        if metric is None:
+            metric = out[family] = Metric(*families[family])
+        metric.add_sample(name, dict(labels), value)
+    return list(out.values())
 
 
 class _WorkerCollector(Collector):

@@ -229,7 +229,15 @@ async def test_a_worker_that_dies_is_restarted_and_nothing_goes_backwards(serve:
                 assert resp.status == 200
         before = (await replicas(session, serve))["r0"]
         assert before["requests"] == 20
+        first_bytes = ("sample", "router_time_to_first_byte_seconds_count"), ("model", "m")
+        counted = (await metrics(session, serve))["router_time_to_first_byte_seconds"][first_bytes]
+        assert counted == 20
         os.kill(pids[0], signal.SIGKILL)
+        # Scrapes while it dies and restarts answer, and their counters never go down.
+        for _ in range(10):
+            families = await metrics(session, serve)
+            assert families["router_time_to_first_byte_seconds"][first_bytes] == 20
+            await asyncio.sleep(0.02)
 
         async def restarted() -> bool:
             families = await metrics(session, serve)
