@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.fake import Behaviour, FakeReplica
-from router.workers import worker_count
+from router.workers import usable_cores, worker_count
 from tests.conftest import StartFake
 from tests.test_lifecycle import Serve
 from tests.test_proxy import CHAT, wait_for
@@ -327,7 +327,8 @@ def test_a_bad_worker_count_is_refused_by_name(tmp_path: Path, value: str) -> No
 
 
 def test_auto_is_one_worker_per_usable_core() -> None:
-    assert worker_count("auto") == len(os.sched_getaffinity(0))
+    assert worker_count("auto") == usable_cores()
+    assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
     assert worker_count("3") == 3
 
 
@@ -368,3 +369,23 @@ async def test_sighup_reloads_every_worker_and_sigterm_pushes_the_last_map(
     # The last push holds what both workers did, stamps of their final word included.
     assert received, "no final push"
     assert "second" in received[-1]["last_used"]
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu.max": "150000 100000\n"}, 2),
+        ({"cpu.max": "50000 100000\n"}, 1),
+        ({"cpu/cpu.cfs_quota_us": "100000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),
+    ],
+)
+def test_auto_respects_a_cgroup_cpu_quota(tmp_path: Path, files: dict[str, str], expected: int | None) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    cores = len(os.sched_getaffinity(0))
+    # None: no quota, so every core of the affinity.
+    assert usable_cores(tmp_path) == (cores if expected is None else min(cores, expected))
