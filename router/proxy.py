@@ -49,6 +49,8 @@ RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # bad requests must not eject healthy replicas.
 UNHEALTHY_STATUSES = frozenset({502, 503, 504})
 _STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+# Answers that never have a body, whatever the request asked for.
+_NO_BODY = frozenset({204, 304})
 # Bytes queued for a client beyond which its stream waits for it to read.
 _CLIENT_HIGH_WATER = 64 * 1024
 
@@ -428,7 +430,7 @@ class Proxy:
             out_headers = response_headers(resp.headers)
             # Passed through as it arrives: a stream, or anything without a length.
             # A replica's error answer is read whole, to give it OpenAI's shape.
-            if status < 400 and (
+            if status < 400 and status not in _NO_BODY and (
                 stream
                 or resp.content_length is None
                 or (resp.header(b"content-type") or b"").startswith(b"text/event-stream")

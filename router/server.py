@@ -313,11 +313,19 @@ class Connection(asyncio.Protocol):
     def write_reply(self, reply: Reply, *, head_only: bool = False) -> None:
         if self.transport is None or self.transport.is_closing():
             return
-        framing = b"Content-Length: %d\r\n" % len(reply.body)
+        status = reply.status
+        # 204 and 304 carry neither a body nor a length (RFC 9110 8.6).
+        framing = b"" if status in (204, 304) else b"Content-Length: %d\r\n" % len(reply.body)
         if not self._keep_alive:
             framing += b"Connection: close\r\n"
-        head = _head(reply.status, reply.reason, reply.headers, framing + b"\r\n")
-        self.transport.write(head if head_only else head + reply.body)
+        head = _head(status, reply.reason, reply.headers, framing + b"\r\n")
+        if head_only or not framing:
+            self.transport.write(head)
+        elif len(reply.body) > 65536:
+            # A big answer (embeddings of a large batch) is not copied into the head.
+            self.transport.writelines((head, reply.body))
+        else:
+            self.transport.write(head + reply.body)
 
     # Streams --------------------------------------------------------------------------------
 

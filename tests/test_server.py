@@ -147,3 +147,24 @@ async def test_an_unparsable_request_gets_an_openai_shaped_400_and_the_connectio
     assert error["type"] == "invalid_request_error"
     assert "Content-Length" in error["message"]
     assert fake.seen == []
+
+
+async def test_a_204_from_the_replica_passes_without_a_body_or_length(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(fail_status=204, fail_body=b""))
+    server = await start_router([replica_entry("r0", fake)])
+    host, port = server.client_address  # type: ignore[misc]
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        # Asked as a stream, still no chunks: a 204 has no body at all.
+        writer.write(request(orjson.dumps({**CHAT, "stream": True})) + request(orjson.dumps(CHAT)))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 204")
+        assert b"content-length" not in head.lower()
+        assert b"transfer-encoding" not in head.lower()
+        # The next bytes are the second answer's head: nothing was sent between.
+        second = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert second.startswith(b"HTTP/1.1 204")
+    finally:
+        writer.close()
