@@ -150,7 +150,6 @@ class Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._body_size = 0
-        self._refused: Reply | None = None
         self._pending: deque[Request] = deque()
         self.task: asyncio.Task[None] | None = None
         # When this connection's current wait ends (monotonic; 0 = none), and
@@ -162,7 +161,8 @@ class Connection(asyncio.Protocol):
         self._discarding = False
         self._paused = False
         self._drained: asyncio.Future[None] | None = None
-        # Set while a stream is being written: its framing.
+        # Set while a stream is being written: that its head is out, its framing.
+        self._streaming = False
         self._chunked = False
         self._keep_alive = True
 
@@ -290,13 +290,19 @@ class Connection(asyncio.Protocol):
 
     async def _run(self, request: Request) -> None:
         self._keep_alive = request.keep_alive and not self.server.stopping
+        self._streaming = False
         try:
             reply = await self.server.handler(request)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 (the root of a request: answered 500, logged, connection lives on)
             self.server.log_exception("request handler failed")
-            reply = self.server.internal_error()
+            if self._streaming:
+                # Bytes of a stream are out: a 500 now would corrupt it; the close ends it.
+                self._keep_alive = False
+                reply = None
+            else:
+                reply = self.server.internal_error()
         if reply is not None:
             self.write_reply(reply, head_only=request.method == "HEAD")
         self.task = None
@@ -332,6 +338,7 @@ class Connection(asyncio.Protocol):
     def start_stream(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], version_11: bool) -> None:
         """Write a stream's head; then write_chunk() each piece and end_stream()."""
         assert self.transport is not None
+        self._streaming = True
         self._chunked = version_11
         if version_11:
             framing = b"Transfer-Encoding: chunked\r\n"
