@@ -430,10 +430,14 @@ class Proxy:
             out_headers = response_headers(resp.headers)
             # Passed through as it arrives: a stream, or anything without a length.
             # A replica's error answer is read whole, to give it OpenAI's shape.
-            if status < 400 and status not in _NO_BODY and (
-                stream
-                or resp.content_length is None
-                or (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
+            if (
+                status < 400
+                and status not in _NO_BODY
+                and (
+                    stream
+                    or resp.content_length is None
+                    or (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
+                )
             ):
                 await self._stream(request, replica, resp, out_headers)
                 return None
