@@ -17,45 +17,48 @@ T = TypeVar("T", bound=Hashable)
 
 
 class LeastLoaded(Generic[T]):
-    __slots__ = ("_buckets", "_load", "_index", "_lowest", "_rng")
+    __slots__ = ("_buckets", "_slots", "_lowest", "_rng")
 
     def __init__(self, rng: random.Random | None = None) -> None:
         # _buckets[n] holds the candidates with n requests in flight.
         self._buckets: list[list[T]] = [[]]
-        self._load: dict[T, int] = {}
-        self._index: dict[T, int] = {}
+        # Per candidate, [load, index in its bucket]: one lookup per move,
+        # where separate dicts for each took five on every acquire().
+        self._slots: dict[T, list[int]] = {}
         self._lowest = 0
         self._rng = rng or random.Random()
 
     def __len__(self) -> int:
-        return len(self._load)
+        return len(self._slots)
 
     def __contains__(self, item: object) -> bool:
-        return item in self._load
+        return item in self._slots
 
     def add(self, item: T, load: int) -> None:
-        if item in self._load:
+        if item in self._slots:
             raise ValueError(f"{item!r} is already a candidate")
-        self._place(item, load)
-        if load < self._lowest or len(self._load) == 1:
+        slot = self._slots[item] = [load, 0]
+        self._place(item, slot, load)
+        if load < self._lowest or len(self._slots) == 1:
             self._lowest = load
 
     def discard(self, item: T) -> None:
-        load = self._load.pop(item, None)
-        if load is None:
+        slot = self._slots.pop(item, None)
+        if slot is None:
             return
-        self._unplace(item, load)
+        load = slot[0]
+        self._unplace(slot)
         if load == self._lowest:
             self._settle_lowest()
 
     @property
     def lowest_load(self) -> int | None:
         """In flight on the least loaded candidate; None with no candidate."""
-        return self._lowest if self._load else None
+        return self._lowest if self._slots else None
 
     def pick(self) -> T | None:
         """The least loaded candidate (a random one among equals), or None."""
-        if not self._load:
+        if not self._slots:
             return None
         bucket = self._buckets[self._lowest]
         if len(bucket) == 1:
@@ -68,50 +71,54 @@ class LeastLoaded(Generic[T]):
         Used only on retries, so a scan is fine here.
         """
         fallback: T | None = None
+        avoid_slot = self._slots.get(avoid) if avoid is not None else None
         for load in range(self._lowest, len(self._buckets)):
             others = [item for item in self._buckets[load] if item is not avoid and item not in exclude]
             if others:
                 return others[0] if len(others) == 1 else others[self._rng.randrange(len(others))]
-            if fallback is None and avoid is not None and self._load.get(avoid) == load and avoid not in exclude:
+            if fallback is None and avoid_slot is not None and avoid_slot[0] == load and avoid not in exclude:
                 fallback = avoid
         return fallback
 
     def increment(self, item: T) -> None:
-        load = self._load.get(item)
-        if load is None:
+        slot = self._slots.get(item)
+        if slot is None:
             return
-        self._unplace(item, load)
-        self._place(item, load + 1)
+        load = slot[0]
+        self._unplace(slot)
+        self._place(item, slot, load + 1)
         if load == self._lowest and not self._buckets[load]:
             self._lowest = load + 1
 
     def decrement(self, item: T) -> None:
-        load = self._load.get(item)
-        if load is None or load == 0:
+        slot = self._slots.get(item)
+        if slot is None or slot[0] == 0:
             return
-        self._unplace(item, load)
-        self._place(item, load - 1)
+        load = slot[0]
+        self._unplace(slot)
+        self._place(item, slot, load - 1)
         self._lowest = min(self._lowest, load - 1)
 
-    def _place(self, item: T, load: int) -> None:
-        while len(self._buckets) <= load:
-            self._buckets.append([])
-        bucket = self._buckets[load]
-        self._index[item] = len(bucket)
+    def _place(self, item: T, slot: list[int], load: int) -> None:
+        buckets = self._buckets
+        while len(buckets) <= load:
+            buckets.append([])
+        bucket = buckets[load]
+        slot[0] = load
+        slot[1] = len(bucket)
         bucket.append(item)
-        self._load[item] = load
 
-    def _unplace(self, item: T, load: int) -> None:
+    def _unplace(self, slot: list[int]) -> None:
         # Swap with the last so that removal is O(1) and indexes stay valid.
-        bucket = self._buckets[load]
-        index = self._index.pop(item)
+        bucket = self._buckets[slot[0]]
+        index = slot[1]
         last = bucket.pop()
-        if last is not item:
+        if index < len(bucket):
             bucket[index] = last
-            self._index[last] = index
+            self._slots[last][1] = index
 
     def _settle_lowest(self) -> None:
-        if not self._load:
+        if not self._slots:
             self._lowest = 0
             return
         load = self._lowest
