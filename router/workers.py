@@ -470,6 +470,8 @@ class Supervisor(Listening):
             except (aiohttp.ClientError, OSError):
                 pass
             if time.monotonic() > deadline:
+                # Not left running half-started: its watcher restarts it.
+                worker.process.kill()
                 raise WorkerFailed(f"worker {worker.index} was not ready within {_READY_TIMEOUT:g} s")
             await asyncio.sleep(0.05)
         worker.live = True
