@@ -97,7 +97,6 @@ class RouterServer(Listening):
         self._admin_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._client_listener: asyncio.Server | None = None
-        self.slow_heads = 0
         self.health: HealthChecker | None = None
         self.client_address: tuple[str, int] | None = None
         self.admin_address: tuple[str, int] | None = None
@@ -145,7 +144,6 @@ class RouterServer(Listening):
             max_body_bytes=config.max_body_bytes,
             header_timeout=config.header_timeout_seconds,
             error=server_error,
-            on_slow_head=self._slow_head,
             log_exception=log.exception,
         )
 
@@ -239,9 +237,6 @@ class RouterServer(Listening):
         assert self.ticker is not None
         body = orjson.dumps(snapshot_to_json(self.ticker.snapshot()))
         return web.Response(body=body, content_type="application/json")
-
-    def _slow_head(self) -> None:
-        self.slow_heads += 1
 
     def reload(self, path: str) -> bool:
         """SIGHUP: make the config file's replicas the desired set, as a push would.

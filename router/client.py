@@ -226,7 +226,6 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.idle_since = 0.0
         self.closed = False
-        self.used = False
         # Body bytes parsed from the current read, handed on as one piece
         # after it: a read holding many SSE events costs one client write.
         self._body: list[bytes] = []
@@ -327,7 +326,6 @@ class _Connection(asyncio.Protocol):
     def send(self, data: bytes, head_timeout: float | None) -> asyncio.Future[Response]:
         assert self.transport is not None
         loop = self.loop
-        self.used = True
         self.complete = False
         self.reusable = False
         self.response = None
@@ -405,7 +403,6 @@ class Client:
         self._all: set[_Connection] = set()
         self._tls: ssl.SSLContext | None = None
         self._sweeper: asyncio.TimerHandle | None = None
-        self.connections_made = 0
 
     async def request(self, origin: Origin, head: bytes, body: bytes, head_timeout: float | None = None) -> Response:
         """Send one request (head already framed) and wait for the response head.
@@ -477,7 +474,6 @@ class Client:
             raise ConnectFailed(f"no connection within {self.connect_timeout:g} s") from exc
         except OSError as exc:
             raise ConnectFailed(str(exc) or type(exc).__name__) from exc
-        self.connections_made += 1
         self._all.add(protocol)
         return protocol
 

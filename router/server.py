@@ -426,7 +426,6 @@ class Connection(asyncio.Protocol):
         if self.task is not None:
             return
         if slow and not self._discarding:
-            self.server.slow_head()
             # A head that never ended: no answer is owed; the slot is freed.
             if self.transport is not None:
                 self.transport.abort()
@@ -454,7 +453,6 @@ class Server:
         max_body_bytes: int,
         header_timeout: float,
         error: Callable[..., Reply],
-        on_slow_head: Callable[[], None],
         log_exception: Callable[[str], None],
         keepalive_timeout: float = 75.0,
     ) -> None:
@@ -464,7 +462,6 @@ class Server:
         self.keepalive_timeout = keepalive_timeout
         # error(status, message, code=...) -> an OpenAI-shaped Reply.
         self.error = error
-        self.slow_head = on_slow_head
         self.log_exception = log_exception
         self.connections: set[Connection] = set()
         self.stopping = False
