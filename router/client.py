@@ -55,8 +55,8 @@ class Origin:
     host: str
     port: int
     tls: bool
-    # Path prefix of the base URL ("" or "/prefix"), put before the client's path.
-    prefix: str
+    # Path prefix of the base URL (b"" or b"/prefix"), put before the client's path.
+    prefix: bytes
     host_header: bytes
     # What the connection pools are keyed by: a str hashes once and compares
     # in C, where the dataclass would build tuples on every lookup.
@@ -72,7 +72,7 @@ class Origin:
         default = 443 if tls else 80
         header = shown if port == default else f"{shown}:{port}"
         key = f"{'https' if tls else 'http'}://{shown}:{port}"
-        return cls(host, port, tls, parts.path.rstrip("/"), header.encode("idna"), key)
+        return cls(host, port, tls, parts.path.rstrip("/").encode(), header.encode("idna"), key)
 
 
 class Response:

@@ -393,7 +393,7 @@ class Proxy:
         head = b"".join(
             (
                 b"POST ",
-                origin.prefix.encode(),
+                origin.prefix,
                 path,
                 b" HTTP/1.1\r\nHost: ",
                 origin.host_header,

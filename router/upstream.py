@@ -20,22 +20,19 @@ from router.config import Config
 # message; Host and Content-Length are recomputed for the other side.
 _NOT_FORWARDED = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "proxy-connection",
-        "host",
-        "content-length",
+        b"connection",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"proxy-connection",
+        b"host",
+        b"content-length",
         # The router answers Expect itself; the replica gets the body at once.
-        "expect",
+        b"expect",
     }
 )
-
-
-_NOT_FORWARDED_RAW = frozenset(name.encode() for name in _NOT_FORWARDED)
 
 
 def _hop_filter(raw: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes]) -> list[tuple[bytes, bytes]]:
@@ -44,7 +41,7 @@ def _hop_filter(raw: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes]) -> l
     named: set[bytes] | None = None
     for name, value in raw:
         lower = name.lower()
-        if lower in _NOT_FORWARDED_RAW or lower in drop or lower.startswith(b"proxy-"):
+        if lower in _NOT_FORWARDED or lower in drop or lower.startswith(b"proxy-"):
             if lower == b"connection":
                 tokens = {token.strip().lower() for token in value.split(b",")}
                 tokens.discard(b"")

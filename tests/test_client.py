@@ -293,6 +293,6 @@ async def test_a_full_sink_stops_reading_from_the_replica(raw_server: StartRaw, 
 
 async def test_origin_of_a_base_url() -> None:
     origin = Origin.parse("https://gpu-1.example:8443/prefix/")
-    assert (origin.host, origin.port, origin.tls, origin.prefix) == ("gpu-1.example", 8443, True, "/prefix")
+    assert (origin.host, origin.port, origin.tls, origin.prefix) == ("gpu-1.example", 8443, True, b"/prefix")
     assert origin.host_header == b"gpu-1.example:8443"
     assert Origin.parse("http://[::1]:80").host_header == b"[::1]"
