@@ -26,6 +26,11 @@ from router.usage import ReplicaUsage, UsageSnapshot
 Key = tuple[str, str, str]  # (id, url, model): one replica; an id whose URL changed is another
 
 
+# The per-model tallies keyed by a model name; fallbacks are keyed by a pair.
+_BY_MODEL = ("retries", "unserved", "stalled", "overloaded")
+_MAPPINGS = ("labels", "responses", "errors")
+
+
 def snapshot_to_json(snapshot: UsageSnapshot) -> dict[str, Any]:
     return {
         "router": snapshot.router,
@@ -33,28 +38,10 @@ def snapshot_to_json(snapshot: UsageSnapshot) -> dict[str, Any]:
         "generated_at": snapshot.generated_at,
         "tick_seconds": snapshot.tick_seconds,
         "replicas": [
-            {
-                "id": r.id,
-                "model": r.model,
-                "url": r.url,
-                "state": r.state,
-                "in_flight": r.in_flight,
-                "requests": r.requests,
-                "last_used": r.last_used,
-                "watching_since": r.watching_since,
-                "labels": dict(r.labels),
-                "responses": dict(r.responses),
-                "errors": dict(r.errors),
-                "ejections": r.ejections,
-                "recoveries": r.recoveries,
-            }
-            for r in snapshot.replicas
+            {**r._asdict(), **{name: dict(getattr(r, name)) for name in _MAPPINGS}} for r in snapshot.replicas
         ],
-        "retries": dict(snapshot.retries),
         "fallbacks": [[a, b, n] for (a, b), n in snapshot.fallbacks.items()],
-        "unserved": dict(snapshot.unserved),
-        "stalled": dict(snapshot.stalled),
-        "overloaded": dict(snapshot.overloaded),
+        **{name: dict(getattr(snapshot, name)) for name in _BY_MODEL},
     }
 
 
@@ -65,28 +52,10 @@ def snapshot_from_json(doc: Mapping[str, Any]) -> UsageSnapshot:
         generated_at=doc["generated_at"],
         tick_seconds=doc["tick_seconds"],
         replicas=tuple(
-            ReplicaUsage(
-                id=r["id"],
-                model=r["model"],
-                url=r["url"],
-                state=r["state"],
-                in_flight=r["in_flight"],
-                requests=r["requests"],
-                last_used=r["last_used"],
-                watching_since=r["watching_since"],
-                labels=MappingProxyType(r["labels"]),
-                responses=MappingProxyType(r["responses"]),
-                errors=MappingProxyType(r["errors"]),
-                ejections=r["ejections"],
-                recoveries=r["recoveries"],
-            )
-            for r in doc["replicas"]
+            ReplicaUsage(**{**r, **{name: MappingProxyType(r[name]) for name in _MAPPINGS}}) for r in doc["replicas"]
         ),
-        retries=MappingProxyType(doc["retries"]),
         fallbacks=MappingProxyType({(a, b): n for a, b, n in doc["fallbacks"]}),
-        unserved=MappingProxyType(doc["unserved"]),
-        stalled=MappingProxyType(doc["stalled"]),
-        overloaded=MappingProxyType(doc["overloaded"]),
+        **{name: MappingProxyType(doc[name]) for name in _BY_MODEL},
     )
 
 
