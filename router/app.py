@@ -12,8 +12,10 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from functools import partial
+from typing import TypeVar
 
 import orjson
 from aiohttp import web
@@ -109,8 +111,7 @@ class RouterServer(Listening):
         self._session = session
         sinks: list[UsageSink] = [self.latest, self.prometheus, self.rates]
         if config.usage_push_url:
-            # Shorter than the tick, so that pushes never pile up behind each other.
-            self.push = PushSink(session, config.usage_push_url, timeout_seconds=max(0.05, config.tick_seconds * 0.8))
+            self.push = PushSink.every_tick(session, config.usage_push_url, config.tick_seconds)
             sinks.append(self.push)
         self.ticker = ticker = Ticker(
             self.pool,
@@ -274,25 +275,48 @@ def http_url(address: tuple[str, int]) -> str:
     return f"http://{host}:{port}"
 
 
+_Running = TypeVar("_Running", bound="Listening")
+
+
+async def run_until_signalled(
+    server: _Running,
+    *,
+    stop_server: Callable[[], Awaitable[None]],
+    grace_seconds: float,
+    on_hup: Callable[[], object] | None,
+    on_ready: Callable[[_Running], None] | None,
+    listening: str,
+) -> None:
+    """Run a started router until SIGTERM or SIGINT, then stop it; SIGHUP calls `on_hup`."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if on_hup is not None:
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
+    log.info("router listening on %s (clients%s) and %s (admin)", server.client_url, listening, server.admin_url)
+    if on_ready is not None:
+        on_ready(server)
+    try:
+        await stop.wait()
+        log.info("shutting down: finishing requests in flight (up to %gs)", grace_seconds)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        await stop_server()
+
+
 async def serve(
     config: Config, *, on_ready: Callable[[RouterServer], None] | None = None, config_path: str | None = None
 ) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully; SIGHUP reloads the replicas."""
     server = RouterServer(config)
     await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if config_path is not None:
-        loop.add_signal_handler(signal.SIGHUP, server.reload, config_path)
-    log.info("router listening on %s (clients) and %s (admin)", server.client_url, server.admin_url)
-    if on_ready is not None:
-        on_ready(server)
-    try:
-        await stop.wait()
-        log.info("shutting down: finishing requests in flight (up to %gs)", config.shutdown_grace_seconds)
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
-        await server.stop()
+    await run_until_signalled(
+        server,
+        stop_server=server.stop,
+        grace_seconds=config.shutdown_grace_seconds,
+        on_hup=partial(server.reload, config_path) if config_path is not None else None,
+        on_ready=on_ready,
+        listening="",
+    )

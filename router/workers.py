@@ -56,7 +56,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from router.admin import Admin, FleetUnavailable
-from router.app import SNAPSHOT_PATH, Listening, RouterServer
+from router.app import SNAPSHOT_PATH, Listening, RouterServer, run_until_signalled
 from router.combined import Memory, _state, combine, snapshot_from_json, snapshot_to_json
 from router.config import Config, ReplicaConfig, load_config, parse_replicas, replicas_where
 from router.errors import ConfigError
@@ -328,9 +328,7 @@ class Supervisor(Listening):
         self._write_state()
         self._session = make_session(config)
         if config.usage_push_url:
-            self.push = PushSink(
-                self._session, config.usage_push_url, timeout_seconds=max(0.05, config.tick_seconds * 0.8)
-            )
+            self.push = PushSink.every_tick(self._session, config.usage_push_url, config.tick_seconds)
             self._sinks.append(self.push)
         push = self.push
         self.sink_failures = {sink.name: 0 for sink in self._sinks}
@@ -779,30 +777,18 @@ async def serve_workers(
     """`router serve --workers N`: run until SIGTERM/SIGINT; SIGHUP reloads the replicas."""
     supervisor = Supervisor(config, config_path=config_path, workers=workers, log_level=log_level)
     await supervisor.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     reloads: set[asyncio.Task[bool]] = set()
 
     def reload() -> None:
-        task = loop.create_task(supervisor.reload())
+        task = asyncio.get_running_loop().create_task(supervisor.reload())
         reloads.add(task)
         task.add_done_callback(reloads.discard)
 
-    loop.add_signal_handler(signal.SIGHUP, reload)
-    log.info(
-        "router listening on %s (clients, %d workers) and %s (admin)",
-        supervisor.client_url,
-        workers,
-        supervisor.admin_url,
+    await run_until_signalled(
+        supervisor,
+        stop_server=supervisor.stop,
+        grace_seconds=config.shutdown_grace_seconds,
+        on_hup=reload,
+        on_ready=on_ready,
+        listening=f", {workers} workers",
     )
-    if on_ready is not None:
-        on_ready(supervisor)
-    try:
-        await stop.wait()
-        log.info("shutting down: workers finish requests in flight (up to %gs)", config.shutdown_grace_seconds)
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
-        await supervisor.stop()

@@ -45,6 +45,11 @@ class PushSink:
         self._unlogged = 0
         self._clock = clock
 
+    @classmethod
+    def every_tick(cls, session: aiohttp.ClientSession, url: str, tick_seconds: float) -> PushSink:
+        # A timeout shorter than the tick, so that pushes never pile up behind each other.
+        return cls(session, url, timeout_seconds=max(0.05, tick_seconds * 0.8))
+
     def publish(self, snapshot: UsageSnapshot) -> None:
         body = orjson.dumps(snapshot.usage_document())
         if self._task is not None and not self._task.done():
