@@ -62,9 +62,8 @@ def error_body(status: int, message: str, type_: str, code: str | None, param: s
 _JSON = (b"Content-Type", b"application/json")
 
 
-def error_response(exc: ClientFacingError, headers: list[tuple[bytes, bytes]] | None = None) -> Reply:
-    body = error_body(exc.status, exc.message, exc.type, exc.code, exc.param)
-    return Reply(exc.status, body, [_JSON, *(headers or ())])
+def error_response(exc: ClientFacingError) -> Reply:
+    return Reply(exc.status, error_body(exc.status, exc.message, exc.type, exc.code, exc.param), [_JSON])
 
 
 def server_error(status: int, message: str, *, code: str | None = None) -> Reply:
