@@ -161,13 +161,14 @@ class Path_:
     process: subprocess.Popen[bytes] | None = None
     # What a human should know about how it was run.
     note: str = ""
+    cwd: Path | None = None
 
     def start(self, log: Path) -> None:
         if not self.command:
             return
         with log.open("ab") as out:
             self.process = subprocess.Popen(
-                self.command, env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT
+                self.command, env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd
             )
         wait_http(self.url + "/v1/models", process=self.process)
 
@@ -202,7 +203,15 @@ def router_config(tmp: Path, name: str, fake: str, replicas: int) -> Path:
     return path
 
 
-def make_paths(tmp: Path, fake: str, wanted: Sequence[str]) -> list[Path_]:
+def checkout(ref: str, into: Path) -> Path:
+    """The tree of `ref` (a commit of this repository) as plain files, for the baseline path."""
+    into.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "router"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def make_paths(tmp: Path, fake: str, wanted: Sequence[str], baseline: str | None = None) -> list[Path_]:
     py = sys.executable
     paths: list[Path_] = []
 
@@ -224,6 +233,23 @@ def make_paths(tmp: Path, fake: str, wanted: Sequence[str]) -> list[Path_]:
             port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
             command = [py, "-m", "router", "serve", "--config", str(config), "--log-level", "warning", *extra]
             add(name, command, port, note=f"{replicas} replicas of the model" + (", --workers auto" if extra else ""))
+    if baseline is not None:
+        # The same router at another commit, started from its own tree: `python -m`
+        # puts the working directory first on sys.path, ahead of the editable install.
+        tree_ = checkout(baseline, tmp / "baseline")
+        config = router_config(tmp, "router-baseline", fake, 4)
+        port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
+        command = [py, "-m", "router", "serve", "--config", str(config), "--log-level", "warning"]
+        paths.append(
+            Path_(
+                "router-baseline",
+                command,
+                port=port,
+                url=f"http://127.0.0.1:{port}",
+                note=f"4 replicas of the model, at {baseline}",
+                cwd=tree_,
+            )
+        )
     if "nginx" in wanted and shutil.which("nginx"):
         port = free_port()
         conf = tmp / "nginx.conf"
@@ -543,6 +569,19 @@ def budget(summary: dict[str, dict[str, dict[str, float]]], held: dict[str, Any]
             errors = summary[workload]["litellm"].get("errors", 0)
             lines.append((f">= 50x LiteLLM, {workload}", f"LiteLLM completed none ({errors:.0f} errors)", "met"))
     for workload in ("short", "stream"):
+        now, before = (
+            fig(workload, "router", "cpu_ms_per_request"),
+            fig(workload, "router-baseline", "cpu_ms_per_request"),
+        )
+        if now and before:
+            lines.append(
+                (
+                    f"router: CPU per {workload} request against router-baseline (budget of the issue at hand)",
+                    f"{now:.4f} vs {before:.4f} ms: {now / before:.3f}x",
+                    "-",
+                )
+            )
+    for workload in ("short", "stream"):
         few, many = fig(workload, "router", "rps"), fig(workload, "router-4000", "rps")
         if few and many:
             lines.append(
@@ -701,6 +740,11 @@ def main() -> int:
     parser.add_argument("--no-netns", action="store_true", help="do not enter a loopback-only network namespace")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="also run the router at this git commit (path router-baseline), for before/after ratios in one run",
+    )
     args = parser.parse_args()
     if not args.inside and not args.no_netns:
         code = in_namespace([str(Path(__file__).resolve()), *sys.argv[1:]])
@@ -746,7 +790,7 @@ def main() -> int:
             # Peers' probes (an HTTP/2 preface among them) make it log 400s.
             stderr=log.open("ab"),
         )
-        paths = make_paths(tmp, fake_url, wanted)
+        paths = make_paths(tmp, fake_url, wanted, args.baseline)
         results: dict[str, dict[str, list[dict[str, float]]]] = {w: {} for w in workloads}
         held: dict[str, Any] | None = None
         started: list[Path_] = []
