@@ -28,6 +28,7 @@ from router.config import Config, load_config
 from router.errors import ConfigError
 from router.health import HealthChecker
 from router.pool import EjectionPolicy, Limits, Pool
+from router.protocol_errors import ProtocolErrorCollector
 from router.proxy import DataPathMetrics, Proxy, server_error
 from router.server import Server as ClientServer
 from router.sinks.latest import LatestSink
@@ -134,7 +135,9 @@ class RouterServer(Listening):
             )
         metrics = DataPathMetrics(self.registry)
         self.upstream = Client(
-            connect_timeout=config.connect_timeout_seconds, keepalive_seconds=config.upstream_keepalive_seconds
+            connect_timeout=config.connect_timeout_seconds,
+            keepalive_seconds=config.upstream_keepalive_seconds,
+            idle_timeout=config.upstream_idle_timeout_seconds,
         )
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
 
@@ -144,9 +147,13 @@ class RouterServer(Listening):
             proxy.dispatch,
             max_body_bytes=config.max_body_bytes,
             header_timeout=config.header_timeout_seconds,
+            body_timeout=config.body_timeout_seconds,
+            write_stall_timeout=config.write_stall_timeout_seconds,
+            max_buffered_body_bytes=config.max_buffered_body_bytes,
             error=server_error,
             log_exception=log.exception,
         )
+        self.registry.register(ProtocolErrorCollector(client.protocol_errors, self.upstream.protocol_errors))
 
         admin = Admin(
             LocalFleet(self.pool, self.registry, ticker.snapshot),
@@ -194,7 +201,7 @@ class RouterServer(Listening):
         self.client_address = (str(host), int(port))
         self.admin_address = _bound(self._admin_runner) if worker_socket is None else ("", 0)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(proxy.stalls.run())]
+        self._tasks = []
         if worker_socket is None:
             self._tasks.append(loop.create_task(ticker.run()))
         if config.health_check_interval_seconds > 0:

@@ -10,13 +10,20 @@ the protocol callback, with no task switch per chunk.
 
 Failures are classified for the proxy's retry rules: `ConnectFailed` (no
 connection; nothing was sent), `ConnectionBroken` (the connection ended or
-was garbled; if before the response head, the request may be retried), and
-a replica's HTTP status is never an exception here.
+was garbled; `before_head` says whether the response head had come,
+`answered` whether any byte of an answer had: only a request that got no
+byte back may be sent again), and a replica's HTTP status is never an
+exception here. A replica that misbehaves (bytes nobody asked for, a head
+without end, a body that stops mid-way, a protocol switch) costs its
+connection, never the next request's answer, and is counted by reason in
+`Client.protocol_errors`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import logging
 import ssl
 import time
 from collections import deque
@@ -27,9 +34,20 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from router.protocol_errors import ProtocolErrors
+
 # Above this many bytes queued for a reader that is not taking them, the
 # replica's connection stops being read, so TCP pushes back to the replica.
 _HIGH_WATER = 256 * 1024
+
+# What a replica may send before its final response head (status line and
+# header fields, interim answers included), and between two pieces of a
+# chunked body (chunk framing and trailers). llhttp itself has no limit, and
+# httptools joins a field's pieces with `+=`: without a bound, an endless
+# line costs memory without end and CPU quadratic in its length.
+MAX_HEAD_BYTES = 64 * 1024
+# One line of that head.
+MAX_HEAD_LINE = 16 * 1024
 
 
 class ConnectFailed(Exception):
@@ -41,11 +59,61 @@ class HeadTimeout(Exception):
 
 
 class ConnectionBroken(Exception):
-    """The connection ended or sent something that is not HTTP."""
+    """The connection ended or sent something that is not HTTP.
 
-    def __init__(self, message: str, *, before_head: bool) -> None:
+    `before_head`: no response head had been handed to the caller.
+    `answered`: some bytes of an answer had arrived for this request, so the
+    replica has seen it and may have acted on it: it must not be sent again.
+    Unless given, `answered` is true exactly when the head had come.
+    """
+
+    def __init__(self, message: str, *, before_head: bool, answered: bool | None = None) -> None:
         super().__init__(message)
         self.before_head = before_head
+        self.answered = not before_head if answered is None else answered
+
+
+class HeadTooLarge(ConnectionBroken):
+    """The replica's response head went past MAX_HEAD_BYTES."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, before_head=True, answered=True)
+
+
+class UpstreamIdle(ConnectionBroken):
+    """The replica sent nothing for longer than the idle timeout in the middle of a body."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, before_head=False, answered=True)
+
+
+class _Stop(Exception):
+    """Raised in a parser callback to stop llhttp in the middle of a read.
+
+    The callback has already dealt with the connection (counted, failed,
+    closed); httptools turns this into an HttpParserCallbackError out of
+    feed_data, which data_received recognises by the closed state.
+    """
+
+
+class _State(enum.Enum):
+    # No request in progress: new, or in the pool. Any byte now is unsolicited.
+    IDLE = "idle"
+    # Request sent, no response head yet (the first-byte timer's time).
+    ACTIVE = "active"
+    # Head handed over, body in progress (the idle sweep's time).
+    BODY = "body"
+    # Answer complete, not yet released. Any byte now is a second answer.
+    DONE = "done"
+    CLOSED = "closed"
+
+
+# Module-level names: the per-read state checks are one global load and an `is`.
+_IDLE = _State.IDLE
+_ACTIVE = _State.ACTIVE
+_BODY = _State.BODY
+_DONE = _State.DONE
+_CLOSED = _State.CLOSED
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,19 +285,35 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.loop = asyncio.get_running_loop()
         self.parser = httptools.HttpResponseParser(self)
+        self.state = _IDLE
         self.response: Response | None = None
         self.head: asyncio.Future[Response] | None = None
         self._status_line = b""
         self._headers: list[tuple[bytes, bytes]] = []
-        self.complete = False
         self.reusable = False
         self.paused = False
         self.idle_since = 0.0
-        self.closed = False
+        # Reads so far: the idle sweep's evidence of life, and (against
+        # `_reads_at_send`) whether any byte came back for this request.
+        self.reads = 0
+        self._reads_at_send = 0
+        # The sweep's view: `reads` when last seen (-1: not seen yet, or
+        # paused) and since when (loop time) it has not changed.
+        self.seen_reads = -1
+        self.quiet_since = 0.0
+        # Bytes of the head so far (as the parser reports its fields, and as
+        # reads arrive), and of reads in the body that carried no body byte.
+        self._head_size = 0
+        self._head_bytes = 0
+        self._line = 0
+        self._framing_bytes = 0
         # Body bytes parsed from the current read, handed on as one piece
         # after it: a read holding many SSE events costs one client write.
         self._body: list[bytes] = []
         self._deadline: asyncio.TimerHandle | None = None
+
+    def __repr__(self) -> str:
+        return f"<_Connection {self.origin.key} {self.state.value}{' paused' if self.paused else ''}>"
 
     # asyncio callbacks -------------------------------------------------------------
 
@@ -237,62 +321,144 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        self.reads += 1
+        state = self.state
+        if state is not _BODY and state is not _ACTIVE:
+            self._stray(state)
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._body.clear()
-            self._broken(f"the replica's answer is not valid HTTP: {exc}")
-            self.close()
+            if self.state is not _CLOSED:  # else a callback has already stopped it
+                self._fail("invalid_response", self._broken(f"the replica's answer is not valid HTTP: {exc}"))
             return
-        self._flush()
+        except httptools.HttpParserUpgrade:
+            # No HttpParserError, so it would escape to asyncio (a traceback
+            # in the log). on_headers_complete stops a 101 before llhttp
+            # raises this: a safety net.
+            self._body.clear()
+            if self.state is not _CLOSED:
+                self._switched()
+            return
+        if self._body:
+            self._framing_bytes = 0
+            self._flush()
+        elif state is _BODY and self.state is _BODY:
+            # A read in the body without a byte of it, and not its end (whose
+            # last piece on_message_complete took): chunk framing or trailers.
+            self._framing_bytes += len(data)
+            if self._framing_bytes > MAX_HEAD_BYTES:
+                self._fail(
+                    "trailers_too_large",
+                    ConnectionBroken(
+                        f"the replica sent over {MAX_HEAD_BYTES} bytes of chunk framing or trailers",
+                        before_head=False,
+                    ),
+                )
+        elif self.state is _ACTIVE:
+            # Counted per read, not per completed field: an endless header
+            # line never completes, and httptools grows it with `+=`.
+            self._head_bytes += len(data)
+            # And the line still arriving, which httptools copies whole on
+            # every read that adds to it: bounded, so is the copying.
+            newline = data.rfind(b"\n")
+            self._line = len(data) - newline - 1 if newline >= 0 else self._line + len(data)
+            if self._head_bytes > MAX_HEAD_BYTES or self._line > MAX_HEAD_LINE:
+                self._fail("head_too_large", HeadTooLarge(f"the replica's head is over {MAX_HEAD_BYTES} bytes"))
 
     def _flush(self) -> None:
         body = self._body
-        if body and self.response is not None:
-            self.response._feed(body[0] if len(body) == 1 else b"".join(body))
+        piece = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
+        # Never an empty piece: downstream, b"" is framed as a chunked last-chunk.
+        if piece and self.response is not None:
+            self.response._feed(piece)
+
+    def _stray(self, state: _State) -> None:
+        """Bytes with no request waiting for them: never parsed as the next answer."""
+        if state is _IDLE:
+            self._fail("unsolicited_bytes", None, "bytes arrived on an idle connection")
+        elif state is _DONE:
+            self._fail("bytes_after_answer", None, "bytes arrived after the end of the answer")
 
     def eof_received(self) -> bool:
-        # Only a body delimited by the end of the connection ends here well.
-        try:
-            self.parser.feed_data(b"")
-        except httptools.HttpParserError:
-            pass
+        # Not fed to the parser: a body delimited by the end of the connection
+        # ends in connection_lost, and feed_data(b"") only yields on_body(b"").
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._flush()
+        state = self.state
+        self.state = _CLOSED
         self._stop_deadline()
-        if self.response is not None and not self.complete:
+        if state is _BODY:
+            if self._body:
+                self._flush()
+            response = self.response
+            assert response is not None
             # A body without a length ends with the connection (RFC 9112 6.3).
-            if self.response.content_length is None and self._close_delimited():
-                self.complete = True
-                self.response._finish()
+            if response.content_length is None and self._close_delimited():
+                response._finish()
             else:
-                self._broken(f"the replica closed the connection: {exc or 'EOF'}")
-        elif self.head is not None and not self.head.done():
-            self._broken(f"the replica closed the connection before answering: {exc or 'EOF'}")
+                response._finish(
+                    ConnectionBroken(f"the replica closed the connection: {exc or 'EOF'}", before_head=False)
+                )
+        elif state is _ACTIVE:
+            head = self.head
+            if head is not None and not head.done():
+                head.set_exception(
+                    ConnectionBroken(
+                        f"the replica closed the connection before answering: {exc or 'EOF'}",
+                        before_head=True,
+                        answered=self.reads != self._reads_at_send,
+                    )
+                )
+        # IDLE and DONE lose nothing; CLOSED was ended (and the request failed) by this side.
         self.client._forget(self)
 
     # httptools callbacks ---------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.state is not _ACTIVE:
+            # A second answer behind the first in the same read: the first
+            # was delivered (on_message_complete); this one is nobody's.
+            self._stray(self.state)
+            raise _Stop
+
     def on_status(self, status: bytes) -> None:
         self._status_line += status
+        self._head_size += len(status)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.state is not _ACTIVE:
+            # A chunked body's trailer field: never a header of the response,
+            # which the proxy may already have passed on.
+            return
         self._headers.append((name, value))
+        self._head_size += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
+        if self._head_size > MAX_HEAD_BYTES:
+            # All of it in one read, which data_received's count never saw unfinished.
+            self._fail("head_too_large", HeadTooLarge(f"the replica's head is over {MAX_HEAD_BYTES} bytes"))
+            raise _Stop
         status = self.parser.get_status_code()
+        if status == 101:
+            self._switched()
+            raise _Stop
         if 100 <= status < 200:
-            # An interim answer (100 Continue, 103 Early Hints): the real one follows.
+            # An interim answer (100 Continue, 103 Early Hints): the real one
+            # follows. Dropped, not forwarded: passing anything to the client
+            # would commit it to this attempt, so no retry could follow.
             self._status_line = b""
             self._headers = []
             return
         self._stop_deadline()
         response = Response(self, status, self._status_line, self._headers)
         self.response = response
+        self.state = _BODY
+        self.seen_reads = -1
+        self.client._body_began(self)
         head = self.head
         if head is not None and not head.done():
             head.set_result(response)
@@ -302,10 +468,12 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         response = self.response
-        if response is None:
-            return  # the end of an interim answer
-        self._flush()
-        self.complete = True
+        if response is None or self.state is not _BODY:
+            return  # the end of an interim answer (still ACTIVE)
+        if self._body:
+            self._flush()
+        self.state = _DONE
+        self.client._busy.discard(self)
         self.reusable = self.parser.should_keep_alive()
         response._finish()
 
@@ -317,7 +485,7 @@ class _Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume(self) -> None:
-        if self.paused and self.transport is not None and not self.closed:
+        if self.paused and self.transport is not None and self.state is not _CLOSED:
             self.paused = False
             self.transport.resume_reading()
 
@@ -325,12 +493,18 @@ class _Connection(asyncio.Protocol):
 
     def send(self, data: bytes, head_timeout: float | None) -> asyncio.Future[Response]:
         assert self.transport is not None
+        assert self.state is _IDLE, self
         loop = self.loop
-        self.complete = False
+        self.state = _ACTIVE
         self.reusable = False
         self.response = None
         self._status_line = b""
         self._headers = []
+        self._reads_at_send = self.reads
+        self._head_size = 0
+        self._head_bytes = 0
+        self._line = 0
+        self._framing_bytes = 0
         self.head = loop.create_future()
         if head_timeout is not None:
             # One timer per request, cancelled by the head: cheaper than an
@@ -350,31 +524,45 @@ class _Connection(asyncio.Protocol):
             self._deadline.cancel()
             self._deadline = None
 
+    def went_quiet(self, seconds: float) -> None:
+        """The idle sweep's verdict: the body stopped coming."""
+        self._fail(
+            "idle_timeout", UpstreamIdle(f"the replica sent nothing for {seconds:g} s in the middle of its answer")
+        )
+
     def response_released(self, response: Response) -> None:
         if response is not self.response:
             return
         self.response = None
         self.head = None
-        if self.complete and self.reusable and not self.closed:
+        if self.state is _DONE and self.reusable:
+            self.state = _IDLE
             self.resume()
             self.client._idle_again(self)
         else:
+            # Half read (BODY), or the replica said close: never reused.
             self.close()
 
     def close(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.closed = True
-            self.transport.close()
+        if self.state is not _CLOSED:
+            self.state = _CLOSED
+            self._stop_deadline()
+            if self.transport is not None:
+                self.transport.close()
             self.client._forget(self)
 
     def abandon(self) -> None:
         """The caller gave up before the head (timeout, client gone): never reuse."""
-        self._stop_deadline()
         self.response = None
         self.head = None
-        if self.transport is not None and not self.closed:
-            self.closed = True
-            self.transport.abort()
+        self._abort()
+
+    def _abort(self) -> None:
+        if self.state is not _CLOSED:
+            self.state = _CLOSED
+            self._stop_deadline()
+            if self.transport is not None:
+                self.transport.abort()
             self.client._forget(self)
 
     def _close_delimited(self) -> bool:
@@ -385,39 +573,75 @@ class _Connection(asyncio.Protocol):
             for name, value in self.response.headers
         )
 
-    def _broken(self, message: str) -> None:
-        head = self.head
-        if head is not None and not head.done():
-            head.set_exception(ConnectionBroken(message, before_head=True))
-        elif self.response is not None:
-            self.response._finish(ConnectionBroken(message, before_head=False))
+    def _switched(self) -> None:
+        self._fail(
+            "switched_protocols",
+            ConnectionBroken(
+                "the replica switched protocols (101) instead of answering", before_head=True, answered=True
+            ),
+        )
+
+    def _broken(self, message: str) -> ConnectionBroken:
+        """The error for the request in progress, before or after its head."""
+        if self.state is _ACTIVE:
+            return ConnectionBroken(message, before_head=True, answered=self.reads != self._reads_at_send)
+        return ConnectionBroken(message, before_head=False)
+
+    def _fail(self, reason: str, error: ConnectionBroken | None, detail: str = "") -> None:
+        """A replica's protocol error: count it, end the request in progress with `error`, drop the connection.
+
+        `reason` is one of a fixed set (the metric's label); the connection
+        is aborted, never pooled, so nothing it sent can reach another request.
+        """
+        self.client.protocol_errors.record(reason, f"replica {self.origin.key}: {error or detail}")
+        if error is not None:
+            head = self.head
+            if head is not None and not head.done():
+                head.set_exception(error)
+            elif self.response is not None:
+                # A no-op if the answer was already complete.
+                self.response._finish(error)
+        self._body.clear()
+        self._abort()
 
 
 class Client:
     """Keep-alive connection pools, one per origin, for every replica."""
 
-    def __init__(self, *, connect_timeout: float, keepalive_seconds: float) -> None:
+    def __init__(self, *, connect_timeout: float, keepalive_seconds: float, idle_timeout: float = 300.0) -> None:
         self.connect_timeout = connect_timeout
         self.keepalive_seconds = keepalive_seconds
+        # Longest silence of a replica in the middle of a body.
+        self.idle_timeout = idle_timeout
         self._idle: dict[str, list[_Connection]] = {}
         self._all: set[_Connection] = set()
         self._tls: ssl.SSLContext | None = None
         self._sweeper: asyncio.TimerHandle | None = None
+        # Connections with a body in progress, and the one timer that watches
+        # them all for silence: no timer, no clock call per chunk.
+        self._busy: set[_Connection] = set()
+        self._watch: asyncio.TimerHandle | None = None
+        self._watch_every = min(max(idle_timeout / 4, 0.05), 5.0)
+        self.protocol_errors = ProtocolErrors(logging.getLogger("router.client"), level=logging.WARNING)
 
     async def request(self, origin: Origin, head: bytes, body: bytes, head_timeout: float | None = None) -> Response:
         """Send one request (head already framed) and wait for the response head.
 
         Raises ConnectFailed; HeadTimeout when no head came within
         `head_timeout` seconds of sending; or ConnectionBroken(before_head=True)
-        when the connection ended before any answer (a stale keep-alive
-        connection that the replica closed just then looks like that).
+        when the connection ended or garbled before the head (`answered` if
+        any of an answer had come). A stale keep-alive connection that the
+        replica closed as the request went out looks like a break with no
+        answer: that alone is retried, once, on a fresh connection.
         """
         connection = self._reuse(origin)
         if connection is not None:
             try:
                 return await self._exchange(connection, head, body, head_timeout)
             except ConnectionBroken as exc:
-                if not exc.before_head:
+                # A replica that sent any part of an answer has the request:
+                # sending it again could run it twice (a POST, a paid generation).
+                if not exc.before_head or exc.answered:
                     raise
                 # The keep-alive race: the replica closed the idle connection
                 # as the request went out. Once more, on a fresh connection.
@@ -449,7 +673,12 @@ class Client:
             # The most recently used first: the most likely to be open still.
             connection = idle.pop()
             transport = connection.transport
-            if connection.idle_since >= cutoff and not connection.closed and transport and not transport.is_closing():
+            if (
+                connection.idle_since >= cutoff
+                and connection.state is _IDLE
+                and transport
+                and not transport.is_closing()
+            ):
                 return connection
             connection.close()
         return None
@@ -474,6 +703,10 @@ class Client:
             raise ConnectFailed(f"no connection within {self.connect_timeout:g} s") from exc
         except OSError as exc:
             raise ConnectFailed(str(exc) or type(exc).__name__) from exc
+        if protocol.state is not _IDLE:
+            # Between the connection and this line the replica spoke first
+            # (counted, closed) or hung up: nothing was sent yet.
+            raise ConnectFailed("the connection ended before the request went out")
         self._all.add(protocol)
         return protocol
 
@@ -488,7 +721,7 @@ class Client:
         self._sweeper = None
         cutoff = time.monotonic() - self.keepalive_seconds
         for key, idle in list(self._idle.items()):
-            keep = [c for c in idle if c.idle_since >= cutoff and not c.closed]
+            keep = [c for c in idle if c.idle_since >= cutoff and c.state is _IDLE]
             for connection in idle:
                 if connection not in keep:
                     connection.close()
@@ -499,8 +732,44 @@ class Client:
         if self._idle:
             self._sweeper = asyncio.get_running_loop().call_later(self.keepalive_seconds, self._sweep)
 
+    def _body_began(self, connection: _Connection) -> None:
+        self._busy.add(connection)
+        if self._watch is None:
+            self._watch = connection.loop.call_later(self._watch_every, self._watch_idle)
+
+    def _watch_idle(self) -> None:
+        """End bodies whose replica went quiet: one sweep for every connection with a body in progress.
+
+        A connection counts its reads; a count unchanged since the last
+        sweep is silence, timed from the sweep that first saw it unchanged
+        (so never cut before `idle_timeout`, at most two sweeps after). A
+        paused connection is waiting for the proxy's client, not the
+        replica: skipped, and its quiet time starts afresh once resumed.
+        """
+        self._watch = None
+        busy = self._busy
+        if not busy:
+            return  # no timer while no body is in progress
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        limit = self.idle_timeout
+        quiet: list[_Connection] = []
+        for connection in busy:
+            if connection.paused:
+                connection.seen_reads = -1
+            elif connection.reads != connection.seen_reads:
+                connection.seen_reads = connection.reads
+                connection.quiet_since = now
+            elif now - connection.quiet_since > limit:
+                quiet.append(connection)
+        for connection in quiet:
+            connection.went_quiet(limit)
+        if busy:
+            self._watch = loop.call_later(self._watch_every, self._watch_idle)
+
     def _forget(self, connection: _Connection) -> None:
         self._all.discard(connection)
+        self._busy.discard(connection)
         idle = self._idle.get(connection.origin.key)
         if idle and connection in idle:
             idle.remove(connection)
@@ -513,6 +782,9 @@ class Client:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         for connection in list(self._all):
             connection.close()
         self._idle.clear()

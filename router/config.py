@@ -82,6 +82,15 @@ class Config:
     # A connection whose request head (any request, not only the first) has
     # not fully arrived this long after its first byte is closed (slowloris).
     header_timeout_seconds: float = 10.0
+    # A request body must arrive whole within this of its head's end (408
+    # after it), so that a body that stops arriving holds no buffer forever.
+    body_timeout_seconds: float = 60.0
+    # Request bodies held by all client connections together: new bodies
+    # beyond it get 503 at once (100 slow 32 MiB uploads must not take 3 GB).
+    max_buffered_body_bytes: int = 1 << 30
+    # A replica that sends nothing for this long after its response head is
+    # cut off (a stream then ends with an error event): no answer hangs forever.
+    upstream_idle_timeout_seconds: float = 300.0
     # Concurrency limits (0 = none): past them a request waits up to
     # queue_timeout_seconds for a slot, then gets a prompt 503.
     max_in_flight_per_replica: int = 0
@@ -120,6 +129,9 @@ _TOP_KEYS = {
     "upstream_keepalive_seconds",
     "write_stall_timeout_seconds",
     "header_timeout_seconds",
+    "body_timeout_seconds",
+    "max_buffered_body_bytes",
+    "upstream_idle_timeout_seconds",
     "max_in_flight_per_replica",
     "max_in_flight",
     "queue_timeout_seconds",
@@ -340,6 +352,9 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         first_byte_timeout_seconds=num("first_byte_timeout_seconds", 300.0, 0.001),
         upstream_keepalive_seconds=num("upstream_keepalive_seconds", 2.0, 0.0),
         header_timeout_seconds=num("header_timeout_seconds", 10.0, 0.001),
+        body_timeout_seconds=num("body_timeout_seconds", 60.0, 0.001),
+        max_buffered_body_bytes=int(num("max_buffered_body_bytes", 1 << 30, 1, integer=True)),
+        upstream_idle_timeout_seconds=num("upstream_idle_timeout_seconds", 300.0, 0.001),
         max_in_flight_per_replica=int(num("max_in_flight_per_replica", 0, 0, integer=True)),
         max_in_flight=int(num("max_in_flight", 0, 0, integer=True)),
         queue_timeout_seconds=num("queue_timeout_seconds", 5.0, 0.0),

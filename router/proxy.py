@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Histogram
 
-from router.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response
+from router.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
 from router.config import Config
 from router.errors import (
     BadRequest,
@@ -34,7 +34,7 @@ from router.errors import (
     UpstreamTimeout,
 )
 from router.pool import Pool, Replica
-from router.server import Reply, Request
+from router.server import Reply, Request, WriteStalled
 from router.upstream import request_headers, response_headers
 
 log = logging.getLogger("router.proxy")
@@ -166,35 +166,6 @@ class DataPathMetrics:
         child.observe(seconds)
 
 
-class StallWatch:
-    """Cuts off clients that take no bytes of their stream for `timeout` seconds.
-
-    A per-write deadline would cost every chunk a timer; instead each write
-    marks its transport with a start time, and one task looks at the marks a
-    few times per timeout. A client that keeps reading is never touched.
-    """
-
-    def __init__(self, pool: Pool, timeout: float) -> None:
-        self.pool = pool
-        self.timeout = timeout
-        self.clock = time.monotonic
-        self.writing: dict[Any, tuple[float, str]] = {}
-
-    def check(self) -> None:
-        now = self.clock()
-        for transport, (since, model) in list(self.writing.items()):
-            if now - since > self.timeout:
-                del self.writing[transport]
-                self.pool.tallies.client_stalled(model)
-                log.warning("cut off a client that read nothing of its %s stream for %gs", model, self.timeout)
-                transport.abort()
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.timeout / 4)
-            self.check()
-
-
 class Routes:
     """Which names clients may ask for, and where each leads."""
 
@@ -230,7 +201,6 @@ class Proxy:
         self._first_byte_timeout = config.first_byte_timeout_seconds
         self._max_attempts = config.max_attempts
         self._queue_timeout = config.queue_timeout_seconds
-        self.stalls = StallWatch(pool, config.write_stall_timeout_seconds)
         self._created = int(started_at if started_at is not None else time.time())
 
     # Entry points -------------------------------------------------------------
@@ -274,7 +244,7 @@ class Proxy:
 
     def not_found(self, request: Request) -> Reply:
         if request.path in INFERENCE_PATHS or request.path == "/v1/models":
-            allow = b"GET" if request.path == "/v1/models" else b"POST"
+            allow = b"GET, HEAD" if request.path == "/v1/models" else b"POST"
             body = error_body(
                 405,
                 f"Method {request.method} is not allowed on {request.path}.",
@@ -415,7 +385,13 @@ class Proxy:
         except ConnectFailed as exc:
             return self._failed(replica, UpstreamConnectError(f"Cannot connect to replica {replica.id}: {exc}"))
         except ConnectionBroken as exc:
-            return self._failed(replica, UpstreamResetError(f"Replica {replica.id} closed the connection: {exc}"))
+            # A replica that sent part of an answer has seen the request: it is
+            # never sent again, here or elsewhere (a POST must not run twice).
+            return self._failed(
+                replica,
+                UpstreamResetError(f"Replica {replica.id} failed before its answer: {exc}"),
+                retryable=not exc.answered,
+            )
         try:
             self.metrics.observe_first_byte(model, time.perf_counter() - began)
             status = resp.status
@@ -442,8 +418,14 @@ class Proxy:
                 return None
             try:
                 data = await resp.read()
+            except UpstreamIdle as exc:
+                return self._failed(
+                    replica, UpstreamTimeout(f"Replica {replica.id} stopped sending its answer: {exc}"), retryable=False
+                )
             except ConnectionBroken as exc:
-                return self._failed(replica, UpstreamResetError(f"Replica {replica.id} broke off its answer: {exc}"))
+                return self._failed(
+                    replica, UpstreamResetError(f"Replica {replica.id} broke off its answer: {exc}"), retryable=False
+                )
             return _answer(resp, data, out_headers)
         finally:
             # Back to the pool after a complete answer; closed if the answer
@@ -476,13 +458,9 @@ class Proxy:
         Nothing runs per chunk but the write and a buffer check: when the
         client stops taking bytes, the replica's connection stops being read
         (TCP pushes back to the replica) and this task waits on the drain,
-        marked for the stall watch.
+        which the server cuts off after write_stall_timeout_seconds.
         """
         connection = request.connection
-        transport = connection.transport
-        writing = self.stalls.writing
-        clock = self.stalls.clock
-        model = replica.model
         last = b"\n\n"
         write_chunk = connection.write_chunk
 
@@ -491,37 +469,40 @@ class Proxy:
             last = chunk
             return write_chunk(chunk)
 
-        async def drain() -> None:
-            writing[transport] = (clock(), model)
-            try:
-                await connection.drain()
-            finally:
-                writing.pop(transport, None)
-
         try:
             connection.start_stream(resp.status, resp.reason_bytes, headers, request.version_11)
             try:
-                await resp.pipe(sink, drain)
+                await resp.pipe(sink, connection.drain)
             except ConnectionBroken as exc:
-                # Bytes already reached the client: no retry, but a clear end.
+                # Bytes already reached the client: no retry, and the answer
+                # must look broken, never complete: an SSE stream gets an
+                # error event the SDKs raise, then the connection closes
+                # without the last-chunk; any other body just closes.
                 replica.errors["reset"] = replica.errors.get("reset", 0) + 1
                 self.pool.record_failure(replica)
-                log.warning("replica %s broke off a stream: %s", replica.id, exc)
-                event = b"data: " + error_body(
-                    502, f"Replica {replica.id} broke off the stream.", "server_error", "upstream_error"
-                )
-                # Close a half-sent event first, so that the error is an event of its own.
-                prefix = b"" if last.endswith(b"\n\n") else b"\n\n"
-                connection.close_after_answer()
-                sink(prefix + event + b"\n\n")
+                log.warning("replica %s broke off an answer: %s", replica.id, exc)
+                if (resp.header(b"content-type") or b"").startswith(b"text/event-stream"):
+                    event = b"data: " + error_body(
+                        502, f"Replica {replica.id} broke off the stream: {exc}", "server_error", "upstream_error"
+                    )
+                    # Close a half-sent event first, so that the error is an event of its own.
+                    prefix = b"" if last.endswith(b"\n\n") else b"\n\n"
+                    connection.abort_stream(prefix + event + b"\n\n")
+                else:
+                    connection.abort_stream()
+                return
             connection.end_stream()
+        except WriteStalled:
+            self.pool.tallies.client_stalled(replica.model)
+            log.warning(
+                "cut off a client that read nothing of its %s stream for %gs",
+                replica.model,
+                self.config.write_stall_timeout_seconds,
+            )
         except ConnectionError:
-            # The client went away (or the stall watch cut it off). Nothing
-            # more to send; release() in the caller closes the half-read
-            # upstream connection at once.
+            # The client went away. Nothing more to send; release() in the
+            # caller closes the half-read upstream connection at once.
             connection.close_after_answer()
-        finally:
-            writing.pop(transport, None)
 
     def _failed(self, replica: Replica, error: UpstreamError, *, retryable: bool = True) -> _Failed:
         replica.errors[error.reason] = replica.errors.get(error.reason, 0) + 1

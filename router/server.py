@@ -3,23 +3,38 @@
 aiohttp's server spent, per short request, about as much CPU in Python as
 the whole router's own logic: a request object with lazy properties, a task
 and a response object per request, header multidicts both ways. The client
-port needs four routes of plain HTTP/1.1, so this module does only that:
+port needs a few routes of plain HTTP/1.1, so this module does only that,
+and holds the line a hostile client pushes on:
 
 - requests are parsed by llhttp in strict mode (the parser aiohttp uses):
   conflicting lengths, chunked with anything after it, bare LF, obs-fold,
-  NUL, a negative length are 400 and the connection is closed; so are heads
-  with a line over 8 KiB or more than 100 headers;
-- a head must arrive whole within `header_timeout` seconds of its first
-  byte (slowloris), on every request of a connection, not only the first;
-  an idle keep-alive connection is closed after `keepalive_timeout`;
-- bodies are bounded (413, then the rest of the body is read and dropped so
-  that the client reads the answer, then the connection closes);
-  `Expect: 100-continue` is answered when the body is within the limit;
-- one handler task per request, run in order (pipelined requests wait);
-  when the client goes away, the task is cancelled, and with it the
-  upstream request;
+  NUL, a negative length are 400 and the connection is closed. RFC 9112's
+  other musts are checked on top: one valid Host on HTTP/1.1 (400),
+  Transfer-Encoding on HTTP/1.0 (400), only HTTP/1.0 and 1.1 (505), CONNECT
+  (405); an Upgrade is ignored and the request answered as HTTP/1.1
+  (RFC 9110 7.8);
+- heads are bounded as their bytes arrive, not once a field is complete
+  (httptools joins a field's pieces with `+=`, quadratic for an endless
+  line): a target over 8 KiB is 414, a header line over 8 KiB, a head over
+  64 KiB or more than 100 fields 431;
+- deadlines, all checked by one sweep (no timer per request): a head must
+  arrive whole within `header_timeout` of its first byte (slowloris), a body
+  within `body_timeout` of its head (408), an idle keep-alive connection is
+  closed after `keepalive_timeout`, and an answer the client does not read
+  for `write_stall_timeout` is cut off (whole answers and streams alike);
+- bodies are bounded per request (413) and across all connections together
+  (`max_buffered_body_bytes`: 503 at once beyond it); a refused body is read
+  and dropped so that the client reads the answer, then the connection closes;
+- trailer fields of a chunked body are dropped, never merged into the head
+  (RFC 9110 6.5.1); so is the fragment of a request target;
+- one handler task per request, run in order: a pipelined request waits (at
+  most one is held ahead), `Expect: 100-continue` is answered only when its
+  request is the one being answered, and a bad request behind good ones is
+  answered after them, then the connection closes; when the client goes
+  away the task is cancelled, and with it the upstream request;
 - a whole answer is one write; a stream writes its head, then chunks
-  (chunked framing on HTTP/1.1, delimited by close on HTTP/1.0);
+  (chunked framing on HTTP/1.1, delimited by close on HTTP/1.0); a stream
+  that breaks is closed without its last-chunk, so that it looks broken;
 - shutdown: stop accepting, close idle connections, let running requests
   finish within the grace, then cancel them.
 """
@@ -28,6 +43,9 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import enum
+import logging
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -35,10 +53,21 @@ from typing import cast
 
 import httptools
 
+from router.protocol_errors import ProtocolErrors
+
 MAX_LINE = 8190
+MAX_HEAD = 64 * 1024
 MAX_HEADERS = 100
+# The method, spaces and version around a target: a request line longer than
+# the longest target by more than this is a header line, answered 431.
+_REQUEST_LINE_SLACK = 32
+# After a refused body: how long the client may go on sending what it started.
+_DISCARD_SECONDS = 2.0
+
+log = logging.getLogger("router.server")
 
 _REASONS = {
+    100: b"Continue",
     200: b"OK",
     400: b"Bad Request",
     401: b"Unauthorized",
@@ -46,12 +75,19 @@ _REASONS = {
     405: b"Method Not Allowed",
     408: b"Request Timeout",
     413: b"Content Too Large",
+    414: b"URI Too Long",
     429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
     502: b"Bad Gateway",
     503: b"Service Unavailable",
     504: b"Gateway Timeout",
+    505: b"HTTP Version Not Supported",
 }
+
+# uri-host [ ":" port ] (RFC 9110 7.2, RFC 3986 3.2.2): a reg-name, an IPv4
+# address or a bracketed IP literal. Empty is allowed (no authority).
+_HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.vV]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]*)(?::[0-9]*)?")
 
 
 def reason_of(status: int) -> bytes:
@@ -76,10 +112,24 @@ class _Date:
 http_date = _Date()
 
 
+class WriteStalled(ConnectionResetError):
+    """The client took no bytes of its answer for the write-stall timeout: cut off."""
+
+
 class Request:
     """One parsed request, body included."""
 
-    __slots__ = ("body", "connection", "keep_alive", "method", "path", "raw_headers", "target", "version_11")
+    __slots__ = (
+        "body",
+        "connection",
+        "keep_alive",
+        "method",
+        "path",
+        "raw_headers",
+        "reserved",
+        "target",
+        "version_11",
+    )
 
     def __init__(
         self,
@@ -90,6 +140,7 @@ class Request:
         body: bytes,
         keep_alive: bool,
         version_11: bool,
+        reserved: int = 0,
     ) -> None:
         self.connection = connection
         self.method = method
@@ -100,6 +151,8 @@ class Request:
         self.body = body
         self.keep_alive = keep_alive
         self.version_11 = version_11
+        # Body bytes counted against the server's max_buffered_body_bytes until it ends.
+        self.reserved = reserved
 
     def header(self, lower_name: bytes) -> bytes | None:
         for name, value in self.raw_headers:
@@ -139,6 +192,47 @@ def _head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]], framin
     return b"".join(lines)
 
 
+class _Refused(Exception):
+    """Raised in a parser callback: the request gets `status`, then the connection closes."""
+
+    def __init__(self, status: int, reason: str, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.code = code
+
+
+class _StopParsing(Exception):
+    """Raised in a parser callback to stop parsing what follows a request that ended the reading."""
+
+
+class Reading(enum.Enum):
+    """What the connection expects from the client next."""
+
+    HEAD = "head"  # a request head (or nothing yet: between requests)
+    BODY = "body"  # the body of the request whose head arrived
+    DISCARD = "discard"  # the rest of a refused body, read and dropped
+    STOPPED = "stopped"  # nothing more: the connection closes after its answers
+
+
+class Answering(enum.Enum):
+    """What the connection does for the client."""
+
+    IDLE = "idle"  # nothing to answer
+    ACTIVE = "active"  # a handler runs
+    CLOSING = "closing"  # the last answer is written; closing once it drained
+    CLOSED = "closed"
+
+
+class _Deadline(enum.Enum):
+    NONE = 0
+    HEAD = 1
+    BODY = 2
+    IDLE = 3
+    DISCARD = 4
+
+
 class Connection(asyncio.Protocol):
     """One client connection: parse, run the handler per request in order, answer."""
 
@@ -146,19 +240,41 @@ class Connection(asyncio.Protocol):
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
-        self._target = b""
+        self.reading = Reading.HEAD
+        self.answering = Answering.IDLE
+        self._target: list[bytes] = []
+        self._target_size = 0
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._body_size = 0
+        # Bytes of the current head: complete fields, and the line still arriving.
+        self._in_head = False
+        self._head_size = 0
+        self._line = 0
+        self._keep_alive_request = True
+        self._version_11 = True
+        # An ignored Upgrade: llhttp hands the body over as the new protocol's
+        # bytes, so a fresh parser is fed this framing to read it as a body.
+        self._upgrade_framing: bytes | None = None
+        self._synthetic = False
+        # Set by a parser callback that refuses the request.
+        self._refusal: _Refused | None = None
         self._pending: deque[Request] = deque()
         self.task: asyncio.Task[None] | None = None
-        # When this connection's current wait ends (monotonic; 0 = none), and
-        # whether it waits for a head (slowloris) or idles. One sweep over all
-        # connections checks these: no timer to arm and cancel per request.
+        # An answer owed after those queued ahead of it, then the connection
+        # closes: a bad request behind good ones is answered in its turn.
+        self._doomed: Reply | None = None
+        # A `100 Continue` owed to the request still arriving, sent when it is
+        # the one being answered (never into another request's answer).
+        self._continue_owed = False
+        # Body bytes of this connection counted against the server's cap.
+        self._reserved = 0
+        self._reserved_current = 0
+        # The read side's deadline and what it is for (monotonic; 0 = none), and
+        # the write side's; one sweep over all connections checks both.
         self._deadline = 0.0
-        self._slow = False
-        self._closing = False
-        self._discarding = False
+        self._deadline_kind = _Deadline.NONE
+        self._write_deadline = 0.0
         self._paused = False
         self._drained: asyncio.Future[None] | None = None
         # Set while a stream is being written: that its head is out, its framing.
@@ -166,29 +282,50 @@ class Connection(asyncio.Protocol):
         self._chunked = False
         self._keep_alive = True
 
+    def __repr__(self) -> str:
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        return (
+            f"<Connection {peer} reading={self.reading.value} answering={self.answering.value} "
+            f"pending={len(self._pending)}{' doomed' if self._doomed is not None else ''}>"
+        )
+
     # asyncio callbacks ---------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
         self.server.connections.add(self)
         # The first head must start and end within the head deadline.
-        self._arm(self.server.header_timeout, slow=True)
+        self._arm(self.server.header_timeout, _Deadline.HEAD)
 
     def data_received(self, data: bytes) -> None:
-        if self._discarding:
-            # After a 413: the rest of the body is read and dropped, then the
-            # connection closes once the message ends (or the timer fires).
+        reading = self.reading
+        if reading is Reading.STOPPED:
+            # After `Connection: close` or a refusal: whatever follows is not read.
+            return
+        while True:
             try:
                 self.parser.feed_data(data)
-            except httptools.HttpParserError:
-                self._close()
-            return
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(400, "Protocol upgrades are not supported.")
-        except httptools.HttpParserError as exc:
-            self._fail(400, f"The request is not valid HTTP/1.1: {exc}.")
+            except httptools.HttpParserUpgrade as exc:
+                # The request is complete (its Upgrade ignored); what follows
+                # is HTTP/1.1 again: its body, if it has one, then more requests.
+                data = data[exc.args[0] :]
+                self._after_upgrade()
+                if data and self.reading is not Reading.STOPPED:
+                    continue
+            except httptools.HttpParserError as exc:
+                self._parse_failed(exc)
+            break
+        if self._in_head and self.reading is Reading.HEAD:
+            self._count_head_bytes(data)
+
+    def _count_head_bytes(self, data: bytes) -> None:
+        """A head still arriving: bound its current line and its whole size now, as bytes come."""
+        newline = data.rfind(b"\n")
+        self._line = len(data) - newline - 1 if newline >= 0 else self._line + len(data)
+        if self._line > MAX_LINE + _REQUEST_LINE_SLACK:
+            self._refuse(_Refused(431, "header_line_too_long", f"A header line is longer than {MAX_LINE} bytes."))
+        elif self._head_size + self._line > MAX_HEAD:
+            self._refuse(_Refused(431, "head_too_large", f"The request head is larger than {MAX_HEAD} bytes."))
 
     def eof_received(self) -> bool:
         # A client that closes its side has left, as for aiohttp: the
@@ -197,84 +334,207 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self.answering = Answering.CLOSED
+        self.reading = Reading.STOPPED
         self._disarm()
-        self._closing = True
+        self._write_deadline = 0.0
         self._pending.clear()
+        self._body = []
+        self._unreserve(self._reserved)
         if self.task is not None and not self.task.done():
             self.task.cancel()
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_exception(ConnectionResetError("the client went away"))
-            # Retrieved or not, never logged as unretrieved.
-            self._drained.exception()
+        self._wake_drain(ConnectionResetError("the client went away"))
 
     def pause_writing(self) -> None:
         self._paused = True
 
     def resume_writing(self) -> None:
         self._paused = False
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
+        self._write_deadline = 0.0
+        self._wake_drain(None)
 
     # llhttp callbacks -----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._target = b""
+        if self._synthetic:
+            return
+        if self.reading is Reading.STOPPED:
+            # Nothing more is read on this connection: stop the parser here.
+            raise _StopParsing
+        self._target = []
+        self._target_size = 0
         self._headers = []
         self._body = []
         self._body_size = 0
-        if not self._discarding:
-            self._arm(self.server.header_timeout, slow=True)
+        self._reserved_current = 0
+        self._in_head = True
+        self._head_size = 0
+        self._line = 0
+        if self.reading is not Reading.DISCARD:
+            self.reading = Reading.HEAD
+            self._arm(self.server.header_timeout, _Deadline.HEAD)
 
     def on_url(self, url: bytes) -> None:
-        self._target += url
-        if len(self._target) > MAX_LINE:
-            raise httptools.HttpParserError("request target too long")
+        if self._synthetic:
+            return
+        self._target.append(url)
+        self._target_size += len(url)
+        if self._target_size > MAX_LINE:
+            raise self._refused(414, "target_too_long", f"The request target is longer than {MAX_LINE} bytes.")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) + len(value) > MAX_LINE:
-            raise httptools.HttpParserError("header line too long")
+        if not self._in_head:
+            # A trailer field of a chunked body: never merged into the head
+            # (RFC 9110 6.5.1), where it could pass for Authorization.
+            return
+        size = len(name) + len(value)
+        if size > MAX_LINE:
+            raise self._refused(431, "header_line_too_long", f"A header line is longer than {MAX_LINE} bytes.")
+        self._head_size += size + 4
+        if self._head_size > MAX_HEAD:
+            raise self._refused(431, "head_too_large", f"The request head is larger than {MAX_HEAD} bytes.")
         self._headers.append((name, value))
         if len(self._headers) > MAX_HEADERS:
-            raise httptools.HttpParserError("too many headers")
+            raise self._refused(431, "too_many_headers", f"The request has more than {MAX_HEADERS} header fields.")
 
     def on_headers_complete(self) -> None:
-        if self._discarding:
+        self._in_head = False
+        if self._synthetic:
+            self._synthetic = False
+            self.reading = Reading.BODY
+            self._arm(self.server.body_timeout, _Deadline.BODY)
             return
-        self._disarm()
-        limit = self.server.max_body_bytes
-        length = self._content_length()
-        if length is not None and length > limit:
-            self._too_large(f"The request body is {length} bytes; the limit is {limit}.")
+        if self.reading is Reading.DISCARD:
             return
+        parser = self.parser
+        version = parser.get_http_version()
+        if version != "1.1" and version != "1.0":  # noqa: PLR1714 (two compares beat a tuple here)
+            raise self._refused(505, "http_version", f"HTTP/{version} is not supported; use HTTP/1.1.")
+        self._version_11 = version_11 = version == "1.1"
+        self._keep_alive_request = parser.should_keep_alive()
+        # One pass over the names, lowered only where the length can match.
+        hosts = 0
+        host = b""
+        length: int | None = None
+        chunked = False
+        expect = False
         for name, value in self._headers:
-            if name.lower() == b"expect" and value.lower() == b"100-continue" and self.transport is not None:
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            size = len(name)
+            if size == 4 and name.lower() == b"host":
+                hosts += 1
+                host = value
+            elif size == 14 and name.lower() == b"content-length":
+                length = int(value)  # llhttp has checked the digits
+            elif size == 17 and name.lower() == b"transfer-encoding":
+                chunked = True
+            elif size == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
+                expect = True
+        if hosts != 1 and (version_11 or hosts):
+            detail = "no Host header" if hosts == 0 else f"{hosts} Host headers"
+            raise self._refused(400, "host", f"The request has {detail}; HTTP/1.1 requires exactly one.")
+        if hosts and not self.server.valid_host(host):
+            raise self._refused(400, "host", "The Host header is not a valid host[:port].")
+        if chunked and not version_11:
+            raise self._refused(400, "transfer_encoding_http_1_0", "Transfer-Encoding is not allowed in HTTP/1.0.")
+        if parser.get_method() == b"CONNECT":
+            raise self._refused(405, "connect", "CONNECT is not supported: this is not a forward proxy.")
+        self.reading = Reading.BODY
+        self._upgrade_framing = None
+        if parser.should_upgrade():
+            # RFC 9110 7.8: a server may ignore Upgrade and answer in HTTP/1.1.
+            if length:
+                self._upgrade_framing = b"Content-Length: %d\r\n" % length
+            elif chunked:
+                self._upgrade_framing = b"Transfer-Encoding: chunked\r\n"
+        server = self.server
+        limit = server.max_body_bytes
+        if length is not None and length > limit:
+            self._refuse(
+                _Refused(
+                    413,
+                    "body_too_large",
+                    f"The request body is {length} bytes; the limit is {limit}.",
+                    "request_too_large",
+                )
+            )
+            return
+        if length and server.buffered + length > server.max_buffered_body_bytes:
+            self._refuse(self._buffers_full())
+            return
+        if length:
+            self._reserve(length)
+        if not (length or chunked):
+            return
+        if expect:
+            if self.answering is Answering.IDLE and not self._pending:
+                self._write_continue()
+            else:
+                # The client waits for the 100 before sending its body: no body
+                # deadline runs until the 100 is out.
+                self._continue_owed = True
+                self._disarm()
+                return
+        self._arm(server.body_timeout, _Deadline.BODY)
 
     def on_body(self, body: bytes) -> None:
-        if self._discarding:
+        if self.reading is not Reading.BODY:
             return
         self._body_size += len(body)
-        if self._body_size > self.server.max_body_bytes:
-            self._too_large(f"The request body exceeds the limit of {self.server.max_body_bytes} bytes.")
+        server = self.server
+        if self._body_size > server.max_body_bytes:
+            self._refuse(
+                _Refused(
+                    413,
+                    "body_too_large",
+                    f"The request body exceeds the limit of {server.max_body_bytes} bytes.",
+                    "request_too_large",
+                )
+            )
             return
+        if self._body_size > self._reserved_current:
+            # A chunked body is counted as it arrives.
+            more = self._body_size - self._reserved_current
+            if server.buffered + more > server.max_buffered_body_bytes:
+                self._refuse(self._buffers_full())
+                return
+            self._reserve(more)
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self._discarding:
-            self._close()
+        if self.reading is Reading.DISCARD:
+            if self.answering is Answering.IDLE and not self._pending:
+                self._close()
+            else:
+                self.reading = Reading.STOPPED
+            return
+        if self._upgrade_framing is not None:
+            # Not the end: llhttp skipped an upgraded request's body; the
+            # fresh parser reads it (see _after_upgrade).
             return
         parser = self.parser
+        target = b"".join(self._target) if len(self._target) != 1 else self._target[0]
+        if b"#" in target:
+            # A fragment is the client's own business (RFC 9110 7.1).
+            target = target.split(b"#", 1)[0]
         request = Request(
             self,
             parser.get_method().decode("ascii", "replace"),
-            self._target,
+            target,
             self._headers,
             b"".join(self._body),
-            parser.should_keep_alive(),
-            parser.get_http_version() == "1.1",
+            self._keep_alive_request,
+            self._version_11,
+            self._reserved_current,
         )
         self._body = []
-        if self.task is None:
+        self._continue_owed = False
+        self._disarm()
+        if request.keep_alive:
+            self.reading = Reading.HEAD
+        else:
+            # Nothing after a request that closes the connection is read.
+            self.reading = Reading.STOPPED
+        if self.answering is Answering.IDLE and not self._pending:
             self._start(request)
         else:
             self._pending.append(request)
@@ -283,17 +543,33 @@ class Connection(asyncio.Protocol):
                 # bodies of max_body_bytes are held per connection.
                 self.transport.pause_reading()
 
+    def _after_upgrade(self) -> None:
+        """A fresh parser after an ignored Upgrade, primed to read the request's body if it has one."""
+        framing = self._upgrade_framing
+        self._upgrade_framing = None
+        self.parser = httptools.HttpRequestParser(self)
+        if framing is None or self.reading is not Reading.BODY:
+            return
+        self._synthetic = True
+        try:
+            self.parser.feed_data(b"POST / HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n")
+        except httptools.HttpParserError as exc:  # pragma: no cover (the framing is ours and valid)
+            self._parse_failed(exc)
+
     # Running requests ---------------------------------------------------------------
 
     def _start(self, request: Request) -> None:
+        self.answering = Answering.ACTIVE
         self.task = asyncio.get_running_loop().create_task(self._run(request))
 
     async def _run(self, request: Request) -> None:
         self._keep_alive = request.keep_alive and not self.server.stopping
+        self._version_11 = request.version_11
         self._streaming = False
         try:
             reply = await self.server.handler(request)
         except asyncio.CancelledError:
+            self._unreserve(request.reserved)
             raise
         except Exception:  # noqa: BLE001 (the root of a request: answered 500, logged, connection lives on)
             self.server.log_exception("request handler failed")
@@ -303,18 +579,50 @@ class Connection(asyncio.Protocol):
                 reply = None
             else:
                 reply = self.server.internal_error()
+        self._unreserve(request.reserved)
+        request.body = b""
         if reply is not None:
             self.write_reply(reply, head_only=request.method == "HEAD")
+        if self._paused:
+            # An answer the client does not read is not kept forever.
+            try:
+                await self.drain()
+            except ConnectionError:
+                self.task = None
+                return
         self.task = None
-        if self._closing or not self._keep_alive:
+        self._next()
+
+    def _next(self) -> None:
+        """A request was answered: start the next, answer a doomed one, or wait."""
+        if self.answering is Answering.CLOSED:
+            return
+        self.answering = Answering.IDLE
+        if not self._keep_alive:
             self._close()
             return
         if self._pending:
-            if self.transport is not None:
+            if self.transport is not None and self.reading is Reading.HEAD:
                 self.transport.resume_reading()
             self._start(self._pending.popleft())
-        else:
-            self._arm(self.server.keepalive_timeout, slow=False)
+            return
+        if self._doomed is not None:
+            self._answer_doomed()
+            return
+        if self.reading is Reading.STOPPED:
+            self._close()
+            return
+        if self._continue_owed:
+            # The request still arriving is now the one being answered.
+            self._continue_owed = False
+            self._write_continue()
+            self._arm(self.server.body_timeout, _Deadline.BODY)
+        elif not self._in_head and self.reading is Reading.HEAD:
+            self._arm(self.server.keepalive_timeout, _Deadline.IDLE)
+
+    def _write_continue(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def write_reply(self, reply: Reply, *, head_only: bool = False) -> None:
         if self.transport is None or self.transport.is_closing():
@@ -324,8 +632,11 @@ class Connection(asyncio.Protocol):
         framing = b"" if status in (204, 304) else b"Content-Length: %d\r\n" % len(reply.body)
         if not self._keep_alive:
             framing += b"Connection: close\r\n"
+        elif not self._version_11:
+            # HTTP/1.0 closes by default: say that this one stays open.
+            framing += b"Connection: keep-alive\r\n"
         head = _head(status, reply.reason, reply.headers, framing + b"\r\n")
-        if head_only or not framing:
+        if head_only or status in (204, 304):
             self.transport.write(head)
         elif len(reply.body) > 65536:
             # A big answer (embeddings of a large batch) is not copied into the head.
@@ -336,7 +647,7 @@ class Connection(asyncio.Protocol):
     # Streams --------------------------------------------------------------------------------
 
     def start_stream(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], version_11: bool) -> None:
-        """Write a stream's head; then write_chunk() each piece and end_stream()."""
+        """Write a stream's head; then write_chunk() each piece and end_stream() or abort_stream()."""
         assert self.transport is not None
         self._streaming = True
         self._chunked = version_11
@@ -355,91 +666,202 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return True
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        if data:
+            # An empty piece would be a chunked body's last-chunk: never write one here.
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
         return self._paused
 
     def end_stream(self) -> None:
         if self._chunked and self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"0\r\n\r\n")
 
+    def abort_stream(self, last_words: bytes = b"") -> None:
+        """A stream that broke: `last_words` (an SSE error event) if any, then close without a last-chunk.
+
+        Without the last-chunk the client's HTTP library sees the answer cut
+        short, as it was, instead of a complete-looking 200.
+        """
+        if last_words:
+            self.write_chunk(last_words)
+        self._keep_alive = False
+        self._close()
+
     def close_after_answer(self) -> None:
         self._keep_alive = False
 
     async def drain(self) -> None:
+        """Wait until the client took enough of its answer; WriteStalled when it takes nothing for long."""
         transport = self.transport
-        if transport is None or transport.is_closing() or self._closing:
+        if transport is None or transport.is_closing() or self.answering is Answering.CLOSED:
             raise ConnectionResetError("the client went away")
         if not self._paused:
             return
+        self._write_deadline = time.monotonic() + self.server.write_stall_timeout
+        self.server.watch()
         self._drained = asyncio.get_running_loop().create_future()
         try:
             await self._drained
         finally:
             self._drained = None
 
-    # Errors, timers, closing ------------------------------------------------------------------
+    def _wake_drain(self, error: Exception | None) -> None:
+        drained = self._drained
+        if drained is None or drained.done():
+            return
+        if error is None:
+            drained.set_result(None)
+        else:
+            drained.set_exception(error)
+            # Retrieved or not, never logged as unretrieved.
+            drained.exception()
 
-    def _content_length(self) -> int | None:
-        for name, value in self._headers:
-            if name.lower() == b"content-length":
-                try:
-                    return int(value)
-                except ValueError:
-                    return None
-        return None
+    # Refusals, timers, closing ------------------------------------------------------------------
 
-    def _fail(self, status: int, message: str) -> None:
-        """A request that cannot be parsed: answer, then close (nothing left to smuggle)."""
+    def _refused(self, status: int, reason: str, message: str) -> _Refused:
+        """The refusal a callback raises; kept here, since httptools wraps what callbacks raise."""
+        self._refusal = _Refused(status, reason, message)
+        return self._refusal
+
+    def _parse_failed(self, exc: httptools.HttpParserError) -> None:
+        refusal, self._refusal = self._refusal, None
+        if refusal is None:
+            if self.reading is Reading.STOPPED or self.reading is Reading.DISCARD:
+                # Bytes after a request that closes the connection, or in a
+                # dropped body: not read, and no more answers owed for them.
+                self.reading = Reading.STOPPED
+                if self.answering is Answering.IDLE and not self._pending and self._doomed is None:
+                    self._close()
+                return
+            refusal = _Refused(400, "invalid_http", f"The request is not valid HTTP/1.1: {exc}.")
+        self._refuse(refusal)
+
+    def _buffers_full(self) -> _Refused:
+        return _Refused(
+            503,
+            "buffers_full",
+            "The router holds too many request bodies at once; retry shortly.",
+            "server_overloaded",
+        )
+
+    def _refuse(self, refusal: _Refused) -> None:
+        """Answer `refusal` after the requests ahead of it, then close.
+
+        A refused body (413, 503) is read on and dropped for a short while, so
+        that a client that sends before it reads gets to read the answer.
+        """
+        server = self.server
+        server.protocol_errors.record(refusal.reason, f"{refusal.status} to {self!r}: {refusal.message}")
+        self._body = []
+        self._unreserve(self._reserved_current)
+        self._reserved_current = 0
+        self._continue_owed = False
+        self._upgrade_framing = None
+        self._in_head = False
+        discard = refusal.status in (413, 503) and self.reading is Reading.BODY
+        self._doomed = server.error(refusal.status, refusal.message, code=refusal.code)
+        if discard:
+            self.reading = Reading.DISCARD
+            self._arm(_DISCARD_SECONDS, _Deadline.DISCARD)
+        else:
+            self.reading = Reading.STOPPED
+            self._disarm()
+            if self.transport is not None:
+                self.transport.pause_reading()
+        if self.answering is Answering.IDLE and not self._pending:
+            self._answer_doomed()
+
+    def _answer_doomed(self) -> None:
+        reply, self._doomed = self._doomed, None
+        assert reply is not None
         self._keep_alive = False
-        self._pending.clear()
-        if self.task is None:
-            self.write_reply(self.server.error(status, message))
-        self._close()
+        self._version_11 = True
+        self.write_reply(reply)
+        if self.reading is not Reading.DISCARD:
+            self._close()
+        # A DISCARD connection closes when the refused body ends, or at its deadline.
 
-    def _too_large(self, message: str) -> None:
-        self._keep_alive = False
-        self._discarding = True
-        self._disarm()
-        if self.task is None:
-            self.write_reply(self.server.error(413, message, code="request_too_large"))
-        # Long enough for a client to finish sending what it started.
-        self._arm(2.0, slow=False)
+    def _reserve(self, size: int) -> None:
+        self._reserved_current += size
+        self._reserved += size
+        self.server.buffered += size
 
-    def _arm(self, seconds: float, *, slow: bool) -> None:
+    def _unreserve(self, size: int) -> None:
+        # Never below zero: a request cancelled after its connection was lost
+        # was already counted out with the rest of the connection.
+        size = min(size, self._reserved)
+        if size:
+            self._reserved -= size
+            self.server.buffered -= size
+
+    def _arm(self, seconds: float, kind: _Deadline) -> None:
         self._deadline = time.monotonic() + seconds
-        self._slow = slow
+        self._deadline_kind = kind
         self.server.watch()
 
     def _disarm(self) -> None:
         self._deadline = 0.0
-
-    def expired(self, now: float) -> bool:
-        return 0.0 < self._deadline < now
+        self._deadline_kind = _Deadline.NONE
 
     @property
     def waiting(self) -> bool:
-        return self._deadline > 0.0
+        return self._deadline > 0.0 or self._write_deadline > 0.0
 
-    def expire(self) -> None:
-        slow = self._slow
-        self._deadline = 0.0
-        if self.task is not None:
-            return
-        if slow and not self._discarding:
-            # A head that never ended: no answer is owed; the slot is freed.
+    def check(self, now: float) -> None:
+        """The sweep: act on a deadline that passed."""
+        if 0.0 < self._write_deadline < now:
+            self._write_deadline = 0.0
+            self.server.protocol_errors.record(
+                "write_stall", f"{self!r} took none of its answer for {self.server.write_stall_timeout:g} s"
+            )
+            self._wake_drain(WriteStalled("the client read nothing of its answer"))
             if self.transport is not None:
                 self.transport.abort()
             return
-        self._close()
+        if not 0.0 < self._deadline < now:
+            return
+        kind = self._deadline_kind
+        self._disarm()
+        if kind is _Deadline.HEAD:
+            # A head that never ended: no answer is owed; the slot is freed.
+            self.server.protocol_errors.record("head_timeout", f"{self!r} sent no whole head in time")
+            if self.answering is Answering.IDLE and not self._pending:
+                if self.transport is not None:
+                    self.transport.abort()
+            else:
+                # The requests before it are answered first; then the connection closes.
+                self.reading = Reading.STOPPED
+                self._in_head = False
+                if self.transport is not None:
+                    self.transport.pause_reading()
+        elif kind is _Deadline.BODY:
+            self._refuse(
+                _Refused(408, "body_timeout", f"The request body did not arrive within {self.server.body_timeout:g} s.")
+            )
+        elif kind is _Deadline.DISCARD:
+            if self.answering is Answering.IDLE and self._doomed is None:
+                self._close()
+            else:
+                self.reading = Reading.STOPPED
+        elif self.answering is Answering.IDLE:
+            self._close()
 
     def _close(self) -> None:
-        self._closing = True
+        """Close once what was written has been taken; abort if the client will not take it."""
+        self.reading = Reading.STOPPED
         self._disarm()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        transport = self.transport
+        if self.answering is not Answering.CLOSED:
+            self.answering = Answering.CLOSING
+        if transport is None or transport.is_closing():
+            return
+        if transport.get_write_buffer_size():
+            # close() would wait for the client to read it, perhaps forever.
+            self._write_deadline = time.monotonic() + self.server.write_stall_timeout
+            self.server.watch()
+        transport.close()
 
     def close_if_idle(self) -> None:
-        if self.task is None:
+        if self.answering is Answering.IDLE:
             self._close()
 
 
@@ -455,22 +877,43 @@ class Server:
         error: Callable[..., Reply],
         log_exception: Callable[[str], None],
         keepalive_timeout: float = 75.0,
+        body_timeout: float = 60.0,
+        write_stall_timeout: float = 30.0,
+        max_buffered_body_bytes: int = 1 << 30,
     ) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         self.header_timeout = header_timeout
         self.keepalive_timeout = keepalive_timeout
+        self.body_timeout = body_timeout
+        self.write_stall_timeout = write_stall_timeout
+        self.max_buffered_body_bytes = max_buffered_body_bytes
+        # Request body bytes held by every connection together.
+        self.buffered = 0
         # error(status, message, code=...) -> an OpenAI-shaped Reply.
         self.error = error
         self.log_exception = log_exception
+        self.protocol_errors = ProtocolErrors(log)
         self.connections: set[Connection] = set()
         self.stopping = False
         self._sweeper: asyncio.TimerHandle | None = None
-        # Deadlines are checked this often: a few times per head deadline.
-        self._every = max(0.05, min(1.0, header_timeout / 4))
+        self._hosts: set[bytes] = set()
+        # Deadlines are checked this often: a few times per the shortest of them.
+        shortest = min(header_timeout, keepalive_timeout, body_timeout, write_stall_timeout)
+        self._every = max(0.05, min(1.0, shortest / 4))
 
     def __call__(self) -> Connection:
         return Connection(self)
+
+    def valid_host(self, value: bytes) -> bool:
+        # A connection sends the same Host on every request: check each value once.
+        if value in self._hosts:
+            return True
+        if _HOST.fullmatch(value) is None:
+            return False
+        if len(self._hosts) < 256:
+            self._hosts.add(value)
+        return True
 
     def watch(self) -> None:
         """Make sure the sweep runs while any connection waits on a deadline."""
@@ -482,10 +925,8 @@ class Server:
         now = time.monotonic()
         waiting = False
         for connection in list(self.connections):
-            if connection.expired(now):
-                connection.expire()
-            elif connection.waiting:
-                waiting = True
+            connection.check(now)
+            waiting = waiting or connection.waiting
         if waiting:
             self.watch()
 

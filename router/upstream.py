@@ -47,6 +47,13 @@ def _hop_filter(raw: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes]) -> l
                 tokens.discard(b"")
                 named = tokens if named is None else named | tokens
             continue
+        if b"_" in lower:
+            # `Content_Length` is `Content-Length` to servers that fold `_`
+            # into `-` (CGI, WSGI, some engines' frameworks): a framing or
+            # hop-by-hop name spelled so is dropped like the name it copies.
+            folded = lower.replace(b"_", b"-")
+            if folded in _NOT_FORWARDED or folded in drop or folded.startswith(b"proxy-"):
+                continue
         kept.append((name, value, lower))
     if named:
         return [(name, value) for name, value, lower in kept if lower not in named]

@@ -71,7 +71,12 @@ log = logging.getLogger("router.workers")
 
 # Families a worker's own /metrics holds (the data path's histograms); the
 # supervisor sums them over the workers. Everything else it exports itself.
-_WORKER_FAMILIES = ("router_request_duration_seconds", "router_time_to_first_byte_seconds")
+_WORKER_FAMILIES = (
+    "router_request_duration_seconds",
+    "router_time_to_first_byte_seconds",
+    "router_client_protocol_errors",
+    "router_upstream_protocol_errors",
+)
 _READY_TIMEOUT = 60.0
 _CALL_TIMEOUT = 10.0
 
@@ -129,6 +134,8 @@ def for_worker(config: Config, port: int, workers: int) -> Config:
         usage_push_url="",
         max_in_flight_per_replica=share(config.max_in_flight_per_replica),
         max_in_flight=share(config.max_in_flight),
+        # The buffered-body cap bounds the router's memory: the workers' shares add up to it.
+        max_buffered_body_bytes=share(config.max_buffered_body_bytes),
     )
 
 

@@ -169,6 +169,7 @@ async def test_length_cut_short_is_broken_after_the_head(raw_server: StartRaw, c
     with pytest.raises(ConnectionBroken) as info:
         await resp.read()
     assert not info.value.before_head
+    assert info.value.answered
     resp.release()
 
 
@@ -177,6 +178,8 @@ async def test_garbage_is_broken_before_the_head(raw_server: StartRaw, client: C
     with pytest.raises(ConnectionBroken) as info:
         await client.request(raw.origin, HEAD, b"{}")
     assert info.value.before_head
+    # Garbage is an answer of sorts: the replica had the request.
+    assert info.value.answered
     assert client.open_connections == 0
 
 
@@ -227,8 +230,11 @@ async def test_fresh_connection_broken_before_the_head_is_not_retried(raw_server
         writer.transport.abort()
 
     raw = await raw_server(answer)
-    with pytest.raises(ConnectionBroken):
+    with pytest.raises(ConnectionBroken) as info:
         await client.request(raw.origin, HEAD, b"{}")
+    assert info.value.before_head
+    # Nothing came back: the proxy may try another replica.
+    assert not info.value.answered
     assert len(raw.requests) == 1
 
 

@@ -32,6 +32,25 @@ async def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> 
         return resp.status, resp.headers.copy(), await resp.read()
 
 
+async def post_cut(url: str, body: bytes) -> tuple[int, bytes, bool]:
+    """POST and read the answer as far as it goes: (status, body so far, whether it ended properly).
+
+    A broken answer must look broken: the router closes it without the
+    chunked last-chunk, which an HTTP library reports as an incomplete body.
+    """
+    received = bytearray()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp,
+    ):
+        try:
+            async for chunk in resp.content.iter_any():
+                received += chunk
+        except aiohttp.ClientPayloadError:
+            return resp.status, bytes(received), False
+        return resp.status, bytes(received), True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -416,8 +435,11 @@ async def test_a_reset_mid_stream_ends_the_clients_stream_with_an_error_event(
     other = await start_fake("m")
     server = await start_router([replica_entry("a", flaky), replica_entry("b", other)])
     server.pool.set_draining("b", True)
-    status, _, body = await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "stream": True}))
+    status, body, complete = await post_cut(
+        server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "stream": True})
+    )
     assert status == 200
+    assert not complete, "a stream the replica broke off must not end like a complete one"
     events = [e for e in body.split(b"\n\n") if e]
     assert len(events) == 4
     assert b"tok1 " in events[2]
