@@ -10,11 +10,13 @@ runs per tick or per admin call, never per request.
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import itertools
 import logging
 import random
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -151,6 +153,26 @@ class Tallies:
         self.unserved[model] = self.unserved.get(model, 0) + 1
 
 
+class _Waiter:
+    """A request waiting for a replica of `model`: handed one (or None: none can take it) by the pool."""
+
+    __slots__ = ("avoid", "exclude", "future", "model", "seq")
+
+    def __init__(
+        self,
+        future: asyncio.Future[Replica | None],
+        model: str,
+        avoid: Replica | None,
+        exclude: Container[Replica],
+        seq: int,
+    ) -> None:
+        self.future = future
+        self.model = model
+        self.avoid = avoid
+        self.exclude = exclude
+        self.seq = seq
+
+
 class Pool:
     def __init__(
         self,
@@ -174,8 +196,12 @@ class Pool:
         self.tallies = Tallies()
         self.limits = limits
         self.in_flight = 0
-        # Called, oldest first, each time a request ends: queued requests wake.
-        self.waiters: deque[Callable[[], None]] = deque()
+        # Requests waiting for a replica, per model, oldest first. A slot that
+        # frees is handed straight to the oldest waiter that can take it (no
+        # wake-up to lose, no newcomer to overtake it); a waiter that leaves
+        # is removed in O(1).
+        self._waiting: dict[str, OrderedDict[_Waiter, None]] = {}
+        self._seq = itertools.count()
         self.set_replicas(replicas)
 
     # The hot path -----------------------------------------------------------
@@ -213,13 +239,78 @@ class Pool:
         """Always called once per acquire(), in a `finally`."""
         replica.in_flight -= 1
         self.in_flight -= 1
-        if self.waiters:
-            self.waiters.popleft()()
         candidates = self._candidates.get(replica.model)
         if candidates is not None and replica in candidates:
             candidates.decrement(replica)
         elif replica.removed and replica.in_flight == 0:
             self._leaving.discard(replica)
+        if self._waiting:
+            self._hand_off(replica.model)
+            if self.limits.total:
+                # A slot under the router-wide limit frees for every model.
+                for model in sorted(self._waiting, key=self._oldest_seq):
+                    self._hand_off(model)
+
+    async def acquire_or_wait(
+        self, model: str, avoid: Replica | None = None, exclude: Container[Replica] = (), *, deadline: float
+    ) -> tuple[Replica | None, bool]:
+        """acquire(), or wait until `deadline` (loop time) in `model`'s FIFO queue while it is saturated.
+
+        Returns (replica, timed_out): a replica; or None and False when no
+        replica can take the request (none ready, or all excluded); or None
+        and True when every candidate stayed at its limit until the deadline.
+        """
+        replica = self.acquire(model, avoid, exclude)
+        if replica is not None or not self.saturated(model):
+            return replica, False
+        future: asyncio.Future[Replica | None] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(future, model, avoid, exclude, next(self._seq))
+        queue = self._waiting.get(model)
+        if queue is None:
+            queue = self._waiting[model] = OrderedDict()
+        queue[waiter] = None
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await future, False
+        except TimeoutError:
+            if future.done() and not future.cancelled():
+                # Handed a replica in the same turn as the deadline: it is ours.
+                return future.result(), False
+            return None, True
+        except asyncio.CancelledError:
+            # The client left; a replica handed over meanwhile goes to the next.
+            if future.done() and not future.cancelled() and (handed := future.result()) is not None:
+                self.release(handed)
+            raise
+        finally:
+            queue.pop(waiter, None)
+            if not queue and self._waiting.get(model) is queue:
+                del self._waiting[model]
+
+    def waiting(self, model: str) -> int:
+        """Requests waiting for a replica of `model` now."""
+        queue = self._waiting.get(model)
+        return len(queue) if queue else 0
+
+    def _oldest_seq(self, model: str) -> int:
+        queue = self._waiting[model]
+        return next(iter(queue)).seq if queue else -1
+
+    def _hand_off(self, model: str) -> None:
+        """Give what `model` can serve now to its waiters, oldest first."""
+        queue = self._waiting.get(model)
+        while queue:
+            waiter = next(iter(queue))
+            if waiter.future.done():
+                # Gone (client left, deadline): its finally removes it; skip it now.
+                queue.popitem(last=False)
+                continue
+            replica = self.acquire(model, waiter.avoid, waiter.exclude)
+            if replica is None and self.saturated(model):
+                return
+            queue.popitem(last=False)
+            # A replica, or None: nothing left that this waiter may use.
+            waiter.future.set_result(replica)
 
     def saturated(self, model: str) -> bool:
         """True when `model` could serve but every candidate is at a limit."""
@@ -343,6 +434,8 @@ class Pool:
         if not siblings:
             del self._models[replica.model]
             del self._candidates[replica.model]
+            if self._waiting:
+                self._hand_off(replica.model)
         if replica.in_flight:
             self._leaving.add(replica)
 
@@ -355,8 +448,14 @@ class Pool:
         serving = replica.state is ReplicaState.READY
         if serving and replica not in candidates:
             candidates.add(replica, replica.in_flight)
+            if self._waiting:
+                # A new, readmitted or undrained replica: the model's waiters first.
+                self._hand_off(replica.model)
         elif not serving:
             candidates.discard(replica)
+            if self._waiting and not len(candidates):
+                # The model's last candidate left: its waiters wait for nothing now.
+                self._hand_off(replica.model)
 
     # Views --------------------------------------------------------------------
 

@@ -290,7 +290,14 @@ class Proxy:
             for attempt in range(self._max_attempts):
                 replica = self.pool.acquire(target, avoid, refused)
                 if replica is None and self.pool.saturated(target):
-                    replica = await self._queue(target, avoid, refused)
+                    deadline = asyncio.get_running_loop().time() + self._queue_timeout
+                    replica, timed_out = await self.pool.acquire_or_wait(target, avoid, refused, deadline=deadline)
+                    if timed_out:
+                        self.pool.tallies.refused_overloaded(target)
+                        raise Overloaded(
+                            f"Every replica of '{target}' is at its concurrency limit; "
+                            f"waited {self._queue_timeout:g} s."
+                        )
                 if replica is None:
                     break
                 if attempt:
@@ -319,34 +326,6 @@ class Proxy:
             detail = f" (last failure: {last.error.message})" if last is not None else ""
             return error_response(NoReplicaAvailable(f"No replica of {names} can serve the request now{detail}."))
         return last.answer or error_response(last.error)
-
-    async def _queue(self, model: str, avoid: Replica | None, refused: set[Replica]) -> Replica | None:
-        """Wait for a slot under the limits, up to the queue timeout, then 503."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._queue_timeout
-        waiters = self.pool.waiters
-        while True:
-            woken = loop.create_future()
-
-            def wake(woken: asyncio.Future[None] = woken) -> None:
-                if not woken.done():
-                    woken.set_result(None)
-
-            waiters.append(wake)
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await woken
-            except TimeoutError:
-                self.pool.tallies.refused_overloaded(model)
-                raise Overloaded(
-                    f"Every replica of '{model}' is at its concurrency limit; waited {self._queue_timeout:g} s."
-                ) from None
-            finally:
-                if wake in waiters:
-                    waiters.remove(wake)
-            replica = self.pool.acquire(model, avoid, refused)
-            if replica is not None or not self.pool.saturated(model):
-                return replica
 
     async def _attempt(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 
@@ -18,6 +19,10 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def deadline(seconds: float) -> float:
+    return asyncio.get_running_loop().time() + seconds
 
 
 def configs(model: str, n: int, prefix: str = "r") -> list[ReplicaConfig]:
@@ -200,7 +205,7 @@ def test_excluded_replicas_are_never_picked_again_for_the_request() -> None:
     assert pool.acquire("m", exclude={first, second}) is None
 
 
-def test_limits_refuse_beyond_capacity_and_release_wakes_a_waiter() -> None:
+async def test_limits_refuse_beyond_capacity_and_release_wakes_a_waiter() -> None:
     from router.pool import Limits
 
     pool = Pool(configs("m", 2), limits=Limits(per_replica=2, total=3))
@@ -208,11 +213,132 @@ def test_limits_refuse_beyond_capacity_and_release_wakes_a_waiter() -> None:
     assert all(r is not None for r in held)
     assert pool.acquire("m") is None
     assert pool.saturated("m")
-    woken: list[int] = []
-    pool.waiters.append(lambda: woken.append(1))
+    waiter = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    await asyncio.sleep(0)
+    assert pool.waiting("m") == 1
     first = held[0]
     assert first is not None
     pool.release(first)
-    assert woken == [1]
+    # The freed slot went straight to the waiter: nobody else can take it first.
+    replica, timed_out = await waiter
+    assert replica is not None and not timed_out
+    assert pool.waiting("m") == 0
+    assert pool.in_flight == 3
+    pool.release(replica)
     assert not pool.saturated("m")
     assert pool.in_flight == 2
+
+
+async def test_waiters_are_served_first_in_first_out_per_model() -> None:
+    from router.pool import Limits
+
+    pool = Pool(configs("a", 1, "a") + configs("b", 1, "b"), limits=Limits(per_replica=1))
+    busy_a, busy_b = pool.acquire("a"), pool.acquire("b")
+    assert busy_a is not None and busy_b is not None
+    order: list[str] = []
+
+    async def wait(model: str, name: str) -> None:
+        replica, _ = await pool.acquire_or_wait(model, deadline=deadline(5))
+        assert replica is not None
+        order.append(name)
+        await asyncio.sleep(0)
+        pool.release(replica)
+
+    tasks = [asyncio.create_task(wait(m, f"{m}{i}")) for i in range(3) for m in ("a", "b")]
+    await asyncio.sleep(0)
+    assert pool.waiting("a") == 3 and pool.waiting("b") == 3
+    # b frees first: only b's waiters move, in arrival order; a's stay queued.
+    pool.release(busy_b)
+    await asyncio.sleep(0.01)
+    assert order == ["b0", "b1", "b2"]
+    assert pool.waiting("a") == 3
+    pool.release(busy_a)
+    await asyncio.gather(*tasks)
+    assert order == ["b0", "b1", "b2", "a0", "a1", "a2"]
+    assert pool.in_flight == 0
+
+
+async def test_a_waiter_that_leaves_is_removed_at_once_and_its_slot_goes_on() -> None:
+    from router.pool import Limits
+
+    pool = Pool(configs("m", 1), limits=Limits(per_replica=1))
+    busy = pool.acquire("m")
+    assert busy is not None
+    leaving = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    staying = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    await asyncio.sleep(0)
+    assert pool.waiting("m") == 2
+    leaving.cancel()
+    await asyncio.gather(leaving, return_exceptions=True)
+    assert pool.waiting("m") == 1
+    pool.release(busy)
+    replica, _ = await staying
+    assert replica is busy
+    assert pool.waiting("m") == 0
+
+
+async def test_a_slot_handed_to_a_waiter_that_just_left_goes_to_the_next() -> None:
+    from router.pool import Limits
+
+    pool = Pool(configs("m", 1), limits=Limits(per_replica=1))
+    busy = pool.acquire("m")
+    assert busy is not None
+    first = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    second = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    await asyncio.sleep(0)
+    # Handed to the first, which is cancelled before it runs: nothing may leak.
+    pool.release(busy)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    replica, _ = await second
+    assert replica is busy
+    pool.release(replica)
+    assert pool.in_flight == 0 and busy.in_flight == 0
+
+
+async def test_a_waiter_times_out_and_a_new_replica_or_an_undrain_serves_the_rest() -> None:
+    from router.pool import Limits
+
+    pool = Pool(configs("m", 1), limits=Limits(per_replica=1))
+    busy = pool.acquire("m")
+    assert busy is not None
+    assert await pool.acquire_or_wait("m", deadline=deadline(0.05)) == (None, True)
+    assert pool.waiting("m") == 0
+    waiter = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    await asyncio.sleep(0)
+    pool.set_replicas(configs("m", 2))  # r1 arrives
+    replica, timed_out = await waiter
+    assert replica is not None and replica.id == "r1" and not timed_out
+    pool.set_draining("r1", True)
+    pool.release(replica)
+    waiter = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    await asyncio.sleep(0)
+    assert pool.waiting("m") == 1
+    pool.set_draining("r1", False)
+    replica, _ = await waiter
+    assert replica is not None and replica.id == "r1"
+
+
+async def test_waiters_are_told_at_once_when_their_model_loses_every_replica() -> None:
+    from router.pool import Limits
+
+    pool = Pool(configs("m", 1), limits=Limits(per_replica=1))
+    busy = pool.acquire("m")
+    assert busy is not None
+    waiter = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    await asyncio.sleep(0)
+    pool.set_draining("r0", True)
+    assert await asyncio.wait_for(waiter, 1) == (None, False)
+
+
+async def test_under_the_router_wide_limit_a_release_serves_another_models_waiter() -> None:
+    from router.pool import Limits
+
+    pool = Pool(configs("a", 1, "a") + configs("b", 1, "b"), limits=Limits(total=1))
+    busy = pool.acquire("a")
+    assert busy is not None
+    waiter = asyncio.create_task(pool.acquire_or_wait("b", deadline=deadline(5)))
+    await asyncio.sleep(0)
+    pool.release(busy)
+    replica, _ = await waiter
+    assert replica is not None and replica.model == "b"

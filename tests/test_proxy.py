@@ -533,3 +533,38 @@ async def test_a_replica_closing_idle_connections_never_fails_a_request(
                 await resp.read()
             await asyncio.sleep(gap)
     assert in_flight(server) == {"r0": 0}
+
+
+async def test_a_release_on_one_model_never_wakes_another_models_waiter(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    """Two models, one slot each: b's waiter is served when b frees, not when a's queue moves.
+
+    With one queue for every model, b0's release woke a's older waiter, which
+    found a still busy and queued again at the tail, while b's waiter slept on
+    and got 503 server_overloaded after the queue timeout with b idle.
+    """
+    a = await start_fake("a", behaviour=Behaviour(token_delay=0.1))
+    b = await start_fake("b", behaviour=Behaviour(token_delay=0.1))
+    server = await start_router(
+        [replica_entry("a0", a), replica_entry("b0", b)], max_in_flight_per_replica=1, queue_timeout_seconds=1.0
+    )
+    url = server.client_url + "/v1/chat/completions"
+
+    def ask(model: str, tokens: int) -> asyncio.Task[tuple[int, CIMultiDict[str], bytes]]:
+        body = orjson.dumps({**CHAT, "model": model, "max_tokens": tokens, "stream": True})
+        return asyncio.create_task(post(url, body))
+
+    a1, b1 = ask("a", 20), ask("b", 3)  # a0 busy for 2 s, b0 for 0.3 s
+    await wait_for(lambda: in_flight(server) == {"a0": 1, "b0": 1})
+    a2 = ask("a", 1)  # waits: the oldest waiter
+    await asyncio.sleep(0.05)
+    began = time.perf_counter()
+    b2 = ask("b", 1)  # waits behind it
+    status, _, _ = await b2
+    assert status == 200
+    # Served when b0 freed (about 0.25 s from here), well before the 1 s queue timeout.
+    assert time.perf_counter() - began < 0.9
+    assert (await b1)[0] == 200
+    assert (await a2)[0] == 503  # a0 stayed busy past the queue timeout
+    assert (await a1)[0] == 200
