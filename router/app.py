@@ -86,6 +86,7 @@ class RouterServer(Listening):
                 config.ejection_failures, config.ejection_base_seconds, config.ejection_max_seconds
             ),
             limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
+            routing={name: model.routing for name, model in config.models.items()},
         )
         self.rates = RateSink()
         self.latest = LatestSink()

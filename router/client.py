@@ -28,12 +28,11 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 import httptools
 
+from router.origin import Origin
 from router.protocol_errors import ProtocolErrors
 
 # Above this many bytes queued for a reader that is not taking them, the
@@ -114,33 +113,6 @@ _ACTIVE = _State.ACTIVE
 _BODY = _State.BODY
 _DONE = _State.DONE
 _CLOSED = _State.CLOSED
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Where a replica listens, parsed once from its base URL."""
-
-    host: str
-    port: int
-    tls: bool
-    # Path prefix of the base URL (b"" or b"/prefix"), put before the client's path.
-    prefix: bytes
-    host_header: bytes
-    # What the connection pools are keyed by: a str hashes once and compares
-    # in C, where the dataclass would build tuples on every lookup.
-    key: str
-
-    @classmethod
-    def parse(cls, url: str) -> Origin:
-        parts = urlsplit(url)
-        tls = parts.scheme == "https"
-        port = parts.port or (443 if tls else 80)
-        host = parts.hostname or ""
-        shown = f"[{host}]" if ":" in host else host
-        default = 443 if tls else 80
-        header = shown if port == default else f"{shown}:{port}"
-        key = f"{'https' if tls else 'http'}://{shown}:{port}"
-        return cls(host, port, tls, parts.path.rstrip("/").encode(), header.encode("idna"), key)
 
 
 class Response:

@@ -13,19 +13,18 @@ import math
 import os
 import socket
 import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
 from router.errors import ConfigError
+from router.picking import DEFAULT_POLICY, POLICIES
 
 LabelValue = str | int | float | bool
 
-DEFAULT_LISTEN = "127.0.0.1:8080"
-DEFAULT_ADMIN_LISTEN = "127.0.0.1:9090"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,106 +47,6 @@ class ReplicaConfig:
 
     def as_json(self) -> dict[str, Any]:
         return {"id": self.id, "model": self.model, "url": self.url, "labels": dict(self.labels)}
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    name: str
-    aliases: tuple[str, ...] = ()
-    fallbacks: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Config:
-    listen: Address = Address("127.0.0.1", 8080)
-    admin_listen: Address = Address("127.0.0.1", 9090)
-    router_name: str = ""
-    tick_seconds: float = 5.0
-    admin_token: str = ""
-    api_keys: tuple[str, ...] = ()
-    max_body_bytes: int = 32 * 1024 * 1024
-    usage_push_url: str = ""
-    # How long to wait for a TCP connection to a replica; a replica that does
-    # not accept within this is treated as down and the request retried.
-    connect_timeout_seconds: float = 5.0
-    # From sending the request to the response head. Generous, because a busy
-    # engine queues requests before its first token; never applied to a body.
-    first_byte_timeout_seconds: float = 300.0
-    # Idle upstream connections are dropped before the replicas drop them
-    # (vLLM/uvicorn: 5 s), so that a reused connection is rarely a dead one.
-    upstream_keepalive_seconds: float = 2.0
-    # A client that takes no bytes for this long while its stream waits to be
-    # written is cut off, so that a slow reader holds neither memory nor a replica.
-    write_stall_timeout_seconds: float = 30.0
-    # A connection whose request head (any request, not only the first) has
-    # not fully arrived this long after its first byte is closed (slowloris).
-    header_timeout_seconds: float = 10.0
-    # A request body must arrive whole within this of its head's end (408
-    # after it), so that a body that stops arriving holds no buffer forever.
-    body_timeout_seconds: float = 60.0
-    # Request bodies held by all client connections together: new bodies
-    # beyond it get 503 at once (100 slow 32 MiB uploads must not take 3 GB).
-    max_buffered_body_bytes: int = 1 << 30
-    # A replica that sends nothing for this long after its response head is
-    # cut off (a stream then ends with an error event): no answer hangs forever.
-    upstream_idle_timeout_seconds: float = 300.0
-    # Concurrency limits (0 = none): past them a request waits up to
-    # queue_timeout_seconds for a slot, then gets a prompt 503.
-    max_in_flight_per_replica: int = 0
-    max_in_flight: int = 0
-    queue_timeout_seconds: float = 5.0
-    # Upstream attempts per model for one client request (first try included).
-    max_attempts: int = 3
-    shutdown_grace_seconds: float = 30.0
-    # Passive outlier ejection: this many failures in a row eject a replica
-    # for the base time, doubled with each ejection in a row, up to the max.
-    ejection_failures: int = 5
-    ejection_base_seconds: float = 10.0
-    ejection_max_seconds: float = 300.0
-    # Active health checks: GET health_check_path on every replica this often
-    # (0 = off). A 2xx readmits an ejected replica early; anything else, or no
-    # answer, ejects a ready one before a client meets it.
-    health_check_interval_seconds: float = 0.0
-    health_check_path: str = "/health"
-    health_check_timeout_seconds: float = 2.0
-    replicas: tuple[ReplicaConfig, ...] = ()
-    models: Mapping[str, ModelConfig] = field(default_factory=lambda: MappingProxyType({}))
-    source: str = "<defaults>"
-
-
-_TOP_KEYS = {
-    "listen",
-    "admin_listen",
-    "router_name",
-    "tick_seconds",
-    "admin_token",
-    "api_keys",
-    "max_body_bytes",
-    "usage_push_url",
-    "connect_timeout_seconds",
-    "first_byte_timeout_seconds",
-    "upstream_keepalive_seconds",
-    "write_stall_timeout_seconds",
-    "header_timeout_seconds",
-    "body_timeout_seconds",
-    "max_buffered_body_bytes",
-    "upstream_idle_timeout_seconds",
-    "max_in_flight_per_replica",
-    "max_in_flight",
-    "queue_timeout_seconds",
-    "max_attempts",
-    "shutdown_grace_seconds",
-    "ejection_failures",
-    "ejection_base_seconds",
-    "ejection_max_seconds",
-    "health_check_interval_seconds",
-    "health_check_path",
-    "health_check_timeout_seconds",
-    "replicas",
-    "models",
-}
-_REPLICA_KEYS = {"id", "model", "url", "labels"}
-_MODEL_KEYS = {"aliases", "fallbacks"}
 
 
 class _Where:
@@ -230,6 +129,141 @@ def check_url(where: _Where, key: str, value: object) -> str:
     return text.rstrip("/")
 
 
+def _string_list(where: _Where, key: str, value: object) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise where.error(key, f"must be an array of strings, got {_type_name(value)}")
+    return tuple(_string(where, f"{key}[{i}]", item) for i, item in enumerate(value))
+
+
+def _optional_url(where: _Where, key: str, value: object) -> str:
+    text = _string(where, key, value, empty_ok=True)
+    return check_url(where, key, text) if text else ""
+
+
+def _path(where: _Where, key: str, value: object) -> str:
+    path = _string(where, key, value)
+    if not path.startswith("/") or "?" in path or "#" in path or " " in path:
+        raise where.error(key, f"must be a path starting with /, got {path!r}")
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    aliases: tuple[str, ...] = ()
+    fallbacks: tuple[str, ...] = ()
+    # The picking policy (router.picking.POLICIES) for this model's replicas.
+    routing: str = DEFAULT_POLICY
+
+
+# Each setting is declared once, as a field of Config below: its type and
+# default, and in its metadata how it is read from TOML (bounds included)
+# and the line of help that the README's configuration block carries
+# (tests/test_config.py holds the two together). The keys a config file may
+# hold, their validation and their defaults all derive from these fields,
+# so a new setting is one line.
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    # (where, key, raw value) -> the value; raises ConfigError naming the key.
+    parse: Callable[[_Where, str, object], Any]
+    help: str
+    # The value when the key is absent or empty, if not the default (the host name, an env var).
+    fallback: Callable[[Mapping[str, str]], Any] | None = None
+
+
+def _setting(default: Any, parse: Callable[[_Where, str, object], Any], help_: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"setting": Setting(parse, help_, **kw)})
+
+
+def _seconds(default: float, help_: str, *, minimum: float = 0.001) -> Any:
+    return _setting(default, lambda w, k, v: _number(w, k, v, minimum=minimum), help_)
+
+
+def _count(default: int, help_: str, *, minimum: int = 0) -> Any:
+    return _setting(default, lambda w, k, v: int(_number(w, k, v, minimum=minimum, integer=True)), help_)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    # _setting() returns a dataclasses.field; Address is frozen.
+    listen: Address = _setting(Address("127.0.0.1", 8080), parse_address, "client port")  # noqa: RUF009
+    admin_listen: Address = _setting(Address("127.0.0.1", 9090), parse_address, "admin API and /metrics")  # noqa: RUF009
+    router_name: str = _setting(
+        "",
+        _string,
+        "names this router in the usage map (default: hostname)",
+        fallback=lambda env: socket.gethostname() or "router",
+    )
+    tick_seconds: float = _seconds(5.0, "usage snapshot period; may be fractional", minimum=0.01)
+    admin_token: str = _setting(
+        "",
+        lambda w, k, v: _string(w, k, v, empty_ok=True),
+        "or env ROUTER_ADMIN_TOKEN; required on mutating admin calls when set",
+        fallback=lambda env: env.get("ROUTER_ADMIN_TOKEN", ""),
+    )
+    api_keys: tuple[str, ...] = _setting(
+        (), _string_list, "client keys (Authorization: Bearer ...); empty = no client auth"
+    )
+    max_body_bytes: int = _count(32 * 1024 * 1024, "larger request bodies get 413", minimum=1)
+    usage_push_url: str = _setting("", _optional_url, "optional: POST the usage map here each tick")
+    # A replica that does not accept within this is treated as down and the request retried.
+    connect_timeout_seconds: float = _seconds(5.0, "TCP connect to a replica")
+    # Generous: a busy engine queues requests before its first token. Never applied to a body.
+    first_byte_timeout_seconds: float = _seconds(
+        300.0, "request sent -> response head; 504 after it (never cuts a stream)"
+    )
+    # Below the replicas' own (vLLM/uvicorn: 5 s), so that a reused connection is rarely a dead one.
+    upstream_keepalive_seconds: float = _seconds(
+        2.0, "idle upstream connections closed before the replicas' 5 s", minimum=0.0
+    )
+    # So that a slow reader holds neither memory nor a replica.
+    write_stall_timeout_seconds: float = _seconds(30.0, "a client that reads nothing of an answer this long is cut off")
+    header_timeout_seconds: float = _seconds(
+        10.0, "every request head must arrive whole within this of its first byte (slowloris)"
+    )
+    # So that a body that stops arriving holds no buffer forever.
+    body_timeout_seconds: float = _seconds(
+        60.0, "a request body must arrive whole within this of its head; 408 after it"
+    )
+    # 100 slow 32 MiB uploads must not take 3 GB.
+    max_buffered_body_bytes: int = _count(
+        1 << 30, "request bodies held by all connections together; new ones beyond it get 503", minimum=1
+    )
+    # No answer hangs forever; a stream then ends with an error event.
+    upstream_idle_timeout_seconds: float = _seconds(
+        300.0, "a replica silent this long after its response head is cut off"
+    )
+    max_attempts: int = _count(3, "upstream attempts per model for one request", minimum=1)
+    max_in_flight_per_replica: int = _count(0, "concurrency limits, 0 = none; beyond them requests queue ...")
+    max_in_flight: int = _count(0, "")
+    queue_timeout_seconds: float = _seconds(5.0, "... this long at most, then get 503 server_overloaded", minimum=0.0)
+    shutdown_grace_seconds: float = _seconds(30.0, "SIGTERM: how long requests in flight may finish", minimum=0.0)
+    ejection_failures: int = _count(5, "failures in a row that eject a replica", minimum=1)
+    ejection_base_seconds: float = _seconds(10.0, "first ejection; doubles in a row, up to ejection_max_seconds")
+    ejection_max_seconds: float = _seconds(300.0, "")
+    # A 2xx readmits an ejected replica early; anything else, or no answer, ejects a ready one.
+    health_check_interval_seconds: float = _seconds(0.0, "active checks of every replica; 0 = off", minimum=0.0)
+    health_check_path: str = _setting("/health", _path, 'a 2xx is healthy ("/v1/models" for llama.cpp)')
+    health_check_timeout_seconds: float = _seconds(2.0, "")
+    replicas: tuple[ReplicaConfig, ...] = ()
+    models: Mapping[str, ModelConfig] = field(default_factory=lambda: MappingProxyType({}))
+    source: str = "<defaults>"
+
+
+def settings() -> dict[str, tuple[Any, Setting]]:
+    """Every top-level scalar setting: its default and how it is read, in declaration order."""
+    return {f.name: (f.default, f.metadata["setting"]) for f in fields(Config) if "setting" in f.metadata}
+
+
+_SETTINGS = settings()
+# The tables beside the settings.
+_TOP_KEYS = set(_SETTINGS) | {"replicas", "models"}
+_REPLICA_KEYS = {"id", "model", "url", "labels"}
+_MODEL_KEYS = {"aliases", "fallbacks", "routing"}
+
+
 def _labels(where: _Where, key: str, value: object) -> Mapping[str, LabelValue]:
     if not isinstance(value, dict):
         raise where.error(key, f"must be a table, got {_type_name(value)}")
@@ -277,12 +311,6 @@ def parse_replicas(where: _Where, key: str, value: object) -> tuple[ReplicaConfi
     return tuple(out)
 
 
-def _string_list(where: _Where, key: str, value: object) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        raise where.error(key, f"must be an array of strings, got {_type_name(value)}")
-    return tuple(_string(where, f"{key}[{i}]", item) for i, item in enumerate(value))
-
-
 def _models(where: _Where, value: object, replicas: tuple[ReplicaConfig, ...]) -> Mapping[str, ModelConfig]:
     if not isinstance(value, dict):
         raise where.error("models", f"must be a table, got {_type_name(value)}")
@@ -295,6 +323,10 @@ def _models(where: _Where, value: object, replicas: tuple[ReplicaConfig, ...]) -
         _table(where, key, raw, _MODEL_KEYS)
         aliases = _string_list(where, f"{key}.aliases", raw.get("aliases", []))
         fallbacks = _string_list(where, f"{key}.fallbacks", raw.get("fallbacks", []))
+        routing = _string(where, f"{key}.routing", raw.get("routing", DEFAULT_POLICY))
+        if routing not in POLICIES:
+            known = ", ".join(repr(name) for name in POLICIES)
+            raise where.error(f"{key}.routing", f"unknown policy {routing!r} (known: {known})")
         for i, alias in enumerate(aliases):
             if alias in declared:
                 raise where.error(f"{key}.aliases[{i}]", f"alias {alias!r} shadows the model of that name")
@@ -311,7 +343,7 @@ def _models(where: _Where, value: object, replicas: tuple[ReplicaConfig, ...]) -
                     f"{key}.fallbacks[{i}]",
                     f"fallback to {target!r}, a model that no replica serves and no [models] table declares",
                 )
-        out[name] = ModelConfig(name=name, aliases=aliases, fallbacks=fallbacks)
+        out[name] = ModelConfig(name=name, aliases=aliases, fallbacks=fallbacks, routing=routing)
     return MappingProxyType(out)
 
 
@@ -321,56 +353,15 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
     for key in raw:
         if key not in _TOP_KEYS:
             raise where.error(key, "unknown key")
+    values: dict[str, Any] = {}
+    for key, (default, setting) in _SETTINGS.items():
+        value = setting.parse(where, key, raw[key]) if key in raw else default
+        if setting.fallback is not None and not value:
+            value = setting.fallback(env)
+        values[key] = value
     replicas = parse_replicas(where, "replicas", raw.get("replicas", []))
     models = _models(where, raw.get("models", {}), replicas)
-    admin_token = _string(where, "admin_token", raw.get("admin_token", ""), empty_ok=True)
-    if not admin_token:
-        admin_token = env.get("ROUTER_ADMIN_TOKEN", "")
-    api_keys = _string_list(where, "api_keys", raw.get("api_keys", []))
-    push_url = _string(where, "usage_push_url", raw.get("usage_push_url", ""), empty_ok=True)
-    if push_url:
-        push_url = check_url(where, "usage_push_url", push_url)
-    router_name = _string(where, "router_name", raw.get("router_name", socket.gethostname() or "router"))
-
-    def num(key: str, default: float, minimum: float, integer: bool = False) -> float:
-        return _number(where, key, raw.get(key, default), minimum=minimum, integer=integer)
-
-    tick = num("tick_seconds", 5.0, 0.01)
-    health_path = _string(where, "health_check_path", raw.get("health_check_path", "/health"))
-    if not health_path.startswith("/") or "?" in health_path or "#" in health_path or " " in health_path:
-        raise where.error("health_check_path", f"must be a path starting with /, got {health_path!r}")
-    return Config(
-        listen=parse_address(where, "listen", raw.get("listen", DEFAULT_LISTEN)),
-        admin_listen=parse_address(where, "admin_listen", raw.get("admin_listen", DEFAULT_ADMIN_LISTEN)),
-        router_name=router_name,
-        tick_seconds=tick,
-        admin_token=admin_token,
-        api_keys=api_keys,
-        max_body_bytes=int(num("max_body_bytes", 32 * 1024 * 1024, 1, integer=True)),
-        usage_push_url=push_url,
-        connect_timeout_seconds=num("connect_timeout_seconds", 5.0, 0.001),
-        first_byte_timeout_seconds=num("first_byte_timeout_seconds", 300.0, 0.001),
-        upstream_keepalive_seconds=num("upstream_keepalive_seconds", 2.0, 0.0),
-        header_timeout_seconds=num("header_timeout_seconds", 10.0, 0.001),
-        body_timeout_seconds=num("body_timeout_seconds", 60.0, 0.001),
-        max_buffered_body_bytes=int(num("max_buffered_body_bytes", 1 << 30, 1, integer=True)),
-        upstream_idle_timeout_seconds=num("upstream_idle_timeout_seconds", 300.0, 0.001),
-        max_in_flight_per_replica=int(num("max_in_flight_per_replica", 0, 0, integer=True)),
-        max_in_flight=int(num("max_in_flight", 0, 0, integer=True)),
-        queue_timeout_seconds=num("queue_timeout_seconds", 5.0, 0.0),
-        write_stall_timeout_seconds=num("write_stall_timeout_seconds", 30.0, 0.001),
-        max_attempts=int(num("max_attempts", 3, 1, integer=True)),
-        shutdown_grace_seconds=num("shutdown_grace_seconds", 30.0, 0.0),
-        ejection_failures=int(num("ejection_failures", 5, 1, integer=True)),
-        ejection_base_seconds=num("ejection_base_seconds", 10.0, 0.001),
-        ejection_max_seconds=num("ejection_max_seconds", 300.0, 0.001),
-        health_check_interval_seconds=num("health_check_interval_seconds", 0.0, 0.0),
-        health_check_path=health_path,
-        health_check_timeout_seconds=num("health_check_timeout_seconds", 2.0, 0.001),
-        replicas=replicas,
-        models=models,
-        source=source,
-    )
+    return Config(**values, replicas=replicas, models=models, source=source)
 
 
 def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:

@@ -1,19 +1,54 @@
-"""Pure choice among candidates: least requests in flight, ties at random.
+"""Pure choice among candidates: the picking policies, one per model.
 
-Candidates sit in buckets by how many requests they have in flight, so that
-finding the least loaded one costs the same with 4 candidates as with 400: no
-scan, no heap. A quiet fleet (every candidate at 0) still spreads, because the
-pick within the lowest bucket is random. No clock and no I/O here: the pool
-decides who is a candidate, this module only chooses.
+A policy sees one model's candidates with their load (requests in flight)
+and, where the request has one, a key (a session, a prefix); the pool tells
+it who is a candidate and every change of load, and asks it to choose. No
+clock and no I/O here: the pool decides who is a candidate (ready, under the
+limits), a policy only chooses.
+
+`LeastLoaded`, the default: candidates sit in buckets by how many requests
+they have in flight, so that finding the least loaded one costs the same
+with 4 candidates as with 400: no scan, no heap. A quiet fleet (every
+candidate at 0) still spreads, because the pick within the lowest bucket is
+random.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Container, Hashable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Container, Hashable
+from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T", bound=Hashable)
+
+
+class Policy(Protocol[T]):
+    """How one model's replica is chosen. The pool keeps it told of every candidate and load."""
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, item: object) -> bool: ...
+
+    def add(self, item: T, load: int) -> None: ...
+
+    def discard(self, item: T) -> None: ...
+
+    def increment(self, item: T) -> None: ...
+
+    def decrement(self, item: T) -> None: ...
+
+    @property
+    def lowest_load(self) -> int | None:
+        """In flight on the least loaded candidate; None with no candidate."""
+        ...
+
+    def pick(self, key: Hashable | None = None) -> T | None:
+        """The candidate for a first attempt; `key` is the request's (session, prefix) or None."""
+        ...
+
+    def pick_avoiding(self, avoid: T | None, exclude: Container[T], key: Hashable | None = None) -> T | None:
+        """A retry's candidate: never one of `exclude`, and `avoid` only if nothing else is left."""
+        ...
 
 
 class LeastLoaded(Generic[T]):
@@ -56,8 +91,8 @@ class LeastLoaded(Generic[T]):
         """In flight on the least loaded candidate; None with no candidate."""
         return self._lowest if self._slots else None
 
-    def pick(self) -> T | None:
-        """The least loaded candidate (a random one among equals), or None."""
+    def pick(self, key: Hashable | None = None) -> T | None:
+        """The least loaded candidate (a random one among equals), or None; the key plays no part."""
         if not self._slots:
             return None
         bucket = self._buckets[self._lowest]
@@ -65,7 +100,7 @@ class LeastLoaded(Generic[T]):
             return bucket[0]
         return bucket[self._rng.randrange(len(bucket))]
 
-    def pick_avoiding(self, avoid: T | None, exclude: Container[T]) -> T | None:
+    def pick_avoiding(self, avoid: T | None, exclude: Container[T], key: Hashable | None = None) -> T | None:
         """Like pick(), but never one of `exclude`, and `avoid` only if nothing else is left.
 
         Used only on retries, so a scan is fine here.
@@ -125,3 +160,9 @@ class LeastLoaded(Generic[T]):
         while not self._buckets[load]:
             load += 1
         self._lowest = load
+
+
+# The policies a model's `routing` may name. Each is built with the pool's
+# random source, so that a seeded pool picks the same way every run.
+POLICIES: dict[str, Callable[[random.Random], Policy[Any]]] = {"least_loaded": LeastLoaded}
+DEFAULT_POLICY = "least_loaded"

@@ -17,12 +17,12 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from router.client import Origin
 from router.config import ReplicaConfig
-from router.picking import LeastLoaded
+from router.origin import Origin
+from router.picking import DEFAULT_POLICY, POLICIES, Policy
 
 Clock = Callable[[], float]
 log = logging.getLogger("router.pool")
@@ -153,6 +153,9 @@ class Tallies:
         self.unserved[model] = self.unserved.get(model, 0) + 1
 
 
+_NO_ROUTING: Mapping[str, str] = {}
+
+
 class _Waiter:
     """A request waiting for a replica of `model`: handed one (or None: none can take it) by the pool."""
 
@@ -182,15 +185,18 @@ class Pool:
         rng: random.Random | None = None,
         ejection: EjectionPolicy = EjectionPolicy(),
         limits: Limits = Limits(),
+        routing: Mapping[str, str] = _NO_ROUTING,
     ) -> None:
+        """`routing`: the picking policy (a name in picking.POLICIES) per model; least-loaded otherwise."""
         self._clock = clock
+        self._routing = routing
         self._rng = rng or random.Random()
         self.ejection = ejection
         self._by_id: dict[str, Replica] = {}
         # Removed from the desired set but still finishing requests.
         self._leaving: set[Replica] = set()
         self._models: dict[str, list[Replica]] = {}
-        self._candidates: dict[str, LeastLoaded[Replica]] = {}
+        self._candidates: dict[str, Policy[Replica]] = {}
         self._ejected: list[Replica] = []
         self._next_readmit = float("inf")
         self.tallies = Tallies()
@@ -206,8 +212,13 @@ class Pool:
 
     # The hot path -----------------------------------------------------------
 
-    def acquire(self, model: str, avoid: Replica | None = None, exclude: Container[Replica] = ()) -> Replica | None:
-        """Pick the least loaded ready replica of `model`, count it, stamp it.
+    def acquire(
+        self, model: str, avoid: Replica | None = None, exclude: Container[Replica] = (), key: Hashable | None = None
+    ) -> Replica | None:
+        """Pick a ready replica of `model` by its policy, count it, stamp it.
+
+        `key` is the request's affinity key (a session, a prompt prefix) for
+        the policies that use one; least-loaded ignores it.
 
         On a retry, `avoid` is the replica that just failed: chosen again only
         when no other can serve (a stale keep-alive connection deserves a
@@ -220,7 +231,7 @@ class Pool:
         if candidates is None:
             return None
         retry = avoid is not None or exclude
-        replica = candidates.pick_avoiding(avoid, exclude) if retry else candidates.pick()
+        replica = candidates.pick_avoiding(avoid, exclude, key) if retry else candidates.pick(key)
         if replica is None:
             return None
         limits = self.limits
@@ -444,7 +455,8 @@ class Pool:
         if candidates is None:
             if replica.removed:
                 return
-            candidates = self._candidates[replica.model] = LeastLoaded(self._rng)
+            policy = POLICIES[self._routing.get(replica.model, DEFAULT_POLICY)]
+            candidates = self._candidates[replica.model] = policy(self._rng)
         serving = replica.state is ReplicaState.READY
         if serving and replica not in candidates:
             candidates.add(replica, replica.in_flight)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from router.client import Client, ConnectFailed, ConnectionBroken, Origin
+from router.client import Client, ConnectFailed, ConnectionBroken
+from router.origin import Origin
 
 HEAD = b"POST /v1/x?a=1 HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\n\r\n"
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]

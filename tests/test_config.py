@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from router.config import load_config
+from router.config import load_config, parse_config
 from router.errors import ConfigError
 
 GOOD = """
@@ -123,3 +123,36 @@ def test_serve_reports_a_bad_config_in_one_line_with_status_2(tmp_path: Path) ->
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.strip() == f"router: {path}: colour: unknown key"
+
+
+def test_the_readme_configuration_block_says_what_the_code_declares() -> None:
+    """Every setting in the README with its default and its help line; nothing else there."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from router.config import Address, settings
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Configuration", 1)[1]
+    block = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    documented = tomllib.loads(block)
+    declared = settings()
+    assert set(documented) - {"replicas", "models"} == set(declared)
+    comments = {
+        m.group(1): (m.group(2) or "").strip()
+        for m in re.finditer(r"^(\w+) = [^#\n]*?(?:# (.*))?$", block.split("[[replicas]]")[0], re.M)
+    }
+    for key, (default, setting) in declared.items():
+        if setting.fallback is None or default:
+            shown = documented[key]
+            expected = str(default) if isinstance(default, Address) else default
+            assert shown == (list(expected) if isinstance(expected, tuple) else expected), key
+        assert (comments.get(key) or "") == setting.help, key
+    # The tables' keys too.
+    assert set(documented["models"]["llama-3.1-8b"]) == {"aliases", "fallbacks", "routing"}
+
+
+def test_an_unknown_routing_policy_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r'models\."m"\.routing: unknown policy .nearest. \(known: .least_loaded.\)'):
+        parse_config({"models": {"m": {"routing": "nearest"}}}, "<test>", environ={})
