@@ -8,22 +8,20 @@ client port.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 from aiohttp import web
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router.config import ReplicaConfig, parse_replicas, replicas_where
 from router.errors import ConfigError
+from router.fleet import Fleet, FleetUnavailable
 from router.openapi import DOCUMENT
-from router.pool import Pool, SetDiff
 from router.sinks.latest import LatestSink
 from router.sinks.rates import RateSink
 from router.status import fleet_status
@@ -36,57 +34,6 @@ DEFAULT_IDLE_FOR = 1800.0
 _MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class Fleet(Protocol):
-    """What the admin API reads and steers: one process's pool, or every worker's."""
-
-    async def snapshot(self) -> UsageSnapshot: ...
-
-    async def configs(self) -> tuple[ReplicaConfig, ...]: ...
-
-    async def set_replicas(self, configs: tuple[ReplicaConfig, ...]) -> dict[str, Any]:
-        """Make `configs` the desired set; the diff as PUT /api/v1/endpoints answers it."""
-        ...
-
-    async def set_draining(self, replica_id: str, draining: bool) -> dict[str, Any] | None:
-        """The replica's new {"id", "state", "in_flight"}, or None if there is no such replica."""
-        ...
-
-    async def metrics(self) -> bytes: ...
-
-
-class LocalFleet:
-    """The pool of this process."""
-
-    def __init__(self, pool: Pool, registry: CollectorRegistry, snapshot: Callable[[], UsageSnapshot]) -> None:
-        self.pool = pool
-        self.registry = registry
-        self._snapshot = snapshot
-
-    async def snapshot(self) -> UsageSnapshot:
-        return self._snapshot()
-
-    async def configs(self) -> tuple[ReplicaConfig, ...]:
-        return tuple(self.pool.configs())
-
-    async def set_replicas(self, configs: tuple[ReplicaConfig, ...]) -> dict[str, Any]:
-        diff = self.pool.set_replicas(configs)
-        log.info(
-            "endpoint push: %d added, %d removed, %d changed", len(diff.added), len(diff.removed), len(diff.changed)
-        )
-        return diff_json(diff)
-
-    async def set_draining(self, replica_id: str, draining: bool) -> dict[str, Any] | None:
-        replica = self.pool.set_draining(replica_id, draining)
-        if replica is None:
-            return None
-        return {"id": replica.id, "state": replica.state.value, "in_flight": replica.in_flight}
-
-    async def metrics(self) -> bytes:
-        # Rendering thousands of replicas' series takes a noticeable while;
-        # off the event loop the data path keeps moving meanwhile.
-        return await asyncio.get_running_loop().run_in_executor(None, generate_latest, self.registry)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -130,8 +77,11 @@ class Admin:
         is_ready: Callable[[], bool],
         rates: RateSink,
         wall: Callable[[], float] = time.time,
+        exclusive_source: str | None = None,
     ) -> None:
+        """`exclusive_source`: the name of a source that owns the replica set (discovery): pushes get 409."""
         self.fleet = fleet
+        self._exclusive_source = exclusive_source
         self.latest = latest
         self._token = admin_token.encode()
         self._is_ready = is_ready
@@ -220,6 +170,13 @@ class Admin:
             raise _BadBody(f"The body is not valid JSON: {exc}") from exc
 
     async def put_endpoints(self, request: web.Request) -> web.Response:
+        if self._exclusive_source is not None:
+            return _error(
+                409,
+                f"The replica set comes from {self._exclusive_source}; pushes would fight it. "
+                "Drains (POST /api/v1/replicas/{id}/state) still work.",
+                "replica_set_owned",
+            )
         try:
             body = await self._body(request)
             if not isinstance(body, dict):
@@ -232,7 +189,14 @@ class Admin:
             configs = _parse_pushed(body["replicas"])
         except _BadBody as exc:
             return _error(400, str(exc), "invalid_endpoints")
-        return _json(await self.fleet.set_replicas(configs))
+        diff = await self.fleet.set_replicas(configs)
+        log.info(
+            "endpoint push: %d added, %d removed, %d changed",
+            len(diff["added"]),
+            len(diff["removed"]),
+            len(diff["changed"]),
+        )
+        return _json(diff)
 
     async def set_state(self, request: web.Request) -> web.Response:
         replica_id = request.match_info["id"]
@@ -247,19 +211,6 @@ class Admin:
         if answer is None:
             return _error(404, f"No replica with id {replica_id!r}.", "replica_not_found")
         return _json(answer)
-
-
-def diff_json(diff: SetDiff) -> dict[str, Any]:
-    return {
-        "added": list(diff.added),
-        "removed": list(diff.removed),
-        "changed": list(diff.changed),
-        "unchanged": len(diff.unchanged),
-    }
-
-
-class FleetUnavailable(Exception):
-    """A worker did not take a change; the message names it."""
 
 
 class _BadBody(Exception):

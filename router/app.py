@@ -12,31 +12,29 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import replace
-from functools import partial
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from router.admin import Admin, LocalFleet
+from router.admin import Admin
 from router.client import Client
 from router.combined import snapshot_to_json
-from router.config import Config, load_config
-from router.errors import ConfigError
+from router.config import Config
+from router.fleet import LocalFleet
 from router.health import HealthChecker
 from router.pool import EjectionPolicy, Limits, Pool
 from router.protocol_errors import ProtocolErrorCollector
 from router.proxy import DataPathMetrics, Proxy, server_error
 from router.server import Server as ClientServer
+from router.sinks import Sinks, build_sinks
 from router.sinks.latest import LatestSink
-from router.sinks.prometheus import PrometheusSink, UsageCollector
 from router.sinks.push import PushSink
-from router.sinks.rates import RateSink
+from router.sources import ReplicaSource, build_sources, exclusive_source, initial_set, reload_all
 from router.upstream import make_session
-from router.usage import Ticker, UsageSink
+from router.usage import Ticker
 
 log = logging.getLogger("router")
 
@@ -70,17 +68,22 @@ class RouterServer(Listening):
         wall: Callable[[], float] = time.time,
         mono: Callable[[], float] = time.monotonic,
         worker_socket: str | None = None,
+        config_path: str | None = None,
+        sources: list[ReplicaSource] | None = None,
     ) -> None:
         """`worker_socket`: run as one worker of `router serve --workers N` (workers.py):
         the client port is shared (SO_REUSEPORT), the admin API listens on that
         private Unix socket for the supervisor, and the supervisor, not this
-        process, ticks, pushes and exports usage."""
+        process, ticks, pushes and exports usage, and runs the replica-set
+        sources. `config_path`: the file SIGHUP reads the replicas from.
+        `sources`: where the replica set comes from (default: what `config` names)."""
         self.config = config
         self.worker_socket = worker_socket
+        self.sources = sources if sources is not None else build_sources(config, config_path)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.started_at = wall()
         self.pool = Pool(
-            config.replicas,
+            initial_set(self.sources),
             clock=mono,
             ejection=EjectionPolicy(
                 config.ejection_failures, config.ejection_base_seconds, config.ejection_max_seconds
@@ -88,12 +91,10 @@ class RouterServer(Listening):
             limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
             routing={name: model.routing for name, model in config.models.items()},
         )
-        self.rates = RateSink()
-        self.latest = LatestSink()
-        self.prometheus = PrometheusSink()
+        self.sinks = Sinks()
         self._wall = wall
         self._mono = mono
-        self.push: PushSink | None = None
+        self.fleet: LocalFleet | None = None
         self.ticker: Ticker | None = None
         self.proxy: Proxy | None = None
         self.ready = False
@@ -111,28 +112,22 @@ class RouterServer(Listening):
         worker_socket = self.worker_socket
         session = make_session(config)
         self._session = session
-        sinks: list[UsageSink] = [self.latest, self.prometheus, self.rates]
-        if config.usage_push_url:
-            self.push = PushSink.every_tick(session, config.usage_push_url, config.tick_seconds)
-            sinks.append(self.push)
+        # A worker's usage is ticked, exported and pushed by its supervisor.
+        self.sinks = sinks = build_sinks(config, session if worker_socket is None else None)
         self.ticker = ticker = Ticker(
             self.pool,
-            sinks,
+            sinks.all,
             router=config.router_name,
             started_at=self.started_at,
             tick_seconds=config.tick_seconds,
             wall=self._wall,
             mono=self._mono,
         )
-        push = self.push
         if worker_socket is None:
-            self.registry.register(
-                UsageCollector(
-                    self.prometheus,
-                    sink_failures=lambda: ticker.sink_failures,
-                    push_failures=(lambda: push.failures) if push is not None else (lambda: None),
-                    tick_seconds=lambda: ticker.last_tick_seconds,
-                )
+            sinks.register(
+                self.registry,
+                sink_failures=lambda: ticker.sink_failures,
+                tick_seconds=lambda: ticker.last_tick_seconds,
             )
         metrics = DataPathMetrics(self.registry)
         self.upstream = Client(
@@ -156,13 +151,15 @@ class RouterServer(Listening):
         )
         self.registry.register(ProtocolErrorCollector(client.protocol_errors, self.upstream.protocol_errors))
 
+        self.fleet = fleet = LocalFleet(self.pool, self.registry, ticker.snapshot)
         admin = Admin(
-            LocalFleet(self.pool, self.registry, ticker.snapshot),
-            self.latest,
+            fleet,
+            sinks.latest,
             admin_token=config.admin_token,
             is_ready=lambda: self.ready,
-            rates=self.rates,
+            rates=sinks.rates,
             wall=self._wall,
+            exclusive_source=exclusive_source(self.sources) if worker_socket is None else None,
         )
         # The first snapshot exists before anyone can ask for it.
         ticker.tick()
@@ -205,6 +202,7 @@ class RouterServer(Listening):
         self._tasks = []
         if worker_socket is None:
             self._tasks.append(loop.create_task(ticker.run()))
+            self._tasks += [loop.create_task(source.run(fleet)) for source in self.sources]
         if config.health_check_interval_seconds > 0:
             self.health = HealthChecker(
                 self.pool,
@@ -233,9 +231,9 @@ class RouterServer(Listening):
         self._tasks = []
         if self.ticker is not None:
             final = self.ticker.tick()
-            if self.push is not None:
-                await self.push.flush(final)
-                await self.push.close()
+            if self.sinks.push is not None:
+                await self.sinks.push.flush(final)
+                await self.sinks.push.close()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
             self._admin_runner = None
@@ -247,28 +245,18 @@ class RouterServer(Listening):
         body = orjson.dumps(snapshot_to_json(self.ticker.snapshot()))
         return web.Response(body=body, content_type="application/json")
 
-    def reload(self, path: str) -> bool:
-        """SIGHUP: make the config file's replicas the desired set, as a push would.
+    async def reload(self) -> bool:
+        """SIGHUP: every source reads its replica set again (the config file's [[replicas]])."""
+        assert self.fleet is not None, "start() first"
+        return await reload_all(self.sources, self.fleet)
 
-        An invalid file changes nothing. Only the replica set is reloaded; the
-        other keys need a restart, and a change to them is said in the log.
-        """
-        try:
-            fresh = load_config(path)
-        except ConfigError as exc:
-            log.error("reload refused, nothing changed: %s", exc)  # noqa: TRY400 (the message says it all)
-            return False
-        diff = self.pool.set_replicas(fresh.replicas)
-        log.info(
-            "reloaded %s: %d added, %d removed, %d changed",
-            path,
-            len(diff.added),
-            len(diff.removed),
-            len(diff.changed),
-        )
-        if replace(fresh, replicas=(), source="") != replace(self.config, replicas=(), source=""):
-            log.warning("reload applied the replicas only; other changed settings need a restart")
-        return True
+    @property
+    def push(self) -> PushSink | None:
+        return self.sinks.push
+
+    @property
+    def latest(self) -> LatestSink:
+        return self.sinks.latest
 
 
 def _bound(runner: web.AppRunner) -> tuple[str, int]:
@@ -291,7 +279,7 @@ async def run_until_signalled(
     *,
     stop_server: Callable[[], Awaitable[None]],
     grace_seconds: float,
-    on_hup: Callable[[], object] | None,
+    on_hup: Callable[[], Coroutine[Any, Any, object]] | None,
     on_ready: Callable[[_Running], None] | None,
     listening: str,
 ) -> None:
@@ -300,8 +288,17 @@ async def run_until_signalled(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[object]] = set()
+
+    def hup() -> None:
+        assert on_hup is not None
+        # One reload after another's end is fine; each is a task of its own.
+        task = loop.create_task(on_hup())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
     if on_hup is not None:
-        loop.add_signal_handler(signal.SIGHUP, on_hup)
+        loop.add_signal_handler(signal.SIGHUP, hup)
     log.info("router listening on %s (clients%s) and %s (admin)", server.client_url, listening, server.admin_url)
     if on_ready is not None:
         on_ready(server)
@@ -318,13 +315,13 @@ async def serve(
     config: Config, *, on_ready: Callable[[RouterServer], None] | None = None, config_path: str | None = None
 ) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully; SIGHUP reloads the replicas."""
-    server = RouterServer(config)
+    server = RouterServer(config, config_path=config_path)
     await server.start()
     await run_until_signalled(
         server,
         stop_server=server.stop,
         grace_seconds=config.shutdown_grace_seconds,
-        on_hup=partial(server.reload, config_path) if config_path is not None else None,
+        on_hup=server.reload if config_path is not None else None,
         on_ready=on_ready,
         listening="",
     )

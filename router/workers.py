@@ -55,17 +55,16 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from router.admin import Admin, FleetUnavailable
+from router.admin import Admin
 from router.app import SNAPSHOT_PATH, Listening, RouterServer, run_until_signalled
 from router.combined import Memory, _state, combine, snapshot_from_json, snapshot_to_json
 from router.config import Config, ReplicaConfig, load_config, parse_replicas, replicas_where
 from router.errors import ConfigError
-from router.sinks.latest import LatestSink
-from router.sinks.prometheus import PrometheusSink, UsageCollector
-from router.sinks.push import PushSink
-from router.sinks.rates import RateSink
+from router.fleet import FleetUnavailable
+from router.sinks import build_sinks
+from router.sources import build_sources, exclusive_source, initial_set, reload_all
 from router.upstream import make_session
-from router.usage import UsageSink, UsageSnapshot, publish
+from router.usage import UsageSnapshot, publish
 
 log = logging.getLogger("router.workers")
 
@@ -297,24 +296,23 @@ class Supervisor(Listening):
         self.started_at = wall()
         self.ready = False
         self.stopping = False
+        # The replica-set sources run here, once, never in the workers: each
+        # change reaches every worker through the supervised fleet.
+        self.sources = build_sources(config, config_path)
         # desired: what a (re)starting worker loads; current: what every live
         # worker has acknowledged, which GET /api/v1/endpoints answers.
-        self.desired: tuple[ReplicaConfig, ...] = config.replicas
-        self.current: tuple[ReplicaConfig, ...] = config.replicas
+        self.desired: tuple[ReplicaConfig, ...] = initial_set(self.sources)
+        self.current: tuple[ReplicaConfig, ...] = self.desired
         self.draining: set[str] = set()
         self.memory = Memory()
         self.registry = CollectorRegistry()
-        self.latest = LatestSink()
-        self.prometheus = PrometheusSink()
-        self.rates = RateSink()
+        self.sinks = build_sinks(config, None)
         self.sink_failures: dict[str, int] = {}
         self.last_tick_seconds = 0.0
         self.collect_failures = 0
         self.families: dict[str, _Family] = {}
         self.retired_samples: dict[_SampleKey, float] = {}
         self.workers: list[_Worker] = []
-        self.push: PushSink | None = None
-        self._sinks: list[UsageSink] = [self.latest, self.prometheus, self.rates]
         self._hold: socket.socket | None = None
         self._runtime: Path | None = None
         self._admin_runner: web.AppRunner | None = None
@@ -334,18 +332,10 @@ class Supervisor(Listening):
         self._runtime = Path(tempfile.mkdtemp(prefix="router-workers-"))
         self._write_state()
         self._session = make_session(config)
-        if config.usage_push_url:
-            self.push = PushSink.every_tick(self._session, config.usage_push_url, config.tick_seconds)
-            self._sinks.append(self.push)
-        push = self.push
-        self.sink_failures = {sink.name: 0 for sink in self._sinks}
-        self.registry.register(
-            UsageCollector(
-                self.prometheus,
-                sink_failures=lambda: self.sink_failures,
-                push_failures=(lambda: push.failures) if push is not None else (lambda: None),
-                tick_seconds=lambda: self.last_tick_seconds,
-            )
+        self.sinks = build_sinks(config, self._session)
+        self.sink_failures = {sink.name: 0 for sink in self.sinks.all}
+        self.sinks.register(
+            self.registry, sink_failures=lambda: self.sink_failures, tick_seconds=lambda: self.last_tick_seconds
         )
         self.registry.register(_WorkerCollector(self))
         try:
@@ -356,15 +346,16 @@ class Supervisor(Listening):
             await asyncio.gather(*(self._spawn(w) for w in self.workers))
             first = await self.collect()
             if first is not None:
-                publish(self._sinks, first, self.sink_failures)
+                publish(self.sinks.all, first, self.sink_failures)
             admin = Admin(
-                _SupervisedFleet(self),
-                self.latest,
+                self.fleet,
+                self.sinks.latest,
                 admin_token=config.admin_token,
                 # Ready while any worker serves: one restarting leaves the others.
                 is_ready=lambda: self.ready and any(w.live for w in self.workers),
-                rates=self.rates,
+                rates=self.sinks.rates,
                 wall=self._wall,
+                exclusive_source=exclusive_source(self.sources),
             )
             self._admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=1.0)
             await self._admin_runner.setup()
@@ -377,6 +368,7 @@ class Supervisor(Listening):
         self.admin_address = (str(host), int(port))
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._tick_forever())]
+        self._tasks += [loop.create_task(source.run(self.fleet)) for source in self.sources]
         for worker in self.workers:
             worker.watcher = loop.create_task(self._watch(worker))
         self.ready = True
@@ -406,10 +398,10 @@ class Supervisor(Listening):
                 if worker.last is not None:
                     self.memory.retire(worker.last)
         final = self._combine(finals)
-        publish(self._sinks, final, self.sink_failures)
-        if self.push is not None:
-            await self.push.flush(final)
-            await self.push.close()
+        publish(self.sinks.all, final, self.sink_failures)
+        if self.sinks.push is not None:
+            await self.sinks.push.flush(final)
+            await self.sinks.push.close()
         await self._teardown()
 
     async def _reap(self, worker: _Worker, grace: float) -> None:
@@ -562,7 +554,7 @@ class Supervisor(Listening):
             # A tick whose workers did not all answer publishes nothing: the
             # previous snapshot stays, and its age says so.
             if snapshot is not None:
-                publish(self._sinks, snapshot, self.sink_failures)
+                publish(self.sinks.all, snapshot, self.sink_failures)
             self.last_tick_seconds = time.perf_counter() - began
 
     # Changes -------------------------------------------------------------------------
@@ -610,7 +602,7 @@ class Supervisor(Listening):
                 self.current = configs
         diff: dict[str, Any] = orjson.loads(answers[0][1])
         log.info(
-            "endpoint push to %d workers: %d added, %d removed, %d changed",
+            "replica set applied by %d workers: %d added, %d removed, %d changed",
             len(answers),
             len(diff["added"]),
             len(diff["removed"]),
@@ -635,18 +627,12 @@ class Supervisor(Listening):
         return {"id": replica_id, "state": _state([a["state"] for a in found], in_flight), "in_flight": in_flight}
 
     async def reload(self) -> bool:
-        """SIGHUP: the config file's replicas become the desired set, as a push would."""
-        try:
-            fresh = load_config(self.config_path)
-        except ConfigError as exc:
-            log.error("reload refused, nothing changed: %s", exc)  # noqa: TRY400 (the message says it all)
-            return False
-        try:
-            await self.set_replicas(fresh.replicas)
-        except FleetUnavailable as exc:
-            log.error("reload reached only some workers: %s", exc)  # noqa: TRY400 (the message says it all)
-            return False
-        return True
+        """SIGHUP: every source reads its replica set again and applies it to every worker."""
+        return await reload_all(self.sources, self.fleet)
+
+    @property
+    def fleet(self) -> _SupervisedFleet:
+        return _SupervisedFleet(self)
 
     async def metrics(self) -> bytes:
         """One set of series: the supervisor's own, and the workers' histograms summed."""
@@ -784,18 +770,11 @@ async def serve_workers(
     """`router serve --workers N`: run until SIGTERM/SIGINT; SIGHUP reloads the replicas."""
     supervisor = Supervisor(config, config_path=config_path, workers=workers, log_level=log_level)
     await supervisor.start()
-    reloads: set[asyncio.Task[bool]] = set()
-
-    def reload() -> None:
-        task = asyncio.get_running_loop().create_task(supervisor.reload())
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
-
     await run_until_signalled(
         supervisor,
         stop_server=supervisor.stop,
         grace_seconds=config.shutdown_grace_seconds,
-        on_hup=reload,
+        on_hup=supervisor.reload,
         on_ready=on_ready,
         listening=f", {workers} workers",
     )

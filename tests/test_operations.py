@@ -11,7 +11,9 @@ import orjson
 import pytest
 
 from router.app import RouterServer
+from router.config import ReplicaConfig
 from router.fake import Behaviour
+from router.fleet import Fleet
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.test_proxy import CHAT, post, wait_for
 from tests.test_usage import get_json, run_ctl, samples, scrape
@@ -313,3 +315,50 @@ async def test_no_client_key_or_admin_token_reaches_any_log_line(
     assert "endpoint push" in caplog.text
     for secret in ("sk-client-secret", "sk-wrong-guess", "admin-secret", "admin-wrong-guess"):
         assert secret not in caplog.text
+
+
+class _WatchedSource:
+    """A replica-set source that owns the set, as discovery will: it starts one replica, then adds another."""
+
+    name = "a test watch"
+    exclusive = True
+
+    def __init__(self, first: dict[str, Any], second: dict[str, Any]) -> None:
+        self.first = ReplicaConfig(first["id"], first["model"], first["url"])
+        self.second = ReplicaConfig(second["id"], second["model"], second["url"])
+        self.go = asyncio.Event()
+
+    def initial(self) -> tuple[ReplicaConfig, ...]:
+        return (self.first,)
+
+    async def run(self, fleet: Fleet) -> None:
+        await self.go.wait()
+        await fleet.set_replicas((self.first, self.second))
+
+    async def reload(self, fleet: Fleet) -> bool:
+        return True
+
+
+async def test_a_source_that_owns_the_set_drives_the_pool_and_pushes_get_409(start_fake: StartFake) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from router.config import parse_config
+
+    fake = await start_fake("m")
+    source = _WatchedSource(replica_entry("a", fake), replica_entry("b", fake))
+    config = parse_config({"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0"}, "<test>", environ={})
+    server = RouterServer(config, registry=CollectorRegistry(), sources=[source])
+    await server.start()
+    try:
+        assert sorted(await states(server)) == ["a"]
+        source.go.set()
+        await wait_for(lambda: server.pool.get("b") is not None)
+        status, body = await admin(server, "PUT", "/api/v1/endpoints", {"replicas": []})
+        assert status == 409
+        assert body["error"]["code"] == "replica_set_owned" and "a test watch" in body["error"]["message"]
+        assert sorted(await states(server)) == ["a", "b"]
+        # Drains still work.
+        status, _ = await admin(server, "POST", "/api/v1/replicas/a/state", {"state": "draining"})
+        assert status == 200
+    finally:
+        await server.stop()
