@@ -26,7 +26,6 @@ from router.picking import DEFAULT_POLICY, POLICIES
 LabelValue = str | int | float | bool
 
 
-
 @dataclass(frozen=True, slots=True)
 class Address:
     host: str
