@@ -20,6 +20,7 @@ lint: setup
 	$(BIN)/ruff check router tests bench
 	$(BIN)/ruff format --check router tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/pytest

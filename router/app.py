@@ -21,7 +21,6 @@ from prometheus_client import CollectorRegistry
 
 from router.admin import Admin
 from router.client import Client
-from router.combined import snapshot_to_json
 from router.config import Config
 from router.fleet import LocalFleet
 from router.health import HealthChecker
@@ -242,7 +241,7 @@ class RouterServer(Listening):
 
     async def _snapshot_json(self, request: web.Request) -> web.Response:
         assert self.ticker is not None
-        body = orjson.dumps(snapshot_to_json(self.ticker.snapshot()))
+        body = orjson.dumps(self.ticker.snapshot().to_json())
         return web.Response(body=body, content_type="application/json")
 
     async def reload(self) -> bool:

@@ -26,39 +26,6 @@ from router.usage import ReplicaUsage, UsageSnapshot
 Key = tuple[str, str, str]  # (id, url, model): one replica; an id whose URL changed is another
 
 
-# The per-model tallies keyed by a model name; fallbacks are keyed by a pair.
-_BY_MODEL = ("retries", "unserved", "stalled", "overloaded")
-_MAPPINGS = ("labels", "responses", "errors")
-
-
-def snapshot_to_json(snapshot: UsageSnapshot) -> dict[str, Any]:
-    return {
-        "router": snapshot.router,
-        "started_at": snapshot.started_at,
-        "generated_at": snapshot.generated_at,
-        "tick_seconds": snapshot.tick_seconds,
-        "replicas": [
-            {**r._asdict(), **{name: dict(getattr(r, name)) for name in _MAPPINGS}} for r in snapshot.replicas
-        ],
-        "fallbacks": [[a, b, n] for (a, b), n in snapshot.fallbacks.items()],
-        **{name: dict(getattr(snapshot, name)) for name in _BY_MODEL},
-    }
-
-
-def snapshot_from_json(doc: Mapping[str, Any]) -> UsageSnapshot:
-    return UsageSnapshot(
-        router=doc["router"],
-        started_at=doc["started_at"],
-        generated_at=doc["generated_at"],
-        tick_seconds=doc["tick_seconds"],
-        replicas=tuple(
-            ReplicaUsage(**{**r, **{name: MappingProxyType(r[name]) for name in _MAPPINGS}}) for r in doc["replicas"]
-        ),
-        fallbacks=MappingProxyType({(a, b): n for a, b, n in doc["fallbacks"]}),
-        **{name: MappingProxyType(doc[name]) for name in _BY_MODEL},
-    )
-
-
 @dataclass
 class _Totals:
     """Counters that only grow: per replica, and per model for the tallies."""
@@ -111,7 +78,7 @@ def _add_into(total: dict[Any, int], more: Mapping[Any, int]) -> None:
         total[name] = total.get(name, 0) + count
 
 
-def _state(states: list[str], in_flight: int) -> str:
+def merged_state(states: list[str], in_flight: int) -> str:
     draining = {ReplicaState.DRAINING.value, ReplicaState.DRAINED.value}
     if any(state in draining for state in states):
         # Drained only when every worker holds it out and none has it in flight:
@@ -164,7 +131,7 @@ def combine(
                 id=first.id,
                 model=first.model,
                 url=first.url,
-                state=_state([r.state for r in parts], in_flight),
+                state=merged_state([r.state for r in parts], in_flight),
                 in_flight=in_flight,
                 requests=totals.requests,
                 last_used=last_used,

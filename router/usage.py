@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from router.config import LabelValue
 from router.pool import Pool, Replica, ReplicaState
@@ -51,6 +51,12 @@ class ReplicaUsage(NamedTuple):
         return max(0.0, now - self.last_used)
 
 
+# The snapshot's per-model tallies keyed by a model name (fallbacks are keyed
+# by a pair), and a replica's fields that are mappings: the JSON codec's shape.
+TALLIES_BY_MODEL = ("retries", "unserved", "stalled", "overloaded")
+REPLICA_MAPPINGS = ("labels", "responses", "errors")
+
+
 @dataclass(frozen=True, slots=True)
 class UsageSnapshot:
     router: str
@@ -63,6 +69,35 @@ class UsageSnapshot:
     unserved: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     stalled: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     overloaded: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    def to_json(self) -> dict[str, Any]:
+        """The whole snapshot as JSON (a worker's report to its supervisor); from_json() reads it back."""
+        return {
+            "router": self.router,
+            "started_at": self.started_at,
+            "generated_at": self.generated_at,
+            "tick_seconds": self.tick_seconds,
+            "replicas": [
+                {**r._asdict(), **{name: dict(getattr(r, name)) for name in REPLICA_MAPPINGS}} for r in self.replicas
+            ],
+            "fallbacks": [[a, b, n] for (a, b), n in self.fallbacks.items()],
+            **{name: dict(getattr(self, name)) for name in TALLIES_BY_MODEL},
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> UsageSnapshot:
+        return cls(
+            router=doc["router"],
+            started_at=doc["started_at"],
+            generated_at=doc["generated_at"],
+            tick_seconds=doc["tick_seconds"],
+            replicas=tuple(
+                ReplicaUsage(**{**r, **{name: MappingProxyType(r[name]) for name in REPLICA_MAPPINGS}})
+                for r in doc["replicas"]
+            ),
+            fallbacks=MappingProxyType({(a, b): n for a, b, n in doc["fallbacks"]}),
+            **{name: MappingProxyType(doc[name]) for name in TALLIES_BY_MODEL},
+        )
 
     def usage_document(self) -> dict[str, object]:
         """The body of GET /api/v1/usage and of the usage push."""

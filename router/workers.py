@@ -57,7 +57,7 @@ from prometheus_client.registry import Collector
 
 from router.admin import Admin
 from router.app import SNAPSHOT_PATH, Listening, RouterServer, run_until_signalled
-from router.combined import Memory, _state, combine, snapshot_from_json, snapshot_to_json
+from router.combined import Memory, combine, merged_state
 from router.config import Config, ReplicaConfig, load_config, parse_replicas, replicas_where
 from router.errors import ConfigError
 from router.fleet import FleetUnavailable
@@ -190,7 +190,7 @@ async def _run_worker(config: Config, runtime: Path, index: int) -> None:
         if server.ticker is not None and server.ticker.latest is not None:
             # The last word on this worker's usage, for the supervisor's final push.
             partial = paths.final.with_suffix(".partial")
-            partial.write_bytes(orjson.dumps(snapshot_to_json(server.ticker.latest)))
+            partial.write_bytes(orjson.dumps(server.ticker.latest.to_json()))
             partial.rename(paths.final)
 
 
@@ -393,7 +393,7 @@ class Supervisor(Listening):
         finals = []
         for worker in self.workers:
             try:
-                finals.append(snapshot_from_json(orjson.loads(worker.paths.final.read_bytes())))
+                finals.append(UsageSnapshot.from_json(orjson.loads(worker.paths.final.read_bytes())))
             except (OSError, ValueError, KeyError):
                 if worker.last is not None:
                     self.memory.retire(worker.last)
@@ -522,7 +522,7 @@ class Supervisor(Listening):
                     log.warning("worker %d did not report its usage: %r", worker.index, answer)
                     return None
                 continue  # it died meanwhile; its totals were retired
-            worker.last = snapshot_from_json(orjson.loads(answer[1]))
+            worker.last = UsageSnapshot.from_json(orjson.loads(answer[1]))
             snapshots.append(worker.last)
         return self._combine(snapshots)
 
@@ -624,7 +624,7 @@ class Supervisor(Listening):
             self.draining.discard(replica_id)
             return None
         in_flight = sum(a["in_flight"] for a in found)
-        return {"id": replica_id, "state": _state([a["state"] for a in found], in_flight), "in_flight": in_flight}
+        return {"id": replica_id, "state": merged_state([a["state"] for a in found], in_flight), "in_flight": in_flight}
 
     async def reload(self) -> bool:
         """SIGHUP: every source reads its replica set again and applies it to every worker."""
