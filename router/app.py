@@ -20,13 +20,15 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from router.admin import Admin
+from router.answers import server_error
 from router.client import Client
 from router.config import Config
 from router.fleet import LocalFleet
+from router.forward import DataPathMetrics
 from router.health import HealthChecker
 from router.pool import EjectionPolicy, Limits, Pool
 from router.protocol_errors import ProtocolErrorCollector
-from router.proxy import DataPathMetrics, Proxy, server_error
+from router.proxy import Proxy
 from router.server import Server as ClientServer
 from router.sinks import Sinks, build_sinks
 from router.sinks.latest import LatestSink

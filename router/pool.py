@@ -30,6 +30,7 @@ log = logging.getLogger("router.pool")
 # Demand for model names that nobody serves comes from clients and is unbounded;
 # past this many distinct names the rest are tallied under one label value.
 MAX_UNSERVED_NAMES = 100
+_STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
 OTHER_MODELS = "__other__"
 
 
@@ -332,6 +333,20 @@ class Pool:
             return True
         lowest = candidates.lowest_load
         return bool(self.limits.per_replica) and lowest is not None and lowest >= self.limits.per_replica
+
+    # Counters ---------------------------------------------------------------
+
+    def count_response(self, replica: Replica, status: int) -> None:
+        """A replica's answer, by status class ("2xx", ...)."""
+        index = status // 100 - 1
+        status_class = _STATUS_CLASSES[index] if 0 <= index < 5 else "other"
+        responses = replica.responses
+        responses[status_class] = responses.get(status_class, 0) + 1
+
+    def count_failure(self, replica: Replica, reason: str) -> None:
+        """A failed attempt on `replica`, by reason ("connect", "reset", "timeout", "status")."""
+        errors = replica.errors
+        errors[reason] = errors.get(reason, 0) + 1
 
     # Health -----------------------------------------------------------------
 

@@ -176,7 +176,7 @@ class Reply:
         self.reason = reason if reason is not None else reason_of(status)
 
 
-Handler = Callable[[Request], Awaitable[Reply | None]]
+Handler = Callable[[Request, "Writer"], Awaitable[None]]
 
 
 def _head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]], framing: bytes) -> bytes:
@@ -277,9 +277,6 @@ class Connection(asyncio.Protocol):
         self._write_deadline = 0.0
         self._paused = False
         self._drained: asyncio.Future[None] | None = None
-        # Set while a stream is being written: that its head is out, its framing.
-        self._streaming = False
-        self._chunked = False
         self._keep_alive = True
 
     def __repr__(self) -> str:
@@ -565,25 +562,24 @@ class Connection(asyncio.Protocol):
     async def _run(self, request: Request) -> None:
         self._keep_alive = request.keep_alive and not self.server.stopping
         self._version_11 = request.version_11
-        self._streaming = False
+        writer = Writer(self, head_only=request.method == "HEAD")
         try:
-            reply = await self.server.handler(request)
+            await self.server.handler(request, writer)
         except asyncio.CancelledError:
             self._unreserve(request.reserved)
             raise
         except Exception:  # noqa: BLE001 (the root of a request: answered 500, logged, connection lives on)
             self.server.log_exception("request handler failed")
-            if self._streaming:
-                # Bytes of a stream are out: a 500 now would corrupt it; the close ends it.
-                self._keep_alive = False
-                reply = None
-            else:
-                reply = self.server.internal_error()
         self._unreserve(request.reserved)
         request.body = b""
-        if reply is not None:
-            self.write_reply(reply, head_only=request.method == "HEAD")
-        if self._paused:
+        phase = writer.phase
+        if phase is not _DONE:
+            if phase is _NEW:
+                writer.answer(self.server.internal_error())
+            else:
+                # Bytes of a stream are out: a 500 now would corrupt it; it ends broken.
+                writer.abort()
+        if self._paused and self.answering is not Answering.CLOSED:
             # An answer the client does not read is not kept forever.
             try:
                 await self.drain()
@@ -625,7 +621,9 @@ class Connection(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def write_reply(self, reply: Reply, *, head_only: bool = False) -> None:
-        if self.transport is None or self.transport.is_closing():
+        """A whole answer in one write (the connection's own refusals and each Writer.answer())."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
             return
         status = reply.status
         # 204 and 304 carry neither a body nor a length (RFC 9110 8.6).
@@ -637,54 +635,36 @@ class Connection(asyncio.Protocol):
             framing += b"Connection: keep-alive\r\n"
         head = _head(status, reply.reason, reply.headers, framing + b"\r\n")
         if head_only or status in (204, 304):
-            self.transport.write(head)
+            transport.write(head)
         elif len(reply.body) > 65536:
             # A big answer (embeddings of a large batch) is not copied into the head.
-            self.transport.writelines((head, reply.body))
+            transport.writelines((head, reply.body))
         else:
-            self.transport.write(head + reply.body)
+            transport.write(head + reply.body)
 
-    # Streams --------------------------------------------------------------------------------
-
-    def start_stream(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], version_11: bool) -> None:
-        """Write a stream's head; then write_chunk() each piece and end_stream() or abort_stream()."""
-        assert self.transport is not None
-        self._streaming = True
-        self._chunked = version_11
-        if version_11:
+    def _write_stream_head(
+        self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], length: int | None, no_body: bool
+    ) -> bool:
+        """A stream's head; True when its body is chunked."""
+        chunked = False
+        if no_body:
+            framing = b"Content-Length: %d\r\n" % length if length is not None and status not in (204, 304) else b""
+        elif length is not None:
+            framing = b"Content-Length: %d\r\n" % length
+        elif self._version_11:
             framing = b"Transfer-Encoding: chunked\r\n"
-            if not self._keep_alive:
-                framing += b"Connection: close\r\n"
+            chunked = True
         else:
             # HTTP/1.0 has no chunks: the end of the connection ends the body.
-            framing = b"Connection: close\r\n"
+            framing = b""
             self._keep_alive = False
-        self.transport.write(_head(status, reason, headers, framing + b"\r\n"))
-
-    def write_chunk(self, data: bytes) -> bool:
-        """Write one piece; True when the client's buffer is full (await drain())."""
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return True
-        if data:
-            # An empty piece would be a chunked body's last-chunk: never write one here.
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
-        return self._paused
-
-    def end_stream(self) -> None:
-        if self._chunked and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"0\r\n\r\n")
-
-    def abort_stream(self, last_words: bytes = b"") -> None:
-        """A stream that broke: `last_words` (an SSE error event) if any, then close without a last-chunk.
-
-        Without the last-chunk the client's HTTP library sees the answer cut
-        short, as it was, instead of a complete-looking 200.
-        """
-        if last_words:
-            self.write_chunk(last_words)
-        self._keep_alive = False
-        self._close()
+        if not self._keep_alive:
+            framing += b"Connection: close\r\n"
+        elif not self._version_11:
+            framing += b"Connection: keep-alive\r\n"
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(_head(status, reason, headers, framing + b"\r\n"))
+        return chunked
 
     def close_after_answer(self) -> None:
         self._keep_alive = False
@@ -863,6 +843,121 @@ class Connection(asyncio.Protocol):
     def close_if_idle(self) -> None:
         if self.answering is Answering.IDLE:
             self._close()
+
+
+class Phase(enum.Enum):
+    """How far a Writer's answer is."""
+
+    NEW = "new"  # nothing written
+    STREAMING = "streaming"  # a stream's head is out
+    DONE = "done"  # answered (or aborted): nothing more
+
+
+# Module-level names: the per-write checks are one global load and an `is`.
+_NEW = Phase.NEW
+_STREAMING = Phase.STREAMING
+_DONE = Phase.DONE
+
+
+class Writer:
+    """One request's answer, written through its connection: the only way a handler answers.
+
+    Either `answer(reply)` (a whole answer, one write) or a stream:
+    `start()`, then `write()` each piece (True: the client's buffer is full,
+    `await drain()`), then `end()`, or `abort()` when the source broke off.
+    The framing rules are kept here, whatever the handler does: no body on
+    204, 304 or a HEAD request; a declared length is met exactly (a stream
+    that ends short is aborted, never padded or passed off as whole);
+    nothing after the end. A second transport (HTTP/2) would be a second
+    writer, with no change in the handler.
+    """
+
+    __slots__ = ("_chunked", "_connection", "_head_only", "_left", "_no_body", "phase")
+
+    def __init__(self, connection: Connection, *, head_only: bool) -> None:
+        self._connection = connection
+        self._head_only = head_only
+        self._no_body = head_only
+        self._chunked = False
+        # Bytes still owed when the stream declared a length; -1 = none declared.
+        self._left = -1
+        self.phase = _NEW
+
+    @property
+    def started(self) -> bool:
+        """Whether anything of the answer was written: past this, no other answer can be given."""
+        return self.phase is not _NEW
+
+    def answer(self, reply: Reply) -> None:
+        if self.phase is not _NEW:
+            raise RuntimeError(f"an answer was already {'begun' if self.phase is _STREAMING else 'written'}")
+        self.phase = _DONE
+        self._connection.write_reply(reply, head_only=self._head_only)
+
+    def start(
+        self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], *, length: int | None = None
+    ) -> None:
+        """The head of a streamed answer; `length` when the body's size is known (Content-Length)."""
+        if self.phase is not _NEW:
+            raise RuntimeError("the answer's head was already written")
+        self.phase = _STREAMING
+        self._no_body = self._head_only or status in (204, 304) or 100 <= status < 200
+        if length is not None:
+            self._left = length
+        self._chunked = self._connection._write_stream_head(status, reason, headers, length, self._no_body)
+
+    def write(self, data: bytes) -> bool:
+        """One piece of the body; True when the client's buffer is full (await drain())."""
+        if self.phase is not _STREAMING:
+            raise RuntimeError("write() outside a started, unfinished stream")
+        connection = self._connection
+        transport = connection.transport
+        if transport is None or transport.is_closing():
+            return True
+        if not data or self._no_body:
+            # An empty piece would be a chunked body's last-chunk; a body on a
+            # HEAD, 204 or 304 answer would be read as the next answer.
+            return connection._paused
+        if self._left >= 0:
+            if len(data) > self._left:
+                raise RuntimeError(f"{len(data)} bytes written where {self._left} were left of the declared length")
+            self._left -= len(data)
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        return connection._paused
+
+    def end(self) -> None:
+        """The body is complete."""
+        if self.phase is not _STREAMING:
+            raise RuntimeError("end() outside a started, unfinished stream")
+        if self._left > 0 and not self._no_body:
+            # Short of its declared length: a complete-looking answer would be a lie.
+            self.abort()
+            return
+        self.phase = _DONE
+        transport = self._connection.transport
+        if self._chunked and transport is not None and not transport.is_closing():
+            transport.write(b"0\r\n\r\n")
+
+    def abort(self, last_words: bytes = b"") -> None:
+        """The answer broke off: `last_words` (an SSE error event) if any, then close without its end.
+
+        Without the last-chunk (or with a length unmet) the client's HTTP
+        library sees the answer cut short, as it was.
+        """
+        if self.phase is _STREAMING and last_words and not self._no_body and self._left < 0:
+            self.write(last_words)
+        self.phase = _DONE
+        connection = self._connection
+        connection._keep_alive = False
+        connection._close()
+
+    def close_after(self) -> None:
+        """Close the connection once this answer is out."""
+        self._connection.close_after_answer()
+
+    async def drain(self) -> None:
+        """Wait until the client took enough; WriteStalled when it takes nothing for write_stall_timeout."""
+        await self._connection.drain()
 
 
 class Server:

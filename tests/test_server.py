@@ -8,10 +8,12 @@ order, HTTP/1.0 (no chunks: the stream ends with the connection), Expect:
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import orjson
 
 from router.fake import Behaviour
+from router.server import Reply
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.test_proxy import CHAT
 
@@ -168,3 +170,80 @@ async def test_a_204_from_the_replica_passes_without_a_body_or_length(
         assert second.startswith(b"HTTP/1.1 204")
     finally:
         writer.close()
+
+
+# The Writer's framing rules, against a real Server with handlers written to break them.
+
+
+async def _serve_with(handler: Any) -> tuple[asyncio.Server, tuple[str, int]]:
+    from router.answers import server_error
+    from router.server import Server
+
+    server = Server(handler, max_body_bytes=1 << 20, header_timeout=5.0, error=server_error, log_exception=print)
+    listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
+    host, port = listener.sockets[0].getsockname()[:2]
+    return listener, (host, port)
+
+
+async def test_the_writer_keeps_the_framing_rules_whatever_the_handler_does() -> None:
+    from router.server import Request, Writer
+
+    errors: list[str] = []
+
+    async def handler(request: Request, writer: Writer) -> None:
+        kind = request.path.strip("/")
+        if kind == "no-content":
+            writer.start(204, b"No Content", [])
+            writer.write(b"a body a 204 must not have")
+            writer.end()
+        elif kind == "short":
+            writer.start(200, b"OK", [], length=10)
+            writer.write(b"12345")
+            writer.end()  # 5 bytes short: aborted, never passed off as whole
+        elif kind == "after-end":
+            writer.start(200, b"OK", [])
+            writer.write(b"x")
+            writer.end()
+            try:
+                writer.write(b"more")
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        elif kind == "twice":
+            writer.answer(Reply(200, b"one", []))
+            try:
+                writer.answer(Reply(200, b"two", []))
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        else:
+            writer.start(200, b"OK", [])
+            writer.write(b"streamed body")
+            writer.end()
+
+    listener, address = await _serve_with(handler)
+    try:
+        reader, writer = await asyncio.open_connection(*address)
+        # HEAD on a stream, a 204 with a body: neither body reaches the client.
+        writer.write(
+            b"HEAD /stream HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"GET /no-content HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"GET /after-end HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"GET /twice HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 204")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower()
+        assert await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5) == b"1\r\nx\r\n0\r\n\r\n"
+        _, body = await read_answer(reader)
+        assert body == b"one"
+        writer.close()
+        assert len(errors) == 2
+        reader, writer = await asyncio.open_connection(*address)
+        writer.write(b"GET /short HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: aborted
+        assert answer.endswith(b"\r\n\r\n12345") and b"content-length: 10" in answer.lower()
+        writer.close()
+    finally:
+        listener.close()
