@@ -75,6 +75,8 @@ class FakeReplica:
     tokenizer_path: str = ""
     seen: list[Seen] = field(default_factory=list)
     cancelled: int = 0
+    # GET /health requests answered (the router's active checks), which `seen` does not record.
+    health_checks: int = 0
     active: int = 0
     completed: int = 0
     url: str = ""
@@ -118,6 +120,7 @@ class FakeReplica:
     # Handlers -------------------------------------------------------------------
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
         if self.behaviour.fail_status is not None:
             return web.Response(status=503, text="unhealthy")
         return web.Response(text="ok")

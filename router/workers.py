@@ -106,10 +106,10 @@ def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
     return max(1, cores)
 
 
-def worker_count(value: str) -> int:
+def worker_count(value: str, cgroup: Path = Path("/sys/fs/cgroup")) -> int:
     """`--workers`: a number >= 1, or `auto` for every core this process may use."""
     if value == "auto":
-        return usable_cores()
+        return usable_cores(cgroup)
     try:
         count = int(value)
     except ValueError:

@@ -6,7 +6,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -16,8 +16,8 @@ from router.app import RouterServer
 from router.config import parse_config
 from router.fake import Behaviour, FakeReplica
 
-if TYPE_CHECKING:
-    from tests.test_lifecycle import Serve
+# Raw HTTP servers standing in for replicas, for the upstream client's tests.
+from tests.helpers import Serve, free_port, raw_server  # noqa: F401
 
 StartFake = Callable[..., Awaitable[FakeReplica]]
 StartRouter = Callable[..., Awaitable[RouterServer]]
@@ -48,11 +48,8 @@ def replica_entry(rid: str, fake: FakeReplica, model: str | None = None, **label
 
 @pytest.fixture
 async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
-    """`router serve` as a real process (tests/test_lifecycle.py's Serve); killed at the end."""
-    from tests.test_lifecycle import Serve as ServeProcess
-    from tests.test_proxy import free_port
-
-    process = ServeProcess(tmp_path / "router.toml", free_port(), free_port())
+    """`router serve` as a real process (tests/helpers.py's Serve); killed at the end."""
+    process = Serve(tmp_path / "router.toml", free_port(), free_port())
     yield process
     if process.process is not None:
         process.output()

@@ -61,7 +61,7 @@ async def test_a_slowloris_client_is_closed_and_others_keep_their_latency(
 
     import orjson
 
-    from tests.test_proxy import CHAT, post
+    from tests.helpers import CHAT, post
 
     fake = await start_fake("m")
     server = await start_router([replica_entry("r0", fake)], header_timeout_seconds=1.0)
@@ -102,7 +102,7 @@ async def test_a_slow_head_after_a_first_request_is_closed_too(
 
     import orjson
 
-    from tests.test_proxy import CHAT
+    from tests.helpers import CHAT
 
     fake = await start_fake("m")
     server = await start_router([replica_entry("r0", fake)], header_timeout_seconds=1.0)

@@ -9,74 +9,13 @@ and its race, idle expiry, back-pressure, garbage.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 
 import pytest
 
 from router.client import Client, ConnectFailed, ConnectionBroken
 from router.origin import Origin
-
-HEAD = b"POST /v1/x?a=1 HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\n\r\n"
-Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
-
-
-@dataclass
-class RawServer:
-    """Counts connections and requests; `answer` writes the bytes of each response."""
-
-    answer: Answer
-    connections: int = 0
-    requests: list[bytes] = field(default_factory=list)
-    eofs: int = 0
-    server: asyncio.Server | None = None
-
-    @property
-    def origin(self) -> Origin:
-        assert self.server is not None
-        port = self.server.sockets[0].getsockname()[1]
-        return Origin.parse(f"http://127.0.0.1:{port}")
-
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-                body = await reader.readexactly(length)
-                self.requests.append(head + body)
-                await self.answer(reader, writer, len(self.requests))
-                if writer.is_closing():
-                    return
-        except asyncio.IncompleteReadError:
-            self.eofs += 1
-        except (ConnectionError, asyncio.LimitOverrunError):
-            pass
-        finally:
-            writer.close()
-
-
-StartRaw = Callable[[Answer], Awaitable[RawServer]]
-
-
-@pytest.fixture
-async def raw_server() -> AsyncIterator[StartRaw]:
-    servers: list[RawServer] = []
-
-    async def start(answer: Answer) -> RawServer:
-        raw = RawServer(answer)
-        raw.server = await asyncio.start_server(raw.handle, "127.0.0.1", 0)
-        servers.append(raw)
-        return raw
-
-    yield start
-    for raw in servers:
-        assert raw.server is not None
-        raw.server.close()
-        await raw.server.wait_closed()
+from tests.helpers import HEAD, OK, StartRaw, fixed
 
 
 @pytest.fixture
@@ -84,19 +23,6 @@ async def client() -> AsyncIterator[Client]:
     c = Client(connect_timeout=2.0, keepalive_seconds=5.0)
     yield c
     await c.close()
-
-
-def fixed(data: bytes, *, close: bool = False) -> Answer:
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        writer.write(data)
-        await writer.drain()
-        if close:
-            writer.close()
-
-    return answer
-
-
-OK = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Kept: yes\r\n\r\nhello"
 
 
 async def test_content_length_answer_and_reuse_of_the_connection(raw_server: StartRaw, client: Client) -> None:

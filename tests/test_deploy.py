@@ -16,7 +16,7 @@ import yaml
 from router.cli import build_parser
 from router.config import load_config
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.test_usage import scrape
+from tests.helpers import scrape
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))

@@ -26,8 +26,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from router.app import RouterServer
 from tests.conftest import StartRouter
-from tests.test_proxy import free_port, post, wait_for
-from tests.test_usage import get_json
+from tests.helpers import free_port, get_json, post, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PYTHON = Path(os.environ.get("ROUTER_ENGINE_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))

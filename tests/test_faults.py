@@ -18,7 +18,7 @@ import pytest
 from router.bench import run_load
 from router.fake import Behaviour
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.test_proxy import CHAT, free_port, post, post_cut, wait_for
+from tests.helpers import CHAT, free_port, post, post_cut, wait_for
 
 
 async def slow_reader(host: str, port: int, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -243,7 +243,7 @@ async def test_1000_concurrent_streams_succeed_or_get_a_fast_503_and_nothing_lea
 async def test_the_series_count_stays_flat_while_replicas_churn(
     start_fake: StartFake, start_router: StartRouter
 ) -> None:
-    from tests.test_usage import scrape
+    from tests.helpers import scrape
 
     fake = await start_fake("m")
     server = await start_router([replica_entry("r-0", fake)], tick_seconds=0.02)
@@ -266,7 +266,7 @@ async def test_the_series_count_stays_flat_while_replicas_churn(
 async def test_after_injected_faults_the_counters_equal_what_was_injected(
     start_fake: StartFake, start_router: StartRouter, refused_url: RefusedUrl
 ) -> None:
-    from tests.test_usage import samples, scrape
+    from tests.helpers import samples, scrape
 
     loading = await start_fake("m", name="loading", behaviour=Behaviour(fail_status=503))
     flaky = await start_fake("m", name="flaky", behaviour=Behaviour(reset_after_chunks=0))

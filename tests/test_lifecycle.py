@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,60 +13,7 @@ import pytest
 
 from router.fake import Behaviour
 from tests.conftest import StartFake
-from tests.test_proxy import CHAT, wait_for
-
-
-class Serve:
-    def __init__(self, path: Path, client: int, admin: int) -> None:
-        self.path = path
-        self.client_url = f"http://127.0.0.1:{client}"
-        self.admin_url = f"http://127.0.0.1:{admin}"
-        self.process: subprocess.Popen[bytes] | None = None
-        self._output: str | None = None
-
-    def write(self, replicas: list[dict[str, str]], extra: str = "") -> None:
-        lines = [
-            f'listen = "{self.client_url.removeprefix("http://")}"',
-            f'admin_listen = "{self.admin_url.removeprefix("http://")}"',
-            "tick_seconds = 0.1",
-            extra,
-        ]
-        for r in replicas:
-            lines += ["[[replicas]]", *(f'{k} = "{v}"' for k, v in r.items())]
-        self.path.write_text("\n".join(lines) + "\n")
-
-    async def start(self, *args: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "router", "serve", "--config", str(self.path), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 20
-        async with aiohttp.ClientSession() as session:
-            while True:
-                try:
-                    async with session.get(self.admin_url + "/readyz") as resp:
-                        if resp.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                assert time.monotonic() < deadline, "router did not become ready"
-                assert self.process.poll() is None, self.output()
-                await asyncio.sleep(0.05)
-
-    def output(self) -> str:
-        """Everything the process printed; kills it first if it still runs."""
-        assert self.process is not None
-        if self._output is None:
-            if self.process.poll() is None:
-                self.process.kill()
-            out, _ = self.process.communicate(timeout=10)
-            self._output = out.decode()
-        return self._output
-
-    def signal(self, sig: int) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, sig)
+from tests.helpers import CHAT, Serve, wait_for
 
 
 async def endpoints(serve: Serve) -> Any:

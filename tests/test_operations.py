@@ -15,8 +15,7 @@ from router.config import ReplicaConfig
 from router.fake import Behaviour
 from router.fleet import Fleet
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.test_proxy import CHAT, post, wait_for
-from tests.test_usage import get_json, run_ctl, samples, scrape
+from tests.helpers import CHAT, get_json, post, run_ctl, samples, scrape, wait_for
 
 
 async def admin(
@@ -209,9 +208,14 @@ async def test_active_health_checks_eject_a_dead_replica_and_readmit_it_early(
     )
     sick.behaviour.fail_status = 503
     await wait_for(lambda: server.pool.get("sick") is not None and server.pool.get("sick").state.value == "ejected")  # type: ignore[union-attr]
+    # Ejected by the checks alone, before any client met it: no client request reaches it now.
+    assert sick.health_checks > 0 and sick.seen == []
+    for _ in range(6):
+        status, _, _ = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+        assert status == 200
+    assert sick.seen == [] and len(fine.seen) == 6
     sick.behaviour.fail_status = None
     await wait_for(lambda: server.pool.get("sick").state.value == "ready")  # type: ignore[union-attr]
-    assert sick.seen == []
 
 
 async def test_mutating_admin_calls_need_the_token_reads_do_not(

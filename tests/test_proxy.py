@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from typing import Any
 
@@ -13,48 +12,9 @@ import orjson
 import pytest
 from multidict import CIMultiDict
 
-from router.app import RouterServer
 from router.fake import Behaviour
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-
-
-def in_flight(server: RouterServer) -> dict[str, int]:
-    return {r.id: r.in_flight for r in server.pool}
-
-
-async def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, CIMultiDict[str], bytes]:
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(url, data=body, headers=headers or {"Content-Type": "application/json"}) as resp,
-    ):
-        return resp.status, resp.headers.copy(), await resp.read()
-
-
-async def post_cut(url: str, body: bytes) -> tuple[int, bytes, bool]:
-    """POST and read the answer as far as it goes: (status, body so far, whether it ended properly).
-
-    A broken answer must look broken: the router closes it without the
-    chunked last-chunk, which an HTTP library reports as an incomplete body.
-    """
-    received = bytearray()
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp,
-    ):
-        try:
-            async for chunk in resp.content.iter_any():
-                received += chunk
-        except aiohttp.ClientPayloadError:
-            return resp.status, bytes(received), False
-        return resp.status, bytes(received), True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.helpers import CHAT, in_flight, post, post_cut, wait_for
 
 
 async def test_async_sdk_chat_and_completions_get_the_replicas_answers(
@@ -508,14 +468,6 @@ async def test_admin_port_answers_liveness_and_readiness(start_router: StartRout
         async with session.get(server.admin_url + "/readyz") as resp:
             assert resp.status == 503
         server.ready = True
-
-
-async def wait_for(condition: Any, timeout: float = 5.0) -> None:
-    deadline = time.perf_counter() + timeout
-    while not condition():
-        if time.perf_counter() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 async def test_a_replica_closing_idle_connections_never_fails_a_request(

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_lifecycle import Serve
-from tests.test_proxy import free_port
-from tests.test_usage import get_json
+from tests.helpers import Serve, free_port, get_json
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 

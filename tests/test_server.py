@@ -15,7 +15,7 @@ import orjson
 from router.fake import Behaviour
 from router.server import Reply
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.test_proxy import CHAT
+from tests.helpers import CHAT
 
 
 def request(body: bytes, *, version: bytes = b"1.1", extra: bytes = b"") -> bytes:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import shutil
 import subprocess
 import time
@@ -15,41 +13,12 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router import ctl
 from router.app import RouterServer
 from router.fake import Behaviour
 from router.pool import Pool
 from router.usage import Ticker, UsageSnapshot
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.test_proxy import CHAT, post, wait_for
-
-
-async def get_json(url: str) -> Any:
-    async with aiohttp.ClientSession() as session, session.get(url) as resp:
-        assert resp.status == 200, await resp.text()
-        return await resp.json()
-
-
-async def scrape(server: RouterServer) -> str:
-    async with aiohttp.ClientSession() as session, session.get(server.admin_url + "/metrics") as resp:
-        assert resp.status == 200
-        return await resp.text()
-
-
-def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                out[tuple(sorted(sample.labels.items()))] = sample.value
-    return out
-
-
-def run_ctl(*args: str) -> tuple[int, str]:
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        code = ctl.main(list(args))
-    return code, buffer.getvalue()
+from tests.helpers import CHAT, get_json, post, run_ctl, samples, scrape, wait_for
 
 
 async def two_replicas(start_fake: StartFake, start_router: StartRouter, **settings: Any) -> RouterServer:

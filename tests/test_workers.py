@@ -24,8 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.fake import Behaviour, FakeReplica
 from router.workers import usable_cores, worker_count
 from tests.conftest import StartFake
-from tests.test_lifecycle import Serve
-from tests.test_proxy import CHAT, wait_for
+from tests.helpers import CHAT, Serve, wait_for
 
 STREAMS = 16
 
@@ -326,10 +325,14 @@ def test_a_bad_worker_count_is_refused_by_name(tmp_path: Path, value: str) -> No
     assert "whole number >= 1 or 'auto'" in done.stderr
 
 
-def test_auto_is_one_worker_per_usable_core() -> None:
-    assert worker_count("auto") == usable_cores()
-    assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
-    assert worker_count("3") == 3
+def test_auto_is_one_worker_per_usable_core(tmp_path: Path) -> None:
+    # No quota: every core this process may run on.
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert worker_count("auto", tmp_path) == len(os.sched_getaffinity(0))
+    # A quota of one CPU: one worker, however many cores the machine has.
+    (tmp_path / "cpu.max").write_text("100000 100000\n")
+    assert worker_count("auto", tmp_path) == 1
+    assert worker_count("3", tmp_path) == 3
 
 
 async def test_sighup_reloads_every_worker_and_sigterm_pushes_the_last_map(

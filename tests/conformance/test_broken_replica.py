@@ -16,7 +16,6 @@ import time
 import orjson
 import pytest
 
-from tests.conformance.test_hostile_client import protocol_errors
 from tests.conformance.wire import (
     JSON_OK,
     Exchange,
@@ -29,7 +28,7 @@ from tests.conformance.wire import (
     stream_post,
 )
 from tests.conftest import StartRouter
-from tests.test_proxy import wait_for
+from tests.helpers import protocol_errors, wait_for
 
 
 def entry(url: str, rid: str = "r0") -> dict[str, str]:

@@ -11,26 +11,13 @@ import asyncio
 import logging
 import time
 
-import aiohttp
 import orjson
 import pytest
 
 from router.fake import Behaviour
 from tests.conformance.wire import CHAT, Wire, post, stream_post
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.test_proxy import wait_for
-from tests.test_usage import samples
-
-
-async def metrics(admin_url: str) -> str:
-    async with aiohttp.ClientSession() as session, session.get(admin_url + "/metrics") as resp:
-        return await resp.text()
-
-
-async def protocol_errors(admin_url: str, side: str = "client") -> dict[str, float]:
-    found = samples(await metrics(admin_url), f"router_{side}_protocol_errors_total")
-    return {dict(labels)["reason"]: value for labels, value in found.items()}
-
+from tests.helpers import protocol_errors, wait_for
 
 # Desync -----------------------------------------------------------------------------------
 

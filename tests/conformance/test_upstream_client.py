@@ -28,7 +28,7 @@ from router.client import (
     Response,
     UpstreamIdle,
 )
-from tests.test_client import HEAD, OK, Answer, RawServer, StartRaw, fixed
+from tests.helpers import HEAD, OK, Answer, RawServer, StartRaw, fixed
 
 MakeClient = Callable[..., Client]
 
