@@ -36,6 +36,7 @@ from router.sinks.push import PushSink
 from router.sources import ReplicaSource, build_sources, exclusive_source, initial_set, reload_all
 from router.upstream import make_session
 from router.usage import Ticker
+from router.worker_metrics import METRICS_PATH, report
 
 log = logging.getLogger("router")
 
@@ -167,6 +168,7 @@ class RouterServer(Listening):
         admin_app = admin.app()
         if worker_socket is not None:
             admin_app.router.add_get(SNAPSHOT_PATH, self._snapshot_json)
+            admin_app.router.add_get(METRICS_PATH, self._metrics_json)
         self._admin_runner = web.AppRunner(admin_app, access_log=None, shutdown_timeout=1.0)
         await self._admin_runner.setup()
         try:
@@ -245,6 +247,9 @@ class RouterServer(Listening):
         assert self.ticker is not None
         body = orjson.dumps(self.ticker.snapshot().to_json())
         return web.Response(body=body, content_type="application/json")
+
+    async def _metrics_json(self, request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps(report(self.registry)), content_type="application/json")
 
     async def reload(self) -> bool:
         """SIGHUP: every source reads its replica set again (the config file's [[replicas]])."""

@@ -392,3 +392,29 @@ def test_auto_respects_a_cgroup_cpu_quota(tmp_path: Path, files: dict[str, str],
     cores = len(os.sched_getaffinity(0))
     # None: no quota, so every core of the affinity.
     assert usable_cores(tmp_path) == (cores if expected is None else min(cores, expected))
+
+
+def test_worker_metrics_merge_by_their_declared_mode() -> None:
+    from router.worker_metrics import Mode, Report, merge, retire
+
+    def report(value: float, gauge: float) -> Report:
+        return Report(
+            {
+                "families": [
+                    {"name": "c", "help": "a counter", "type": "counter", "samples": [["c_total", {"m": "x"}, value]]},
+                    {"name": "g", "help": "a gauge", "type": "gauge", "samples": [["g", {}, gauge]]},
+                    {"name": "l", "help": "a gauge", "type": "gauge", "samples": [["l", {}, gauge]]},
+                ]
+            }
+        )
+
+    modes: dict[str, Mode] = {"c": "sum", "g": "max", "l": "latest"}
+    first, second, dead = report(3, 7), report(4, 5), report(10, 99)
+    retired: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
+    retire(retired, dead)
+    merged = merge([first, second], retired, modes)
+    # A counter sums over the live workers and the dead one's last count: it never goes down.
+    assert merged[("c", "c_total", (("m", "x"),))] == 17
+    # Gauges are the live workers' only: the highest, and the last report's.
+    assert merged[("g", "g", ())] == 7
+    assert merged[("l", "l", ())] == 5

@@ -1,236 +1,51 @@
-"""`router serve --workers N`: worker processes on one client port, one admin view.
-
-One Python process proxies on one core. With N workers, each worker is a
-whole router (its own pool, proxy and upstream connections) listening on the
-shared client port with SO_REUSEPORT, so the kernel spreads connections over
-them. The supervisor (this module, the process that `router serve` started)
-does not proxy: it owns the admin port and makes the workers look like one
-router to the control plane and to Prometheus.
-
-- Usage: once a tick the supervisor asks every worker for its snapshot over
-  the worker's private Unix socket and combines them (combined.py): newest
-  stamp wins, counts and in-flight add up. It, not the workers, feeds the
-  sinks (the usage endpoint, /metrics, the push).
-- Changes (PUT /api/v1/endpoints, drain): validated once, written to a state
-  file that a (re)starting worker loads, then sent to every worker; the call
-  answers once every worker has taken it. A worker brings its admin socket
-  up before loading the state file and before its client port opens, so no
-  worker ever serves a replica set older than an acknowledged push.
-- The drain fence reads `drained` only when every worker holds the replica
-  out and none has it in flight.
-- A worker that dies is restarted (with a growing pause if it keeps dying);
-  its loss is logged: its requests in flight were cut off, and what it did
-  since the last tick is unknown, so the watch of every replica restarts
-  from the new worker's start (unknown is never idle).
-- Concurrency limits (max_in_flight_per_replica, max_in_flight) are split
-  evenly over the workers, rounded down, so that together they never exceed
-  the configured limit.
-"""
+"""The supervisor of `--workers`: spawn, watch and restart the workers, and make them one router."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import math
-import os
 import shutil
 import signal
 import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-import uvloop
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from router.admin import Admin
-from router.app import SNAPSHOT_PATH, Listening, RouterServer, run_until_signalled
+from router.app import SNAPSHOT_PATH, Listening, run_until_signalled
 from router.combined import Memory, combine, merged_state
-from router.config import Config, ReplicaConfig, load_config, parse_replicas, replicas_where
-from router.errors import ConfigError
+from router.config import Config, ReplicaConfig
 from router.fleet import FleetUnavailable
 from router.sinks import build_sinks
 from router.sources import build_sources, exclusive_source, initial_set, reload_all
 from router.upstream import make_session
 from router.usage import UsageSnapshot, publish
+from router.worker_metrics import METRICS_PATH, MergedCollector, Report, SampleKey, merge, retire
+from router.workers.ports import reserve_port
+from router.workers.state import Paths, write_state
 
 log = logging.getLogger("router.workers")
 
-# Families a worker's own /metrics holds (the data path's histograms); the
-# supervisor sums them over the workers. Everything else it exports itself.
-_WORKER_FAMILIES = (
-    "router_request_duration_seconds",
-    "router_time_to_first_byte_seconds",
-    "router_client_protocol_errors",
-    "router_upstream_protocol_errors",
-)
 _READY_TIMEOUT = 60.0
 _CALL_TIMEOUT = 10.0
-
-
-def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """Cores this process may use: its CPU affinity, capped by a cgroup CPU quota.
-
-    In a container limited to 2 CPUs on a 64-core node the affinity says 64;
-    the quota (cgroup v2 `cpu.max`, or v1 `cpu.cfs_quota_us`) says 2.
-    """
-    cores = len(os.sched_getaffinity(0))
-    quota: float | None = None
-    try:
-        fields = (cgroup / "cpu.max").read_text().split()
-        # "max 100000" is no quota; "200000 100000" is two CPUs' worth.
-        if fields[0] != "max":
-            quota = int(fields[0]) / int(fields[1] if len(fields) > 1 else 100000)
-    except (OSError, ValueError):
-        try:
-            limit_us = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())
-            period_us = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
-            if limit_us > 0 and period_us > 0:
-                quota = limit_us / period_us
-        except (OSError, ValueError):
-            quota = None
-    if quota is not None and quota > 0:
-        cores = min(cores, math.ceil(quota))
-    return max(1, cores)
-
-
-def worker_count(value: str, cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """`--workers`: a number >= 1, or `auto` for every core this process may use."""
-    if value == "auto":
-        return usable_cores(cgroup)
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 or 'auto', got {value!r}")
-    return count
-
-
-def for_worker(config: Config, port: int, workers: int) -> Config:
-    """A worker's view of the config: the shared port, its share of the limits,
-    no admin token (its socket is private) and no push (the supervisor pushes)."""
-
-    def share(limit: int) -> int:
-        return max(1, limit // workers) if limit > 0 else 0
-
-    return replace(
-        config,
-        listen=replace(config.listen, port=port),
-        admin_token="",
-        usage_push_url="",
-        max_in_flight_per_replica=share(config.max_in_flight_per_replica),
-        max_in_flight=share(config.max_in_flight),
-        # The buffered-body cap bounds the router's memory: the workers' shares add up to it.
-        max_buffered_body_bytes=share(config.max_buffered_body_bytes),
-    )
-
-
-# The worker's side ---------------------------------------------------------------
-
-
-def worker_main(argv: Sequence[str]) -> int:
-    """`router _worker ...`: one worker, started by the supervisor only."""
-    parser = argparse.ArgumentParser(prog="router _worker")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--workers", type=int, required=True)
-    parser.add_argument("--index", type=int, required=True)
-    parser.add_argument("--runtime", required=True)
-    parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s worker-{args.index} %(name)s: %(message)s",
-    )
-    try:
-        config = for_worker(load_config(args.config), args.port, args.workers)
-    except ConfigError as exc:
-        print(f"router worker {args.index}: {exc}", file=sys.stderr)
-        return 2
-    uvloop.run(_run_worker(config, Path(args.runtime), args.index))
-    return 0
-
-
-async def _run_worker(config: Config, runtime: Path, index: int) -> None:
-    paths = _Paths(runtime, index)
-    server = RouterServer(config, worker_socket=str(paths.socket))
-    await server.start(before_clients=lambda: _load_state(server, paths.state))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    parent = os.getppid()
-
-    async def orphaned() -> None:
-        # A supervisor killed outright takes its workers with it.
-        while os.getppid() == parent:  # noqa: ASYNC110 (no event tells of a parent's death)
-            await asyncio.sleep(1.0)
-        log.error("the supervisor is gone; stopping")
-        stop.set()
-
-    watch = loop.create_task(orphaned())
-    try:
-        await stop.wait()
-    finally:
-        watch.cancel()
-        await server.stop()
-        if server.ticker is not None and server.ticker.latest is not None:
-            # The last word on this worker's usage, for the supervisor's final push.
-            partial = paths.final.with_suffix(".partial")
-            partial.write_bytes(orjson.dumps(server.ticker.latest.to_json()))
-            partial.rename(paths.final)
-
-
-def _load_state(server: RouterServer, state: Path) -> None:
-    """The supervisor's current replica set and drains, newer than the config file's."""
-    try:
-        doc = orjson.loads(state.read_bytes())
-    except FileNotFoundError:
-        return
-    configs = parse_replicas(replicas_where(str(state)), "replicas", doc["replicas"])
-    server.pool.set_replicas(configs)
-    for replica_id in doc["draining"]:
-        server.pool.set_draining(replica_id, True)
-
-
-@dataclass(frozen=True)
-class _Paths:
-    runtime: Path
-    index: int
-
-    @property
-    def socket(self) -> Path:
-        return self.runtime / f"worker-{self.index}.sock"
-
-    @property
-    def final(self) -> Path:
-        return self.runtime / f"worker-{self.index}.final.json"
-
-    @property
-    def state(self) -> Path:
-        return self.runtime / "state.json"
-
-
-# The supervisor's side -----------------------------------------------------------------
 
 
 @dataclass
 class _Worker:
     index: int
-    paths: _Paths
+    paths: Paths
     session: aiohttp.ClientSession
     process: asyncio.subprocess.Process | None = None
     started: float = 0.0
@@ -239,8 +54,8 @@ class _Worker:
     last: UsageSnapshot | None = None
     restarts: int = 0
     quick_deaths: int = 0
-    # Its data-path samples at the last /metrics it answered.
-    samples: dict[_SampleKey, float] = field(default_factory=dict)
+    # Its data-path metrics at the last report it answered.
+    report: Report | None = None
     watcher: asyncio.Task[None] | None = None
 
     @property
@@ -256,26 +71,6 @@ class _Worker:
             timeout=aiohttp.ClientTimeout(total=_CALL_TIMEOUT),
         ) as resp:
             return resp.status, await resp.read()
-
-
-def reserve_port(host: str, port: int) -> socket.socket:
-    """Hold the client port for the workers (and learn it when `port` is 0).
-
-    First a plain bind, which fails if anything listens there already, so
-    that two routers never share a port by accident; then a socket in the
-    SO_REUSEPORT group the workers join. It never listens, so it takes no
-    connections.
-    """
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind(address)
-        port = probe.getsockname()[1]
-    hold = socket.socket(family, kind, proto)
-    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    hold.bind((address[0], port, *address[2:]))
-    return hold
 
 
 class Supervisor(Listening):
@@ -310,8 +105,9 @@ class Supervisor(Listening):
         self.sink_failures: dict[str, int] = {}
         self.last_tick_seconds = 0.0
         self.collect_failures = 0
-        self.families: dict[str, _Family] = {}
-        self.retired_samples: dict[_SampleKey, float] = {}
+        # The workers' data-path families (help, type), and dead workers' last counts.
+        self.families: dict[str, tuple[str, str]] = {}
+        self.retired: dict[SampleKey, float] = {}
         self.workers: list[_Worker] = []
         self._hold: socket.socket | None = None
         self._runtime: Path | None = None
@@ -340,7 +136,7 @@ class Supervisor(Listening):
         self.registry.register(_WorkerCollector(self))
         try:
             for index in range(self.count):
-                paths = _Paths(self._runtime, index)
+                paths = Paths(self._runtime, index)
                 session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(paths.socket)))
                 self.workers.append(_Worker(index, paths, session))
             await asyncio.gather(*(self._spawn(w) for w in self.workers))
@@ -496,8 +292,8 @@ class Supervisor(Listening):
             if worker.last is not None:
                 self.memory.retire(worker.last)
                 worker.last = None
-            _add_samples(self.retired_samples, worker.samples)
-            worker.samples = {}
+            retire(self.retired, worker.report)
+            worker.report = None
             lived = time.monotonic() - worker.started
             worker.quick_deaths = worker.quick_deaths + 1 if lived < 10.0 else 0
             if worker.quick_deaths:
@@ -561,11 +357,7 @@ class Supervisor(Listening):
 
     def _write_state(self) -> None:
         assert self._runtime is not None
-        path = self._runtime / "state.json"
-        partial = path.with_suffix(".partial")
-        doc = {"replicas": [c.as_json() for c in self.desired], "draining": sorted(self.draining)}
-        partial.write_bytes(orjson.dumps(doc))
-        partial.rename(path)
+        write_state(self._runtime, self.desired, self.draining)
 
     async def _everywhere(self, method: str, path: str, body: bytes) -> list[tuple[int, bytes]]:
         """Send one change to every worker that is up; raise if a live one did not take it.
@@ -635,71 +427,28 @@ class Supervisor(Listening):
         return _SupervisedFleet(self)
 
     async def metrics(self) -> bytes:
-        """One set of series: the supervisor's own, and the workers' histograms summed."""
+        """One set of series: the supervisor's own, and the workers' data-path ones merged by mode."""
         # Fresh per-worker figures for router_worker_in_flight_requests.
         await self.collect()
         # Counters summed over workers must never go down: a worker that does
         # not answer (dying, restarting) counts with its last figures, and a
         # dead worker's last figures stay in the sum (_watch retires them).
         live = [w for w in self.workers if w.live]
-        answers = await asyncio.gather(*(w.call("GET", "/metrics") for w in live), return_exceptions=True)
+        answers = await asyncio.gather(*(w.call("GET", METRICS_PATH) for w in live), return_exceptions=True)
         for worker, answer in zip(live, answers, strict=True):
             if not isinstance(answer, BaseException) and answer[0] == 200:
-                worker.samples = _data_path_samples(answer[1].decode(), self.families)
-        summed = dict(self.retired_samples)
-        for worker in self.workers:
-            _add_samples(summed, worker.samples)
+                worker.report = Report(orjson.loads(answer[1]))
+                self.families.update(worker.report.families)
+        merged = merge([w.report for w in self.workers if w.report is not None], self.retired)
         loop = asyncio.get_running_loop()
         own = await loop.run_in_executor(None, generate_latest, self.registry)
         extra = CollectorRegistry()
-        extra.register(_Fixed(_as_families(self.families, summed)))
+        extra.register(MergedCollector(self.families, merged))
         return own + generate_latest(extra)
 
 
 class WorkerFailed(RuntimeError):
     """A worker did not start."""
-
-
-class _Fixed(Collector):
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self.families
-
-
-# One family's identity, and one sample's: (family, sample name, labels).
-_Family = tuple[str, str, str]  # name, help, type
-_SampleKey = tuple[str, str, tuple[tuple[str, str], ...]]
-
-
-def _data_path_samples(text: str, families: dict[str, _Family]) -> dict[_SampleKey, float]:
-    """A worker's data-path samples from its /metrics text; their families noted in `families`."""
-    samples: dict[_SampleKey, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name not in _WORKER_FAMILIES:
-            continue
-        families[family.name] = (family.name, family.documentation, family.type)
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue  # a creation time, not a count: meaningless summed
-            samples[(family.name, sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def _add_samples(total: dict[_SampleKey, float], more: dict[_SampleKey, float]) -> None:
-    for key, value in more.items():
-        total[key] = total.get(key, 0.0) + value
-
-
-def _as_families(families: dict[str, _Family], samples: dict[_SampleKey, float]) -> list[Metric]:
-    out: dict[str, Metric] = {}
-    for (family, name, labels), value in samples.items():
-        metric = out.get(family)
-        if metric is None:
-            metric = out[family] = Metric(*families[family])
-        metric.add_sample(name, dict(labels), value)
-    return list(out.values())
 
 
 class _WorkerCollector(Collector):
