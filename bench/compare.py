@@ -211,7 +211,7 @@ def checkout(ref: str, into: Path) -> Path:
     return into
 
 
-def make_paths(tmp: Path, fake: str, wanted: Sequence[str], baseline: str | None = None) -> list[Path_]:
+def make_paths(tmp: Path, fake: str, wanted: Sequence[str], baselines: Sequence[str] = ()) -> list[Path_]:
     py = sys.executable
     paths: list[Path_] = []
 
@@ -233,22 +233,16 @@ def make_paths(tmp: Path, fake: str, wanted: Sequence[str], baseline: str | None
             port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
             command = [py, "-m", "router", "serve", "--config", str(config), "--log-level", "warning", *extra]
             add(name, command, port, note=f"{replicas} replicas of the model" + (", --workers auto" if extra else ""))
-    if baseline is not None:
+    for ref in baselines:
         # The same router at another commit, started from its own tree: `python -m`
         # puts the working directory first on sys.path, ahead of the editable install.
-        tree_ = checkout(baseline, tmp / "baseline")
-        config = router_config(tmp, "router-baseline", fake, 4)
+        name = f"router@{ref}"
+        tree_ = checkout(ref, tmp / "baseline" / ref)
+        config = router_config(tmp, name.replace("@", "-"), fake, 4)
         port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
         command = [py, "-m", "router", "serve", "--config", str(config), "--log-level", "warning"]
         paths.append(
-            Path_(
-                "router-baseline",
-                command,
-                port=port,
-                url=f"http://127.0.0.1:{port}",
-                note=f"4 replicas of the model, at {baseline}",
-                cwd=tree_,
-            )
+            Path_(name, command, port=port, url=f"http://127.0.0.1:{port}", note=f"4 replicas, at {ref}", cwd=tree_)
         )
     if "nginx" in wanted and shutil.which("nginx"):
         port = free_port()
@@ -568,19 +562,17 @@ def budget(summary: dict[str, dict[str, dict[str, float]]], held: dict[str, Any]
         elif ours and theirs == 0:
             errors = summary[workload]["litellm"].get("errors", 0)
             lines.append((f">= 50x LiteLLM, {workload}", f"LiteLLM completed none ({errors:.0f} errors)", "met"))
-    for workload in ("short", "stream"):
-        now, before = (
-            fig(workload, "router", "cpu_ms_per_request"),
-            fig(workload, "router-baseline", "cpu_ms_per_request"),
-        )
-        if now and before:
-            lines.append(
-                (
-                    f"router: CPU per {workload} request against router-baseline (budget of the issue at hand)",
-                    f"{now:.4f} vs {before:.4f} ms: {now / before:.3f}x",
-                    "-",
+    for path in sorted({p for w in summary.values() for p in w if p.startswith("router@")}):
+        for workload in ("short", "stream"):
+            now, before = fig(workload, "router", "cpu_ms_per_request"), fig(workload, path, "cpu_ms_per_request")
+            if now and before:
+                lines.append(
+                    (
+                        f"router: CPU per {workload} request against {path} (the issue's budget)",
+                        f"{now:.4f} vs {before:.4f} ms: {now / before:.3f}x",
+                        "-",
+                    )
                 )
-            )
     for workload in ("short", "stream"):
         few, many = fig(workload, "router", "rps"), fig(workload, "router-4000", "rps")
         if few and many:
@@ -743,7 +735,9 @@ def main() -> int:
     parser.add_argument(
         "--baseline",
         metavar="REF",
-        help="also run the router at this git commit (path router-baseline), for before/after ratios in one run",
+        action="append",
+        default=[],
+        help="also run the router at this git commit (path router@REF; may be repeated), for before/after in one run",
     )
     args = parser.parse_args()
     if not args.inside and not args.no_netns:
