@@ -82,6 +82,7 @@ _REASONS = {
     502: b"Bad Gateway",
     503: b"Service Unavailable",
     504: b"Gateway Timeout",
+    501: b"Not Implemented",
     505: b"HTTP Version Not Supported",
 }
 
@@ -239,7 +240,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, server: Server) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpRequestParser(self)
+        self.parser = self._new_parser()
         self.reading = Reading.HEAD
         self.answering = Answering.IDLE
         self._target: list[bytes] = []
@@ -252,6 +253,7 @@ class Connection(asyncio.Protocol):
         self._head_size = 0
         self._line = 0
         self._keep_alive_request = True
+        self._method = b""
         self._version_11 = True
         # An ignored Upgrade: llhttp hands the body over as the new protocol's
         # bytes, so a fresh parser is fed this framing to read it as a body.
@@ -278,6 +280,14 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._drained: asyncio.Future[None] | None = None
         self._keep_alive = True
+
+    def _new_parser(self) -> httptools.HttpRequestParser:
+        parser = httptools.HttpRequestParser(self)
+        # Whether the connection persists is decided here, from the head
+        # (RFC 9112 9.3); llhttp's own view heeds Proxy-Connection and
+        # trailers. What follows a request that closes is never read anyway.
+        parser.set_dangerous_leniencies(lenient_keep_alive=True)
+        return parser
 
     def __repr__(self) -> str:
         peer = self.transport.get_extra_info("peername") if self.transport is not None else None
@@ -408,13 +418,16 @@ class Connection(asyncio.Protocol):
         if version != "1.1" and version != "1.0":  # noqa: PLR1714 (two compares beat a tuple here)
             raise self._refused(505, "http_version", f"HTTP/{version} is not supported; use HTTP/1.1.")
         self._version_11 = version_11 = version == "1.1"
-        self._keep_alive_request = parser.should_keep_alive()
+        # The method as this head says it: after an ignored Upgrade another
+        # parser reads the body, and its method is not the request's.
+        self._method = method = parser.get_method()
         # One pass over the names, lowered only where the length can match.
         hosts = 0
         host = b""
         length: int | None = None
-        chunked = False
+        codings: list[bytes] | None = None
         expect = False
+        connection: bytes | None = None
         for name, value in self._headers:
             size = len(name)
             if size == 4 and name.lower() == b"host":
@@ -423,9 +436,29 @@ class Connection(asyncio.Protocol):
             elif size == 14 and name.lower() == b"content-length":
                 length = int(value)  # llhttp has checked the digits
             elif size == 17 and name.lower() == b"transfer-encoding":
-                chunked = True
+                if codings is None:
+                    codings = []
+                codings += [c.strip() for c in value.lower().split(b",") if c.strip()]
             elif size == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
                 expect = True
+            elif size == 10 and name.lower() == b"connection":
+                connection = value.lower() if connection is None else connection + b"," + value.lower()
+        # RFC 9112 9.3, from the head alone (not llhttp's view, which heeds
+        # Proxy-Connection and trailers): close wins; HTTP/1.1 persists
+        # unless told to close; HTTP/1.0 only when it asks for keep-alive.
+        if connection is None:
+            self._keep_alive_request = version_11
+        else:
+            tokens = {t.strip() for t in connection.split(b",")}
+            self._keep_alive_request = b"close" not in tokens and (version_11 or b"keep-alive" in tokens)
+        chunked = codings is not None
+        if chunked and codings != [b"chunked"]:
+            # RFC 9112 6.1: chunked must be the final coding, and the router
+            # decodes no other: forwarding such a body would mislabel it.
+            shown = ", ".join(c.decode("latin-1") for c in codings or ())
+            raise self._refused(
+                501, "transfer_encoding", f"Transfer-Encoding {shown!r} is not supported; only chunked."
+            )
         if hosts != 1 and (version_11 or hosts):
             detail = "no Host header" if hosts == 0 else f"{hosts} Host headers"
             raise self._refused(400, "host", f"The request has {detail}; HTTP/1.1 requires exactly one.")
@@ -433,7 +466,7 @@ class Connection(asyncio.Protocol):
             raise self._refused(400, "host", "The Host header is not a valid host[:port].")
         if chunked and not version_11:
             raise self._refused(400, "transfer_encoding_http_1_0", "Transfer-Encoding is not allowed in HTTP/1.0.")
-        if parser.get_method() == b"CONNECT":
+        if method == b"CONNECT":
             raise self._refused(405, "connect", "CONNECT is not supported: this is not a forward proxy.")
         self.reading = Reading.BODY
         self._upgrade_framing = None
@@ -462,7 +495,8 @@ class Connection(asyncio.Protocol):
             self._reserve(length)
         if not (length or chunked):
             return
-        if expect:
+        if expect and version_11:
+            # Never a 1xx to an HTTP/1.0 client (RFC 9110 15.2): it sends its body anyway.
             if self.answering is Answering.IDLE and not self._pending:
                 self._write_continue()
             else:
@@ -508,14 +542,13 @@ class Connection(asyncio.Protocol):
             # Not the end: llhttp skipped an upgraded request's body; the
             # fresh parser reads it (see _after_upgrade).
             return
-        parser = self.parser
         target = b"".join(self._target) if len(self._target) != 1 else self._target[0]
         if b"#" in target:
             # A fragment is the client's own business (RFC 9110 7.1).
             target = target.split(b"#", 1)[0]
         request = Request(
             self,
-            parser.get_method().decode("ascii", "replace"),
+            self._method.decode("ascii", "replace"),
             target,
             self._headers,
             b"".join(self._body),
@@ -544,7 +577,7 @@ class Connection(asyncio.Protocol):
         """A fresh parser after an ignored Upgrade, primed to read the request's body if it has one."""
         framing = self._upgrade_framing
         self._upgrade_framing = None
-        self.parser = httptools.HttpRequestParser(self)
+        self.parser = self._new_parser()
         if framing is None or self.reading is not Reading.BODY:
             return
         self._synthetic = True
