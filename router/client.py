@@ -79,6 +79,13 @@ class HeadTooLarge(ConnectionBroken):
         super().__init__(message, before_head=True, answered=True)
 
 
+class BodyTooLarge(ConnectionBroken):
+    """An answer read whole went past the caller's limit: never buffered without bound."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, before_head=False, answered=True)
+
+
 class UpstreamIdle(ConnectionBroken):
     """The replica sent nothing for longer than the idle timeout in the middle of a body."""
 
@@ -205,11 +212,16 @@ class Response:
 
     # The proxy's side -------------------------------------------------------------
 
-    async def read(self) -> bytes:
-        """The whole body; raises ConnectionBroken if it was cut short."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; raises ConnectionBroken if it was cut short, BodyTooLarge past `limit` bytes."""
         while not self._done:
+            if limit is not None and self._queued > limit:
+                self._connection._abort()
+                raise BodyTooLarge(f"the replica's answer is over {limit} bytes")
             self._connection.resume()
             await self._wait()
+        if limit is not None and self._queued > limit:
+            raise BodyTooLarge(f"the replica's answer is over {limit} bytes")
         if self._error is not None:
             raise self._error
         chunks, self._chunks = self._chunks, deque()
@@ -368,8 +380,9 @@ class _Connection(asyncio.Protocol):
                 self._flush()
             response = self.response
             assert response is not None
-            # A body without a length ends with the connection (RFC 9112 6.3).
-            if response.content_length is None and self._close_delimited():
+            # A body without a length ends with the connection (RFC 9112 6.3):
+            # a clean close, that is; a reset cuts it short, and it must look so.
+            if exc is None and response.content_length is None and self._close_delimited():
                 response._finish()
             else:
                 response._finish(
@@ -415,6 +428,10 @@ class _Connection(asyncio.Protocol):
             self._fail("head_too_large", HeadTooLarge(f"the replica's head is over {MAX_HEAD_BYTES} bytes"))
             raise _Stop
         status = self.parser.get_status_code()
+        if status < 100:
+            # 099 parses as three digits, but no such status exists (RFC 9110 15).
+            self._fail("invalid_response", self._broken(f"the replica answered with status {status:03d}"))
+            raise _Stop
         if status == 101:
             self._switched()
             raise _Stop

@@ -40,6 +40,11 @@ RETRY_STATUSES = frozenset({429, 502, 503, 504})
 UNHEALTHY_STATUSES = frozenset({502, 503, 504})
 # Answers that never have a body, whatever the request asked for.
 _NO_BODY = frozenset({204, 304})
+# A small answer is read whole and written in one piece (and an error answer
+# given OpenAI's shape); a larger one passes through as it arrives, and an
+# error answer larger than this is not an error message: 502. Either way no
+# answer is held whole in memory past this.
+WHOLE_ANSWER_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
@@ -153,10 +158,13 @@ class Forwarder:
         except ConnectFailed as exc:
             return self._failed(replica, UpstreamConnectError(f"Cannot connect to replica {replica.id}: {exc}"), True)
         except ConnectionBroken as exc:
-            # A replica that sent part of an answer has seen the request: it is
-            # never sent again, here or elsewhere (a POST must not run twice).
+            # The replica took the request and ended the connection, or answered
+            # part of it: it may have acted on it (a paid generation, a prompt
+            # that crashes it), so it is never sent again, here or elsewhere.
+            # (A reused connection that the replica closed as the request went
+            # out is the one case the client itself tries again, once.)
             reset = UpstreamResetError(f"Replica {replica.id} failed before its answer: {exc}")
-            return self._failed(replica, reset, not exc.answered)
+            return self._failed(replica, reset, False)
         try:
             self.metrics.observe_first_byte(model, time.perf_counter() - began)
             status = resp.status
@@ -170,19 +178,21 @@ class Forwarder:
             out_headers = response_headers(resp.headers)
             # Passed through as it arrives: a stream, or anything without a length.
             # A replica's error answer is read whole, to give it OpenAI's shape.
+            length = resp.content_length
             if (
                 status < 400
                 and status not in _NO_BODY
                 and (
                     stream
-                    or resp.content_length is None
+                    or length is None
+                    or length > WHOLE_ANSWER_BYTES
                     or (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
                 )
             ):
                 await self._stream(writer, replica, resp, out_headers)
                 return None
             try:
-                data = await resp.read()
+                data = await resp.read(WHOLE_ANSWER_BYTES)
             except UpstreamIdle as exc:
                 error: UpstreamError = UpstreamTimeout(f"Replica {replica.id} stopped sending its answer: {exc}")
                 return self._failed(replica, error, False)
@@ -202,7 +212,7 @@ class Forwarder:
         if status in UNHEALTHY_STATUSES:
             self.pool.record_failure(replica)
         try:
-            data = await resp.read()
+            data = await resp.read(WHOLE_ANSWER_BYTES)
         except ConnectionBroken:
             data = b""
         answer = replica_answer(status, resp.reason_bytes, data, response_headers(resp.headers))

@@ -61,6 +61,9 @@ MAX_HEADERS = 100
 # The method, spaces and version around a target: a request line longer than
 # the longest target by more than this is a header line, answered 431.
 _REQUEST_LINE_SLACK = 32
+# Reads larger than this are parsed in slices of it (see data_received):
+# the most a client pipelining ahead gets parsed behind the running request.
+_SLICE = 4096
 # After a refused body: how long the client may go on sending what it started.
 _DISCARD_SECONDS = 2.0
 
@@ -193,6 +196,19 @@ def _head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]], framin
     return b"".join(lines)
 
 
+def _origin_form(target: bytes) -> bytes:
+    """`http://host/path?q` as `/path?q`: a server MUST accept the absolute form (RFC 9112 3.2.2)."""
+    scheme_end = target.find(b"://")
+    if scheme_end < 0:
+        return target
+    rest = target[scheme_end + 3 :]
+    ends = [i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0]
+    if not ends:
+        return b"/"
+    start = min(ends)
+    return rest[start:] if rest[start : start + 1] == b"/" else b"/" + rest[start:]
+
+
 class _Refused(Exception):
     """Raised in a parser callback: the request gets `status`, then the connection closes."""
 
@@ -254,6 +270,9 @@ class Connection(asyncio.Protocol):
         self._line = 0
         self._keep_alive_request = True
         self._method = b""
+        # The body being read is chunked; bytes of framing read since its last data.
+        self._chunked = False
+        self._framing = 0
         self._version_11 = True
         # An ignored Upgrade: llhttp hands the body over as the new protocol's
         # bytes, so a fresh parser is fed this framing to read it as a body.
@@ -262,10 +281,13 @@ class Connection(asyncio.Protocol):
         # Set by a parser callback that refuses the request.
         self._refusal: _Refused | None = None
         self._pending: deque[Request] = deque()
+        # Bytes read but not parsed: what came behind a queued request.
+        self._backlog = b""
         self.task: asyncio.Task[None] | None = None
         # An answer owed after those queued ahead of it, then the connection
         # closes: a bad request behind good ones is answered in its turn.
         self._doomed: Reply | None = None
+        self._doomed_head_only = False
         # A `100 Continue` owed to the request still arriving, sent when it is
         # the one being answered (never into another request's answer).
         self._continue_owed = False
@@ -280,6 +302,11 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._drained: asyncio.Future[None] | None = None
         self._keep_alive = True
+
+    @property
+    def stopped(self) -> bool:
+        """Nothing more is read on this connection."""
+        return self.reading is Reading.STOPPED
 
     def _new_parser(self) -> httptools.HttpRequestParser:
         parser = httptools.HttpRequestParser(self)
@@ -305,10 +332,28 @@ class Connection(asyncio.Protocol):
         self._arm(self.server.header_timeout, _Deadline.HEAD)
 
     def data_received(self, data: bytes) -> None:
-        reading = self.reading
-        if reading is Reading.STOPPED:
+        if self.reading is Reading.STOPPED:
             # After `Connection: close` or a refusal: whatever follows is not read.
             return
+        if len(data) <= _SLICE:
+            self._feed(data)
+            return
+        # A large read is parsed a slice at a time, so that a client pipelining
+        # ahead is read only up to the first request queued behind the running
+        # one; the rest waits, unparsed, until that request starts.
+        end = len(data)
+        start = 0
+        while start < end:
+            self._feed(data[start : start + _SLICE])
+            start += _SLICE
+            if self.stopped:
+                return
+            if self._pending and start < end:
+                self._backlog = data[start:]
+                return
+
+    def _feed(self, data: bytes) -> None:
+        body_before = self._body_size
         while True:
             try:
                 self.parser.feed_data(data)
@@ -324,6 +369,26 @@ class Connection(asyncio.Protocol):
             break
         if self._in_head and self.reading is Reading.HEAD:
             self._count_head_bytes(data)
+        elif self._chunked and self.reading is Reading.BODY:
+            if self._body_size != body_before:
+                self._framing = 0
+            else:
+                self._count_framing_bytes(data)
+
+    def _count_framing_bytes(self, data: bytes) -> None:
+        """A read of a chunked body that carried none of it: chunk framing or trailers, bounded as a head is.
+
+        Trailer fields are dropped, but httptools still gathers each one, with
+        `+=`: without a bound an endless trailer line costs memory and CPU
+        without end.
+        """
+        self._framing += len(data)
+        newline = data.rfind(b"\n")
+        self._line = len(data) - newline - 1 if newline >= 0 else self._line + len(data)
+        if self._line > MAX_LINE or self._framing > MAX_HEAD:
+            self._refuse(
+                _Refused(431, "trailers_too_large", f"Chunk framing or trailers over {MAX_HEAD} bytes without data.")
+            )
 
     def _count_head_bytes(self, data: bytes) -> None:
         """A head still arriving: bound its current line and its whole size now, as bytes come."""
@@ -346,6 +411,7 @@ class Connection(asyncio.Protocol):
         self._disarm()
         self._write_deadline = 0.0
         self._pending.clear()
+        self._backlog = b""
         self._body = []
         self._unreserve(self._reserved)
         if self.task is not None and not self.task.done():
@@ -409,7 +475,8 @@ class Connection(asyncio.Protocol):
         if self._synthetic:
             self._synthetic = False
             self.reading = Reading.BODY
-            self._arm(self.server.body_timeout, _Deadline.BODY)
+            if not self._continue_owed:
+                self._arm(self.server.body_timeout, _Deadline.BODY)
             return
         if self.reading is Reading.DISCARD:
             return
@@ -451,7 +518,8 @@ class Connection(asyncio.Protocol):
         else:
             tokens = {t.strip() for t in connection.split(b",")}
             self._keep_alive_request = b"close" not in tokens and (version_11 or b"keep-alive" in tokens)
-        chunked = codings is not None
+        self._chunked = chunked = codings is not None
+        self._framing = 0
         if chunked and codings != [b"chunked"]:
             # RFC 9112 6.1: chunked must be the final coding, and the router
             # decodes no other: forwarding such a body would mislabel it.
@@ -488,11 +556,11 @@ class Connection(asyncio.Protocol):
                 )
             )
             return
-        if length and server.buffered + length > server.max_buffered_body_bytes:
+        if (length or chunked) and server.buffered >= server.max_buffered_body_bytes:
+            # Counted as bytes arrive, not as announced: a head that promises
+            # 32 MiB and sends nothing must not take anyone's share.
             self._refuse(self._buffers_full())
             return
-        if length:
-            self._reserve(length)
         if not (length or chunked):
             return
         if expect and version_11:
@@ -522,13 +590,11 @@ class Connection(asyncio.Protocol):
                 )
             )
             return
-        if self._body_size > self._reserved_current:
-            # A chunked body is counted as it arrives.
-            more = self._body_size - self._reserved_current
-            if server.buffered + more > server.max_buffered_body_bytes:
-                self._refuse(self._buffers_full())
-                return
-            self._reserve(more)
+        # Counted as it arrives, against every connection's bodies together.
+        if server.buffered + len(body) > server.max_buffered_body_bytes:
+            self._refuse(self._buffers_full())
+            return
+        self._reserve(len(body))
         self._body.append(body)
 
     def on_message_complete(self) -> None:
@@ -546,6 +612,8 @@ class Connection(asyncio.Protocol):
         if b"#" in target:
             # A fragment is the client's own business (RFC 9110 7.1).
             target = target.split(b"#", 1)[0]
+        if target[:1] != b"/" and target[:4].lower() == b"http":
+            target = _origin_form(target)
         request = Request(
             self,
             self._method.decode("ascii", "replace"),
@@ -631,9 +699,19 @@ class Connection(asyncio.Protocol):
             self._close()
             return
         if self._pending:
-            if self.transport is not None and self.reading is Reading.HEAD:
-                self.transport.resume_reading()
             self._start(self._pending.popleft())
+            if self._pending or self.reading is Reading.STOPPED:
+                return
+            if self._backlog:
+                # What was read but not yet parsed, up to the next request queued.
+                backlog, self._backlog = self._backlog, b""
+                self.data_received(backlog)
+                if self._backlog or self._pending or self.stopped:
+                    return
+            if self.transport is not None:
+                # Nothing queued ahead now: read on (the next head, or the body
+                # of one whose head came meanwhile). Never while anything waits.
+                self.transport.resume_reading()
             return
         if self._doomed is not None:
             self._answer_doomed()
@@ -772,6 +850,10 @@ class Connection(asyncio.Protocol):
         self._in_head = False
         discard = refusal.status in (413, 503) and self.reading is Reading.BODY
         self._doomed = server.error(refusal.status, refusal.message, code=refusal.code)
+        # A refused HEAD gets its answer's head only (RFC 9110 9.3.2), as any HEAD does.
+        # (llhttp keeps the previous request's method until a new one is read:
+        # only a request line begun, its target arriving, has its own.)
+        self._doomed_head_only = bool(self._target) and self.parser.get_method() == b"HEAD"
         if discard:
             self.reading = Reading.DISCARD
             self._arm(_DISCARD_SECONDS, _Deadline.DISCARD)
@@ -788,7 +870,7 @@ class Connection(asyncio.Protocol):
         assert reply is not None
         self._keep_alive = False
         self._version_11 = True
-        self.write_reply(reply)
+        self.write_reply(reply, head_only=self._doomed_head_only)
         if self.reading is not Reading.DISCARD:
             self._close()
         # A DISCARD connection closes when the refused body ends, or at its deadline.

@@ -284,3 +284,85 @@ async def test_a_replica_switching_protocols_is_a_502_without_a_traceback(
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     await wait_for(lambda: server.upstream.open_connections == 0)
     assert (await protocol_errors(server.admin_url, "upstream")).get("switched_protocols") == 1
+
+
+# Found by the hostile review ---------------------------------------------------------------------
+
+
+async def test_a_body_delimited_by_close_and_ended_by_a_reset_looks_broken(
+    start_raw: StartRaw, start_router: StartRouter
+) -> None:
+    import socket
+    import struct
+
+    async def answer(exchange: Exchange) -> None:
+        await exchange.write(
+            b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n{"id":"x","obj'
+        )
+        sock = exchange.writer.get_extra_info("socket")
+        # SO_LINGER 0: the close is a reset, not an end.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        exchange.writer.transport.abort()
+
+    replica = await start_raw(answer)
+    server = await start_router([entry(replica.url)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post())
+        answer_ = await wire.answer()
+    assert answer_.status == 200 and not answer_.complete
+
+
+async def test_a_large_answer_passes_through_with_its_length_and_a_large_error_is_a_502(
+    start_raw: StartRaw, start_router: StartRouter
+) -> None:
+    from router.forward import WHOLE_ANSWER_BYTES
+
+    big = b"x" * (WHOLE_ANSWER_BYTES * 3)
+
+    async def answer(exchange: Exchange) -> None:
+        status = 200 if exchange.index == 1 else 500
+        await exchange.write(
+            b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (status, len(big))
+        )
+        for start in range(0, len(big), 65536):
+            await exchange.write(big[start : start + 65536])
+
+    replica = await start_raw(answer)
+    server = await start_router([entry(replica.url)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post())
+        passed = await wire.answer(timeout=10)
+        assert passed.status == 200 and passed.complete and passed.body == big
+        assert passed.header(b"content-length") == b"%d" % len(big)
+        wire.send(post())
+        refused = await wire.answer(timeout=10)
+    # An error answer that large is not an error message: never held whole.
+    assert refused.status == 502
+
+
+async def test_a_request_a_fresh_connection_took_is_not_sent_again_when_it_closes(
+    start_raw: StartRaw, start_router: StartRouter
+) -> None:
+    async def answer(exchange: Exchange) -> None:
+        exchange.close()  # took the whole request, answered nothing
+
+    first = await start_raw(answer)
+    second = await start_raw(answer)
+    server = await start_router([entry(first.url, "a"), entry(second.url, "b")], max_attempts=4)
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post())
+        assert (await wire.answer()).status == 502
+    # The replica may have run it: it is not run again, there or elsewhere.
+    assert len(first.requests) + len(second.requests) == 1
+
+
+async def test_a_status_below_100_is_a_502(start_raw: StartRaw, start_router: StartRouter) -> None:
+    async def answer(exchange: Exchange) -> None:
+        await exchange.write(b"HTTP/1.1 099 Weird\r\nContent-Length: 2\r\n\r\n{}")
+
+    replica = await start_raw(answer)
+    server = await start_router([entry(replica.url)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post())
+        assert (await wire.answer()).status == 502
+    assert len(replica.requests) == 1

@@ -390,3 +390,128 @@ async def test_protocol_errors_are_counted_by_reason_and_logged_once_a_minute(
     assert counts == {"host": 3, "invalid_http": 1}
     lines = [r for r in caplog.records if r.name == "router.server"]
     assert [r.getMessage().split(":", 1)[0] for r in lines] == ["host", "invalid_http"]
+
+
+# Found by the hostile review ---------------------------------------------------------------------
+
+
+async def test_a_client_pipelining_without_end_holds_at_most_one_request_ahead(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    client_server = server._client_server
+    assert client_server is not None
+    one = b"GET /v1/models HTTP/1.1\r\nHost: router\r\n\r\n"
+    _, writer = await asyncio.open_connection(*server.client_address)  # type: ignore[misc]
+    try:
+        most = 0
+        for _ in range(40):
+            writer.write(one * 2000)
+            await asyncio.sleep(0.005)
+            for connection in client_server.connections:
+                most = max(most, len(connection._pending))
+        # Parsing stops at the first request queued behind the running one, a
+        # slice of the read at most: never the thousands of a whole read.
+        assert most <= 4096 // len(one) + 1
+    finally:
+        writer.close()
+
+
+async def test_a_pipelined_requests_body_is_read_once_the_one_ahead_is_answered(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], body_timeout_seconds=2)
+    third = post()
+    head_end = third.index(b"\r\n\r\n") + 4
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post() + post() + third[:head_end])
+        for _ in range(2):
+            assert (await wire.answer()).status == 200
+        await asyncio.sleep(0.3)
+        wire.send(third[head_end:])
+        assert (await wire.answer(timeout=1.5)).status == 200
+
+
+async def test_endless_trailers_are_refused_as_they_arrive(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    body = orjson.dumps(CHAT)
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(chunked_post(body, b"")[: -len(b"\r\n")] + b"X-T: ")
+        began = time.perf_counter()
+        statuses: list[int] = []
+
+        async def endless() -> None:
+            while True:
+                wire.send(b"a" * 1024)
+                await asyncio.sleep(0.001)
+
+        sender = asyncio.create_task(endless())
+        try:
+            statuses.append((await wire.answer(timeout=10)).status)
+        finally:
+            sender.cancel()
+        assert time.perf_counter() - began < 3.0
+    assert statuses == [431]
+    assert fake.seen == []
+
+
+async def test_an_announced_length_takes_no_share_of_the_body_budget_until_its_bytes_come(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], max_buffered_body_bytes=100_000)
+    idle = [await Wire.open(server.client_address) for _ in range(3)]
+    try:
+        for wire in idle:
+            # Together they promise 99,000 of the 100,000 bytes and send none:
+            # no one else may be refused for what never came.
+            wire.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Length: 33000\r\n\r\n")
+        await asyncio.sleep(0.1)
+        async with await Wire.open(server.client_address) as wire:
+            wire.send(post(orjson.dumps({**CHAT, "pad": "x" * 2000})))
+            assert (await wire.answer()).status == 200
+    finally:
+        for wire in idle:
+            await wire.__aexit__()
+
+
+async def test_a_refused_head_request_gets_a_head_only(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(b"HEAD /v1/models HTTP/1.1\r\n\r\n")  # no Host: 400
+        answer = await wire.answer(head_request=True)
+        assert answer.status == 400 and int(answer.header(b"content-length") or b"0") > 0
+        # Nothing follows the head: the connection ends right after it.
+        assert await wire.closed() == b""
+
+
+async def test_an_absolute_form_target_is_accepted_and_forwarded_in_origin_form(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post(path=b"http://router/v1/chat/completions?x=1"))
+        assert (await wire.answer()).status == 200
+    assert fake.seen[-1].path == "/v1/chat/completions?x=1"
+
+
+async def test_upgrade_with_expect_behind_a_long_answer_gets_its_100(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(tokens=12, token_delay=0.1))
+    server = await start_router([replica_entry("r0", fake)], body_timeout_seconds=0.5)
+    body = orjson.dumps(CHAT)
+    waiting = post(body, extra=b"Expect: 100-continue\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n")
+    long_stream = post(orjson.dumps({**CHAT, "stream": True, "max_tokens": 12}))  # 1.2 s
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(long_stream + waiting[: -len(body)])
+        assert (await wire.answer(timeout=5)).status == 200
+        # The body deadline did not run while the 100 was owed: no 408.
+        assert (await wire.answer()).status == 100
+        wire.send(body)
+        assert (await wire.answer()).status == 200
