@@ -287,8 +287,9 @@ class _Connection(asyncio.Protocol):
         self.quiet_since = 0.0
         # Bytes of the head so far (as the parser reports its fields, and as
         # reads arrive), and of reads in the body that carried no body byte.
-        self._head_size = 0
         self._head_bytes = 0
+        # The size of the read being parsed.
+        self._read = 0
         self._line = 0
         self._framing_bytes = 0
         # Body bytes parsed from the current read, handed on as one piece
@@ -307,9 +308,11 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.reads += 1
         state = self.state
-        if state is not _BODY and state is not _ACTIVE:
-            self._stray(state)
-            return
+        if state is not _BODY:
+            if state is not _ACTIVE:
+                self._stray(state)
+                return
+            self._read = len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -412,7 +415,9 @@ class _Connection(asyncio.Protocol):
 
     def on_status(self, status: bytes) -> None:
         self._status_line += status
-        self._head_size += len(status)
+
+    def _head_size(self) -> int:
+        return len(self._status_line) + sum(len(name) + len(value) + 4 for name, value in self._headers)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.state is not _ACTIVE:
@@ -420,10 +425,11 @@ class _Connection(asyncio.Protocol):
             # which the proxy may already have passed on.
             return
         self._headers.append((name, value))
-        self._head_size += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
-        if self._head_size > MAX_HEAD_BYTES:
+        # A head that came whole in one read was never counted as it arrived:
+        # counted now, where that read could have held more than the bound.
+        if self._head_bytes + self._read > MAX_HEAD_BYTES and self._head_size() > MAX_HEAD_BYTES:
             # All of it in one read, which data_received's count never saw unfinished.
             self._fail("head_too_large", HeadTooLarge(f"the replica's head is over {MAX_HEAD_BYTES} bytes"))
             raise _Stop
@@ -447,7 +453,10 @@ class _Connection(asyncio.Protocol):
         self.response = response
         self.state = _BODY
         self.seen_reads = -1
-        self.client._body_began(self)
+        client = self.client
+        client._busy.add(self)
+        if client._watch is None:
+            client._watch = self.loop.call_later(client._watch_every, client._watch_idle)
         head = self.head
         if head is not None and not head.done():
             head.set_result(response)
@@ -490,7 +499,6 @@ class _Connection(asyncio.Protocol):
         self._status_line = b""
         self._headers = []
         self._reads_at_send = self.reads
-        self._head_size = 0
         self._head_bytes = 0
         self._line = 0
         self._framing_bytes = 0
@@ -720,11 +728,6 @@ class Client:
                 del self._idle[key]
         if self._idle:
             self._sweeper = asyncio.get_running_loop().call_later(self.keepalive_seconds, self._sweep)
-
-    def _body_began(self, connection: _Connection) -> None:
-        self._busy.add(connection)
-        if self._watch is None:
-            self._watch = connection.loop.call_later(self._watch_every, self._watch_idle)
 
     def _watch_idle(self) -> None:
         """End bodies whose replica went quiet: one sweep for every connection with a body in progress.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,7 +231,7 @@ class Forwarder:
         which the server cuts off after write_stall_timeout_seconds.
         """
         last = b"\n\n"
-        write = writer.write
+        write: Callable[[bytes], bool] = writer.write
 
         def sink(chunk: bytes) -> bool:
             nonlocal last
@@ -241,6 +242,7 @@ class Forwarder:
         try:
             # A known length passes through as a length; the writer holds the body to it.
             writer.start(resp.status, resp.reason_bytes, headers, length=None if sse else resp.content_length)
+            write = writer.body_sink()
             try:
                 await resp.pipe(sink, writer.drain)
             except ConnectionBroken as exc:

@@ -71,6 +71,7 @@ class ApiKeys:
 
     def __init__(self, keys: tuple[str, ...]) -> None:
         self._keys = tuple(key.encode() for key in keys)
+        self.active = bool(self._keys)
         # The router consumes the client's key; the replicas never see it.
         self.drop = frozenset({b"authorization"}) if self._keys else frozenset()
 
@@ -132,7 +133,8 @@ class Proxy:
     async def inference(self, request: Request, writer: Writer) -> None:
         started = time.perf_counter()
         try:
-            self.keys.check(request)
+            if self.keys.active:
+                self.keys.check(request)
             body = request.body
             obj, requested, stream = parse_request(body)
             model = self.routes.aliases.get(requested, requested)
@@ -191,10 +193,15 @@ class Proxy:
             avoid: Replica | None = None
             refused: set[Replica] = set()
             for attempt in range(self._max_attempts):
-                replica = await self._acquire(target, avoid, refused)
+                replica = self.pool.acquire(target, avoid, refused)
                 if replica is None:
-                    break
-                self._count_attempt(model, target, attempt)
+                    if not self.pool.saturated(target):
+                        break
+                    replica = await self._wait(target, avoid, refused)
+                    if replica is None:
+                        break
+                if attempt or target != model:
+                    self._count_attempt(model, target, attempt)
                 try:
                     failed = await self.forwarder.attempt(request, writer, replica, body, headers, target, stream)
                 finally:
@@ -211,11 +218,8 @@ class Proxy:
                     refused.add(replica)
         writer.answer(self._unserved(requested, chain, last, only_connect_failures))
 
-    async def _acquire(self, model: str, avoid: Replica | None, refused: set[Replica]) -> Replica | None:
-        """A replica of `model`, waiting in its queue while every one is at its limit (503 after)."""
-        replica = self.pool.acquire(model, avoid, refused)
-        if replica is not None or not self.pool.saturated(model):
-            return replica
+    async def _wait(self, model: str, avoid: Replica | None, refused: set[Replica]) -> Replica | None:
+        """Every replica of `model` is at its limit: wait in its queue for one (503 after the timeout)."""
         deadline = asyncio.get_running_loop().time() + self._queue_timeout
         replica, timed_out = await self.pool.acquire_or_wait(model, avoid, refused, deadline=deadline)
         if timed_out:

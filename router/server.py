@@ -89,6 +89,26 @@ _REASONS = {
     505: b"HTTP Version Not Supported",
 }
 
+# The request fields the server itself reads, by name as sent (the usual
+# spellings) or lowered; any other name is passed over with one lookup.
+_F_HOST, _F_LENGTH, _F_CODINGS, _F_EXPECT, _F_CONNECTION, _F_UPGRADE = range(6)
+_FIELDS: dict[bytes, int] = {}
+for _kind, _name in (
+    (_F_HOST, b"host"),
+    (_F_LENGTH, b"content-length"),
+    (_F_CODINGS, b"transfer-encoding"),
+    (_F_EXPECT, b"expect"),
+    (_F_CONNECTION, b"connection"),
+    (_F_UPGRADE, b"upgrade"),
+):
+    _FIELDS[_name] = _kind
+    _FIELDS[b"-".join(part.capitalize() for part in _name.split(b"-"))] = _kind
+_FIELD_LENGTHS = frozenset(len(name) for name in _FIELDS)
+
+# Bytes tested by value (`b"#" in x` raises and clears a TypeError inside).
+_HASH = ord("#")
+_SLASH = ord("/")
+
 # uri-host [ ":" port ] (RFC 9110 7.2, RFC 3986 3.2.2): a reg-name, an IPv4
 # address or a bracketed IP literal. Empty is allowed (no authority).
 _HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.vV]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]*)(?::[0-9]*)?")
@@ -250,6 +270,23 @@ class _Deadline(enum.Enum):
     DISCARD = 4
 
 
+# Module-level names for the states: an Enum member read through its class
+# goes through the metaclass's __getattr__ (about 60 ns), many times per request.
+_R_HEAD = Reading.HEAD
+_R_BODY = Reading.BODY
+_R_DISCARD = Reading.DISCARD
+_R_STOPPED = Reading.STOPPED
+_A_IDLE = Answering.IDLE
+_A_ACTIVE = Answering.ACTIVE
+_A_CLOSING = Answering.CLOSING
+_A_CLOSED = Answering.CLOSED
+_D_NONE = _Deadline.NONE
+_D_HEAD = _Deadline.HEAD
+_D_BODY = _Deadline.BODY
+_D_IDLE = _Deadline.IDLE
+_D_DISCARD = _Deadline.DISCARD
+
+
 class Connection(asyncio.Protocol):
     """One client connection: parse, run the handler per request in order, answer."""
 
@@ -257,8 +294,8 @@ class Connection(asyncio.Protocol):
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.parser = self._new_parser()
-        self.reading = Reading.HEAD
-        self.answering = Answering.IDLE
+        self.reading = _R_HEAD
+        self.answering = _A_IDLE
         self._target: list[bytes] = []
         self._target_size = 0
         self._headers: list[tuple[bytes, bytes]] = []
@@ -266,7 +303,6 @@ class Connection(asyncio.Protocol):
         self._body_size = 0
         # Bytes of the current head: complete fields, and the line still arriving.
         self._in_head = False
-        self._head_size = 0
         self._line = 0
         self._keep_alive_request = True
         self._method = b""
@@ -297,7 +333,7 @@ class Connection(asyncio.Protocol):
         # The read side's deadline and what it is for (monotonic; 0 = none), and
         # the write side's; one sweep over all connections checks both.
         self._deadline = 0.0
-        self._deadline_kind = _Deadline.NONE
+        self._deadline_kind = _D_NONE
         self._write_deadline = 0.0
         self._paused = False
         self._drained: asyncio.Future[None] | None = None
@@ -306,7 +342,7 @@ class Connection(asyncio.Protocol):
     @property
     def stopped(self) -> bool:
         """Nothing more is read on this connection."""
-        return self.reading is Reading.STOPPED
+        return self.reading is _R_STOPPED
 
     def _new_parser(self) -> httptools.HttpRequestParser:
         parser = httptools.HttpRequestParser(self)
@@ -329,22 +365,45 @@ class Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         self.server.connections.add(self)
         # The first head must start and end within the head deadline.
-        self._arm(self.server.header_timeout, _Deadline.HEAD)
+        self._arm(self.server.header_timeout, _D_HEAD)
 
     def data_received(self, data: bytes) -> None:
-        if self.reading is Reading.STOPPED:
+        if self.reading is _R_STOPPED:
             # After `Connection: close` or a refusal: whatever follows is not read.
             return
-        if len(data) <= _SLICE:
-            self._feed(data)
+        if len(data) > _SLICE:
+            self._feed_slices(data)
             return
-        # A large read is parsed a slice at a time, so that a client pipelining
-        # ahead is read only up to the first request queued behind the running
-        # one; the rest waits, unparsed, until that request starts.
+        body_before = self._body_size
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            data = self._upgraded(data, exc.args[0])
+        except httptools.HttpParserError as exc:
+            self._parse_failed(exc)
+        # A whole request in one read (the usual case) ends here: reading the
+        # next head, not in one. Deadlines are armed only for what is unfinished.
+        reading = self.reading
+        if reading is _R_HEAD:
+            if self._in_head:
+                self._count_head_bytes(data)
+        elif reading is _R_BODY:
+            if not self._deadline and not self._continue_owed:
+                self._arm(self.server.body_timeout, _D_BODY)
+            if self._chunked:
+                if self._body_size != body_before:
+                    self._framing = 0
+                else:
+                    self._count_framing_bytes(data)
+
+    def _feed_slices(self, data: bytes) -> None:
+        """A large read, parsed a slice at a time, so that a client pipelining ahead
+        is read only up to the first request queued behind the running one; the
+        rest waits, unparsed, until that request starts."""
         end = len(data)
         start = 0
         while start < end:
-            self._feed(data[start : start + _SLICE])
+            self.data_received(data[start : start + _SLICE])
             start += _SLICE
             if self.stopped:
                 return
@@ -352,28 +411,22 @@ class Connection(asyncio.Protocol):
                 self._backlog = data[start:]
                 return
 
-    def _feed(self, data: bytes) -> None:
-        body_before = self._body_size
+    def _upgraded(self, data: bytes, offset: int) -> bytes:
+        """The request is complete (its Upgrade ignored); what follows is HTTP/1.1
+        again: its body, if it has one, then more requests. The bytes parsed last."""
         while True:
+            data = data[offset:]
+            self._after_upgrade()
+            if not data or self.reading is _R_STOPPED:
+                return data
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserUpgrade as exc:
-                # The request is complete (its Upgrade ignored); what follows
-                # is HTTP/1.1 again: its body, if it has one, then more requests.
-                data = data[exc.args[0] :]
-                self._after_upgrade()
-                if data and self.reading is not Reading.STOPPED:
-                    continue
+                offset = exc.args[0]
+                continue
             except httptools.HttpParserError as exc:
                 self._parse_failed(exc)
-            break
-        if self._in_head and self.reading is Reading.HEAD:
-            self._count_head_bytes(data)
-        elif self._chunked and self.reading is Reading.BODY:
-            if self._body_size != body_before:
-                self._framing = 0
-            else:
-                self._count_framing_bytes(data)
+            return data
 
     def _count_framing_bytes(self, data: bytes) -> None:
         """A read of a chunked body that carried none of it: chunk framing or trailers, bounded as a head is.
@@ -390,13 +443,21 @@ class Connection(asyncio.Protocol):
                 _Refused(431, "trailers_too_large", f"Chunk framing or trailers over {MAX_HEAD} bytes without data.")
             )
 
+    def _head_size(self) -> int:
+        """Bytes of the head's fields so far: counted only when it matters, not per field."""
+        return self._target_size + sum(len(name) + len(value) + 4 for name, value in self._headers)
+
     def _count_head_bytes(self, data: bytes) -> None:
-        """A head still arriving: bound its current line and its whole size now, as bytes come."""
+        """A head still arriving: its deadline runs; its current line and whole size are bounded now."""
+        if self._deadline_kind is not _D_HEAD or not self._deadline:
+            # The head's first read that did not end it: its deadline and line count begin.
+            self._arm(self.server.header_timeout, _D_HEAD)
+            self._line = 0
         newline = data.rfind(b"\n")
         self._line = len(data) - newline - 1 if newline >= 0 else self._line + len(data)
         if self._line > MAX_LINE + _REQUEST_LINE_SLACK:
             self._refuse(_Refused(431, "header_line_too_long", f"A header line is longer than {MAX_LINE} bytes."))
-        elif self._head_size + self._line > MAX_HEAD:
+        elif self._head_size() + self._line > MAX_HEAD:
             self._refuse(_Refused(431, "head_too_large", f"The request head is larger than {MAX_HEAD} bytes."))
 
     def eof_received(self) -> bool:
@@ -406,8 +467,8 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
-        self.answering = Answering.CLOSED
-        self.reading = Reading.STOPPED
+        self.answering = _A_CLOSED
+        self.reading = _R_STOPPED
         self._disarm()
         self._write_deadline = 0.0
         self._pending.clear()
@@ -431,21 +492,22 @@ class Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         if self._synthetic:
             return
-        if self.reading is Reading.STOPPED:
+        if self.reading is _R_STOPPED:
             # Nothing more is read on this connection: stop the parser here.
             raise _StopParsing
+        # (The body list is emptied where the last one was taken; the line
+        # count is begun where a head or a body's framing spans reads.)
         self._target = []
         self._target_size = 0
         self._headers = []
-        self._body = []
         self._body_size = 0
         self._reserved_current = 0
         self._in_head = True
-        self._head_size = 0
-        self._line = 0
-        if self.reading is not Reading.DISCARD:
-            self.reading = Reading.HEAD
-            self._arm(self.server.header_timeout, _Deadline.HEAD)
+        if self.reading is not _R_DISCARD:
+            self.reading = _R_HEAD
+            # An idle connection's deadline ends here; a head that does not
+            # arrive whole in this read gets its own (data_received).
+            self._deadline = 0.0
 
     def on_url(self, url: bytes) -> None:
         if self._synthetic:
@@ -460,56 +522,74 @@ class Connection(asyncio.Protocol):
             # A trailer field of a chunked body: never merged into the head
             # (RFC 9110 6.5.1), where it could pass for Authorization.
             return
-        size = len(name) + len(value)
-        if size > MAX_LINE:
+        if len(name) + len(value) > MAX_LINE:
             raise self._refused(431, "header_line_too_long", f"A header line is longer than {MAX_LINE} bytes.")
-        self._head_size += size + 4
-        if self._head_size > MAX_HEAD:
-            raise self._refused(431, "head_too_large", f"The request head is larger than {MAX_HEAD} bytes.")
         self._headers.append((name, value))
         if len(self._headers) > MAX_HEADERS:
             raise self._refused(431, "too_many_headers", f"The request has more than {MAX_HEADERS} header fields.")
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._deadline = 0.0
         if self._synthetic:
             self._synthetic = False
-            self.reading = Reading.BODY
+            self.reading = _R_BODY
             if not self._continue_owed:
-                self._arm(self.server.body_timeout, _Deadline.BODY)
+                self._arm(self.server.body_timeout, _D_BODY)
             return
-        if self.reading is Reading.DISCARD:
+        if self.reading is _R_DISCARD:
             return
+        headers = self._headers
+        # A whole head read at once was bounded field by field; in all, only
+        # when its fields could add up past the bound at all.
+        if self._target_size + len(headers) * MAX_LINE > MAX_HEAD and self._head_size() > MAX_HEAD:
+            raise self._refused(431, "head_too_large", f"The request head is larger than {MAX_HEAD} bytes.")
         parser = self.parser
         version = parser.get_http_version()
-        if version != "1.1" and version != "1.0":  # noqa: PLR1714 (two compares beat a tuple here)
+        version_11 = version == "1.1"
+        if not version_11 and version != "1.0":
             raise self._refused(505, "http_version", f"HTTP/{version} is not supported; use HTTP/1.1.")
-        self._version_11 = version_11 = version == "1.1"
+        self._version_11 = version_11
         # The method as this head says it: after an ignored Upgrade another
         # parser reads the body, and its method is not the request's.
         self._method = method = parser.get_method()
-        # One pass over the names, lowered only where the length can match.
+        # One pass over the names: most are none of these, told by one lookup.
         hosts = 0
         host = b""
         length: int | None = None
         codings: list[bytes] | None = None
         expect = False
+        upgrade = False
         connection: bytes | None = None
-        for name, value in self._headers:
-            size = len(name)
-            if size == 4 and name.lower() == b"host":
+        for name, value in headers:
+            kind = _FIELDS.get(name)
+            if kind is None:
+                if len(name) not in _FIELD_LENGTHS:
+                    continue
+                kind = _FIELDS.get(name.lower())
+                if kind is None:
+                    continue
+            if kind == _F_HOST:
                 hosts += 1
                 host = value
-            elif size == 14 and name.lower() == b"content-length":
+            elif kind == _F_LENGTH:
                 length = int(value)  # llhttp has checked the digits
-            elif size == 17 and name.lower() == b"transfer-encoding":
+            elif kind == _F_CODINGS:
                 if codings is None:
                     codings = []
                 codings += [c.strip() for c in value.lower().split(b",") if c.strip()]
-            elif size == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
-                expect = True
-            elif size == 10 and name.lower() == b"connection":
+            elif kind == _F_EXPECT:
+                expect = value.lower() == b"100-continue"
+            elif kind == _F_CONNECTION:
                 connection = value.lower() if connection is None else connection + b"," + value.lower()
+            else:
+                upgrade = True
+        if hosts != 1:
+            if version_11 or hosts:
+                detail = "no Host header" if hosts == 0 else f"{hosts} Host headers"
+                raise self._refused(400, "host", f"The request has {detail}; HTTP/1.1 requires exactly one.")
+        elif host not in self.server.hosts and not self.server.valid_host(host):
+            raise self._refused(400, "host", "The Host header is not a valid host[:port].")
         # RFC 9112 9.3, from the head alone (not llhttp's view, which heeds
         # Proxy-Connection and trailers): close wins; HTTP/1.1 persists
         # unless told to close; HTTP/1.0 only when it asks for keep-alive.
@@ -518,65 +598,57 @@ class Connection(asyncio.Protocol):
         else:
             tokens = {t.strip() for t in connection.split(b",")}
             self._keep_alive_request = b"close" not in tokens and (version_11 or b"keep-alive" in tokens)
-        self._chunked = chunked = codings is not None
-        self._framing = 0
-        if chunked and codings != [b"chunked"]:
-            # RFC 9112 6.1: chunked must be the final coding, and the router
-            # decodes no other: forwarding such a body would mislabel it.
-            shown = ", ".join(c.decode("latin-1") for c in codings or ())
-            raise self._refused(
-                501, "transfer_encoding", f"Transfer-Encoding {shown!r} is not supported; only chunked."
-            )
-        if hosts != 1 and (version_11 or hosts):
-            detail = "no Host header" if hosts == 0 else f"{hosts} Host headers"
-            raise self._refused(400, "host", f"The request has {detail}; HTTP/1.1 requires exactly one.")
-        if hosts and not self.server.valid_host(host):
-            raise self._refused(400, "host", "The Host header is not a valid host[:port].")
-        if chunked and not version_11:
-            raise self._refused(400, "transfer_encoding_http_1_0", "Transfer-Encoding is not allowed in HTTP/1.0.")
-        if method == b"CONNECT":
-            raise self._refused(405, "connect", "CONNECT is not supported: this is not a forward proxy.")
-        self.reading = Reading.BODY
-        self._upgrade_framing = None
-        if parser.should_upgrade():
+        self.reading = _R_BODY
+        if codings is not None:
+            if codings != [b"chunked"]:
+                # RFC 9112 6.1: chunked must be the final coding, and the router
+                # decodes no other: forwarding such a body would mislabel it.
+                shown = ", ".join(c.decode("latin-1") for c in codings)
+                raise self._refused(
+                    501, "transfer_encoding", f"Transfer-Encoding {shown!r} is not supported; only chunked."
+                )
+            if not version_11:
+                raise self._refused(400, "transfer_encoding_http_1_0", "Transfer-Encoding is not allowed in HTTP/1.0.")
+            self._chunked = True
+            self._framing = 0
+            self._line = 0
+        elif self._chunked:
+            self._chunked = False
+        # llhttp upgrades on CONNECT, and on Upgrade with Connection: upgrade.
+        if (upgrade or method == b"CONNECT") and parser.should_upgrade():
+            if method == b"CONNECT":
+                raise self._refused(405, "connect", "CONNECT is not supported: this is not a forward proxy.")
             # RFC 9110 7.8: a server may ignore Upgrade and answer in HTTP/1.1.
             if length:
                 self._upgrade_framing = b"Content-Length: %d\r\n" % length
-            elif chunked:
+            elif codings is not None:
                 self._upgrade_framing = b"Transfer-Encoding: chunked\r\n"
         server = self.server
-        limit = server.max_body_bytes
-        if length is not None and length > limit:
-            self._refuse(
-                _Refused(
-                    413,
-                    "body_too_large",
-                    f"The request body is {length} bytes; the limit is {limit}.",
-                    "request_too_large",
-                )
-            )
+        if length is not None:
+            if length > server.max_body_bytes:
+                message = f"The request body is {length} bytes; the limit is {server.max_body_bytes}."
+                self._refuse(_Refused(413, "body_too_large", message, "request_too_large"))
+                return
+            if not length:
+                return
+        elif codings is None:
             return
-        if (length or chunked) and server.buffered >= server.max_buffered_body_bytes:
+        if server.buffered >= server.max_buffered_body_bytes:
             # Counted as bytes arrive, not as announced: a head that promises
             # 32 MiB and sends nothing must not take anyone's share.
             self._refuse(self._buffers_full())
             return
-        if not (length or chunked):
-            return
         if expect and version_11:
             # Never a 1xx to an HTTP/1.0 client (RFC 9110 15.2): it sends its body anyway.
-            if self.answering is Answering.IDLE and not self._pending:
+            if self.answering is _A_IDLE and not self._pending:
                 self._write_continue()
             else:
                 # The client waits for the 100 before sending its body: no body
                 # deadline runs until the 100 is out.
                 self._continue_owed = True
-                self._disarm()
-                return
-        self._arm(server.body_timeout, _Deadline.BODY)
 
     def on_body(self, body: bytes) -> None:
-        if self.reading is not Reading.BODY:
+        if self.reading is not _R_BODY:
             return
         self._body_size += len(body)
         server = self.server
@@ -591,28 +663,31 @@ class Connection(asyncio.Protocol):
             )
             return
         # Counted as it arrives, against every connection's bodies together.
-        if server.buffered + len(body) > server.max_buffered_body_bytes:
+        size = len(body)
+        if server.buffered + size > server.max_buffered_body_bytes:
             self._refuse(self._buffers_full())
             return
-        self._reserve(len(body))
+        self._reserved_current += size
+        self._reserved += size
+        server.buffered += size
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self.reading is Reading.DISCARD:
-            if self.answering is Answering.IDLE and not self._pending:
+        if self.reading is _R_DISCARD:
+            if self.answering is _A_IDLE and not self._pending:
                 self._close()
             else:
-                self.reading = Reading.STOPPED
+                self.reading = _R_STOPPED
             return
         if self._upgrade_framing is not None:
             # Not the end: llhttp skipped an upgraded request's body; the
             # fresh parser reads it (see _after_upgrade).
             return
         target = b"".join(self._target) if len(self._target) != 1 else self._target[0]
-        if b"#" in target:
+        if _HASH in target:
             # A fragment is the client's own business (RFC 9110 7.1).
             target = target.split(b"#", 1)[0]
-        if target[:1] != b"/" and target[:4].lower() == b"http":
+        if target[0] != _SLASH and target[:4].lower() == b"http":
             target = _origin_form(target)
         request = Request(
             self,
@@ -626,13 +701,13 @@ class Connection(asyncio.Protocol):
         )
         self._body = []
         self._continue_owed = False
-        self._disarm()
+        self._deadline = 0.0
         if request.keep_alive:
-            self.reading = Reading.HEAD
+            self.reading = _R_HEAD
         else:
             # Nothing after a request that closes the connection is read.
-            self.reading = Reading.STOPPED
-        if self.answering is Answering.IDLE and not self._pending:
+            self.reading = _R_STOPPED
+        if self.answering is _A_IDLE and not self._pending:
             self._start(request)
         else:
             self._pending.append(request)
@@ -646,7 +721,7 @@ class Connection(asyncio.Protocol):
         framing = self._upgrade_framing
         self._upgrade_framing = None
         self.parser = self._new_parser()
-        if framing is None or self.reading is not Reading.BODY:
+        if framing is None or self.reading is not _R_BODY:
             return
         self._synthetic = True
         try:
@@ -657,13 +732,13 @@ class Connection(asyncio.Protocol):
     # Running requests ---------------------------------------------------------------
 
     def _start(self, request: Request) -> None:
-        self.answering = Answering.ACTIVE
+        self.answering = _A_ACTIVE
         self.task = asyncio.get_running_loop().create_task(self._run(request))
 
     async def _run(self, request: Request) -> None:
         self._keep_alive = request.keep_alive and not self.server.stopping
         self._version_11 = request.version_11
-        writer = Writer(self, head_only=request.method == "HEAD")
+        writer = Writer(self, request.method == "HEAD")
         try:
             await self.server.handler(request, writer)
         except asyncio.CancelledError:
@@ -671,7 +746,11 @@ class Connection(asyncio.Protocol):
             raise
         except Exception:  # noqa: BLE001 (the root of a request: answered 500, logged, connection lives on)
             self.server.log_exception("request handler failed")
-        self._unreserve(request.reserved)
+        size = request.reserved
+        if size and self.answering is not _A_CLOSED:
+            # (A connection lost meanwhile counted all of its bodies out already.)
+            self._reserved -= size
+            self.server.buffered -= size
         request.body = b""
         phase = writer.phase
         if phase is not _DONE:
@@ -680,7 +759,7 @@ class Connection(asyncio.Protocol):
             else:
                 # Bytes of a stream are out: a 500 now would corrupt it; it ends broken.
                 writer.abort()
-        if self._paused and self.answering is not Answering.CLOSED:
+        if self._paused and self.answering is not _A_CLOSED:
             # An answer the client does not read is not kept forever.
             try:
                 await self.drain()
@@ -688,19 +767,31 @@ class Connection(asyncio.Protocol):
                 self.task = None
                 return
         self.task = None
+        if (
+            self.answering is _A_ACTIVE
+            and self._keep_alive
+            and not self._pending
+            and self.reading is _R_HEAD
+            and not self._in_head
+            and self._doomed is None
+        ):
+            # The usual end: nothing queued, nothing owed; the connection idles.
+            self.answering = _A_IDLE
+            self._arm(self.server.keepalive_timeout, _D_IDLE)
+            return
         self._next()
 
     def _next(self) -> None:
         """A request was answered: start the next, answer a doomed one, or wait."""
-        if self.answering is Answering.CLOSED:
+        if self.answering is _A_CLOSED:
             return
-        self.answering = Answering.IDLE
+        self.answering = _A_IDLE
         if not self._keep_alive:
             self._close()
             return
         if self._pending:
             self._start(self._pending.popleft())
-            if self._pending or self.reading is Reading.STOPPED:
+            if self._pending or self.reading is _R_STOPPED:
                 return
             if self._backlog:
                 # What was read but not yet parsed, up to the next request queued.
@@ -716,22 +807,22 @@ class Connection(asyncio.Protocol):
         if self._doomed is not None:
             self._answer_doomed()
             return
-        if self.reading is Reading.STOPPED:
+        if self.reading is _R_STOPPED:
             self._close()
             return
         if self._continue_owed:
             # The request still arriving is now the one being answered.
             self._continue_owed = False
             self._write_continue()
-            self._arm(self.server.body_timeout, _Deadline.BODY)
-        elif not self._in_head and self.reading is Reading.HEAD:
-            self._arm(self.server.keepalive_timeout, _Deadline.IDLE)
+            self._arm(self.server.body_timeout, _D_BODY)
+        elif not self._in_head and self.reading is _R_HEAD:
+            self._arm(self.server.keepalive_timeout, _D_IDLE)
 
     def _write_continue(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
-    def write_reply(self, reply: Reply, *, head_only: bool = False) -> None:
+    def write_reply(self, reply: Reply, head_only: bool = False) -> None:
         """A whole answer in one write (the connection's own refusals and each Writer.answer())."""
         transport = self.transport
         if transport is None or transport.is_closing():
@@ -783,7 +874,7 @@ class Connection(asyncio.Protocol):
     async def drain(self) -> None:
         """Wait until the client took enough of its answer; WriteStalled when it takes nothing for long."""
         transport = self.transport
-        if transport is None or transport.is_closing() or self.answering is Answering.CLOSED:
+        if transport is None or transport.is_closing() or self.answering is _A_CLOSED:
             raise ConnectionResetError("the client went away")
         if not self._paused:
             return
@@ -816,11 +907,11 @@ class Connection(asyncio.Protocol):
     def _parse_failed(self, exc: httptools.HttpParserError) -> None:
         refusal, self._refusal = self._refusal, None
         if refusal is None:
-            if self.reading is Reading.STOPPED or self.reading is Reading.DISCARD:
+            if self.reading is _R_STOPPED or self.reading is _R_DISCARD:
                 # Bytes after a request that closes the connection, or in a
                 # dropped body: not read, and no more answers owed for them.
-                self.reading = Reading.STOPPED
-                if self.answering is Answering.IDLE and not self._pending and self._doomed is None:
+                self.reading = _R_STOPPED
+                if self.answering is _A_IDLE and not self._pending and self._doomed is None:
                     self._close()
                 return
             refusal = _Refused(400, "invalid_http", f"The request is not valid HTTP/1.1: {exc}.")
@@ -848,21 +939,21 @@ class Connection(asyncio.Protocol):
         self._continue_owed = False
         self._upgrade_framing = None
         self._in_head = False
-        discard = refusal.status in (413, 503) and self.reading is Reading.BODY
+        discard = refusal.status in (413, 503) and self.reading is _R_BODY
         self._doomed = server.error(refusal.status, refusal.message, code=refusal.code)
         # A refused HEAD gets its answer's head only (RFC 9110 9.3.2), as any HEAD does.
         # (llhttp keeps the previous request's method until a new one is read:
         # only a request line begun, its target arriving, has its own.)
         self._doomed_head_only = bool(self._target) and self.parser.get_method() == b"HEAD"
         if discard:
-            self.reading = Reading.DISCARD
-            self._arm(_DISCARD_SECONDS, _Deadline.DISCARD)
+            self.reading = _R_DISCARD
+            self._arm(_DISCARD_SECONDS, _D_DISCARD)
         else:
-            self.reading = Reading.STOPPED
+            self.reading = _R_STOPPED
             self._disarm()
             if self.transport is not None:
                 self.transport.pause_reading()
-        if self.answering is Answering.IDLE and not self._pending:
+        if self.answering is _A_IDLE and not self._pending:
             self._answer_doomed()
 
     def _answer_doomed(self) -> None:
@@ -871,7 +962,7 @@ class Connection(asyncio.Protocol):
         self._keep_alive = False
         self._version_11 = True
         self.write_reply(reply, head_only=self._doomed_head_only)
-        if self.reading is not Reading.DISCARD:
+        if self.reading is not _R_DISCARD:
             self._close()
         # A DISCARD connection closes when the refused body ends, or at its deadline.
 
@@ -889,13 +980,17 @@ class Connection(asyncio.Protocol):
             self.server.buffered -= size
 
     def _arm(self, seconds: float, kind: _Deadline) -> None:
-        self._deadline = time.monotonic() + seconds
+        server = self.server
+        if server._sweeper is None:
+            server.watch()
+        # The sweep's clock, at most one sweep old: a deadline is never early,
+        # and no clock is read per request.
+        self._deadline = server.now + seconds + server.every
         self._deadline_kind = kind
-        self.server.watch()
 
     def _disarm(self) -> None:
         self._deadline = 0.0
-        self._deadline_kind = _Deadline.NONE
+        self._deadline_kind = _D_NONE
 
     @property
     def waiting(self) -> bool:
@@ -916,37 +1011,37 @@ class Connection(asyncio.Protocol):
             return
         kind = self._deadline_kind
         self._disarm()
-        if kind is _Deadline.HEAD:
+        if kind is _D_HEAD:
             # A head that never ended: no answer is owed; the slot is freed.
             self.server.protocol_errors.record("head_timeout", f"{self!r} sent no whole head in time")
-            if self.answering is Answering.IDLE and not self._pending:
+            if self.answering is _A_IDLE and not self._pending:
                 if self.transport is not None:
                     self.transport.abort()
             else:
                 # The requests before it are answered first; then the connection closes.
-                self.reading = Reading.STOPPED
+                self.reading = _R_STOPPED
                 self._in_head = False
                 if self.transport is not None:
                     self.transport.pause_reading()
-        elif kind is _Deadline.BODY:
+        elif kind is _D_BODY:
             self._refuse(
                 _Refused(408, "body_timeout", f"The request body did not arrive within {self.server.body_timeout:g} s.")
             )
-        elif kind is _Deadline.DISCARD:
-            if self.answering is Answering.IDLE and self._doomed is None:
+        elif kind is _D_DISCARD:
+            if self.answering is _A_IDLE and self._doomed is None:
                 self._close()
             else:
-                self.reading = Reading.STOPPED
-        elif self.answering is Answering.IDLE:
+                self.reading = _R_STOPPED
+        elif self.answering is _A_IDLE:
             self._close()
 
     def _close(self) -> None:
         """Close once what was written has been taken; abort if the client will not take it."""
-        self.reading = Reading.STOPPED
+        self.reading = _R_STOPPED
         self._disarm()
         transport = self.transport
-        if self.answering is not Answering.CLOSED:
-            self.answering = Answering.CLOSING
+        if self.answering is not _A_CLOSED:
+            self.answering = _A_CLOSING
         if transport is None or transport.is_closing():
             return
         if transport.get_write_buffer_size():
@@ -956,7 +1051,7 @@ class Connection(asyncio.Protocol):
         transport.close()
 
     def close_if_idle(self) -> None:
-        if self.answering is Answering.IDLE:
+        if self.answering is _A_IDLE:
             self._close()
 
 
@@ -989,14 +1084,16 @@ class Writer:
 
     __slots__ = ("_chunked", "_connection", "_head_only", "_left", "_no_body", "phase")
 
-    def __init__(self, connection: Connection, *, head_only: bool) -> None:
+    def __init__(self, connection: Connection, head_only: bool) -> None:
         self._connection = connection
         self._head_only = head_only
+        self.phase = _NEW
+        # Set by start(), read only by a started stream: whether no body may
+        # follow the head, whether it is chunked, and the bytes still owed when
+        # it declared a length (-1: none declared).
         self._no_body = head_only
         self._chunked = False
-        # Bytes still owed when the stream declared a length; -1 = none declared.
         self._left = -1
-        self.phase = _NEW
 
     @property
     def started(self) -> bool:
@@ -1007,7 +1104,7 @@ class Writer:
         if self.phase is not _NEW:
             raise RuntimeError(f"an answer was already {'begun' if self.phase is _STREAMING else 'written'}")
         self.phase = _DONE
-        self._connection.write_reply(reply, head_only=self._head_only)
+        self._connection.write_reply(reply, self._head_only)
 
     def start(
         self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], *, length: int | None = None
@@ -1039,6 +1136,31 @@ class Writer:
             self._left -= len(data)
         transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
         return connection._paused
+
+    def body_sink(self) -> Callable[[bytes], bool]:
+        """write(), made for this stream: what a stream's source calls per piece, in its own callback.
+
+        A chunked stream with no declared length (the common one) writes with
+        the framing checks done once here, not per piece; the others keep write().
+        """
+        if self.phase is not _STREAMING:
+            raise RuntimeError("body_sink() outside a started, unfinished stream")
+        connection = self._connection
+        transport = connection.transport
+        if transport is None or self._no_body or self._left >= 0 or not self._chunked:
+            return self.write
+
+        def write_chunk(data: bytes) -> bool:
+            if self.phase is not _STREAMING:
+                raise RuntimeError("a piece written after the stream's end")
+            if transport.is_closing():
+                return True
+            if data:
+                # An empty piece would be the last-chunk: never written here.
+                transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            return connection._paused
+
+        return write_chunk
 
     def end(self) -> None:
         """The body is complete."""
@@ -1107,32 +1229,33 @@ class Server:
         self.connections: set[Connection] = set()
         self.stopping = False
         self._sweeper: asyncio.TimerHandle | None = None
-        self._hosts: set[bytes] = set()
+        # Monotonic time as of the last sweep (or the start of one): the clock deadlines are set by.
+        self.now = time.monotonic()
+        # Host values already found valid: a connection sends the same one on every request.
+        self.hosts: set[bytes] = set()
         # Deadlines are checked this often: a few times per the shortest of them.
         shortest = min(header_timeout, keepalive_timeout, body_timeout, write_stall_timeout)
-        self._every = max(0.05, min(1.0, shortest / 4))
+        self.every = max(0.05, min(1.0, shortest / 4))
 
     def __call__(self) -> Connection:
         return Connection(self)
 
     def valid_host(self, value: bytes) -> bool:
-        # A connection sends the same Host on every request: check each value once.
-        if value in self._hosts:
-            return True
         if _HOST.fullmatch(value) is None:
             return False
-        if len(self._hosts) < 256:
-            self._hosts.add(value)
+        if len(self.hosts) < 256:
+            self.hosts.add(value)
         return True
 
     def watch(self) -> None:
         """Make sure the sweep runs while any connection waits on a deadline."""
         if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().call_later(self._every, self._sweep)
+            self.now = time.monotonic()
+            self._sweeper = asyncio.get_running_loop().call_later(self.every, self._sweep)
 
     def _sweep(self) -> None:
         self._sweeper = None
-        now = time.monotonic()
+        self.now = now = time.monotonic()
         waiting = False
         for connection in list(self.connections):
             connection.check(now)

@@ -35,6 +35,11 @@ _NOT_FORWARDED = frozenset(
 )
 
 
+# A byte tested by its value: `b"_" in x` first tries the argument as an
+# integer, raises and clears a TypeError inside, and costs ten times more.
+_UNDERSCORE = ord("_")
+
+
 def _hop_filter(raw: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes]) -> list[tuple[bytes, bytes]]:
     """The end-to-end headers of `raw`: one pass, and a second only if Connection names some."""
     kept: list[tuple[bytes, bytes, bytes]] = []
@@ -47,7 +52,7 @@ def _hop_filter(raw: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes]) -> l
                 tokens.discard(b"")
                 named = tokens if named is None else named | tokens
             continue
-        if b"_" in lower:
+        if _UNDERSCORE in lower:
             # `Content_Length` is `Content-Length` to servers that fold `_`
             # into `-` (CGI, WSGI, some engines' frameworks): a framing or
             # hop-by-hop name spelled so is dropped like the name it copies.

@@ -1,0 +1,171 @@
+"""Instructions per request, counted by callgrind: the CPU budget's figure on a noisy machine.
+
+    .venv/bin/python bench/instructions.py [--baseline REF ...] [--requests 2000]
+
+CPU time per request on this shared 2-core machine moves by 20% from one
+run to the next; an instruction count does not (valgrind --tool=callgrind
+counts the same for the same code and inputs, whatever else the machine
+does). Each router (the working tree, and each REF as `router@REF`) runs
+under callgrind with instrumentation off; after a warm-up, it is switched on
+for exactly `--requests` requests and off again. Reported: instructions per
+request for short requests (non-streaming chat, 16 tokens) and for 64-chunk
+streams, and each REF's ratio to the working tree. The fake replica and the
+load generator run outside valgrind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.compare import checkout, free_port, router_config, wait_http  # noqa: E402
+
+WORKLOADS = {
+    "short": {"model": "fast", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16},
+    "stream": {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": True},
+}
+
+
+async def load(port: int, body: dict[str, object], count: int, connections: int) -> None:
+    """`count` requests over `connections` keep-alive connections, each answer read whole."""
+    payload = json.dumps(body).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload)
+    )
+    left = [count]
+
+    async def one_connection() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while left[0] > 0:
+                left[0] -= 1
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                match = re.search(rb"(?i)content-length: (\d+)", head)
+                if match is not None:
+                    await reader.readexactly(int(match.group(1)))
+                else:
+                    await reader.readuntil(b"0\r\n\r\n")
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(one_connection() for _ in range(connections)))
+
+
+def callgrind_control(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
+
+
+def measure(name: str, cwd: Path | None, tmp: Path, fake: str, requests: int) -> dict[str, float]:
+    config = router_config(tmp, name.replace("@", "-"), fake, 4)
+    port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
+    out = tmp / f"{name.replace('@', '-')}.callgrind"
+    process = subprocess.Popen(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            f"--callgrind-out-file={out}.%p",
+            sys.executable,
+            "-m",
+            "router",
+            "serve",
+            "--config",
+            str(config),
+            "--log-level",
+            "warning",
+        ],
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    figures: dict[str, float] = {}
+    try:
+        wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=300, process=process)
+        for workload, body in WORKLOADS.items():
+            asyncio.run(load(port, body, 200, 4))  # warm-up: connections, caches, lazy imports
+            for old in tmp.glob(f"{out.name}.*"):
+                old.unlink()
+            callgrind_control(process.pid, "-i", "on")
+            asyncio.run(load(port, body, requests, 4))
+            callgrind_control(process.pid, "-i", "off")
+            callgrind_control(process.pid, "-d")
+            time.sleep(0.5)
+            total = 0
+            for dump in tmp.glob(f"{out.name}.*"):
+                for line in dump.read_text(errors="replace").splitlines():
+                    if line.startswith("summary:") or line.startswith("totals:"):
+                        total = max(total, int(line.split()[1]))
+            figures[workload] = total / requests
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", metavar="REF", action="append", default=[], help="a commit to compare with")
+    parser.add_argument("--requests", type=int, default=2000, help="requests counted per workload")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
+        parser.error("valgrind is not installed (Debian's valgrind package)")
+    with tempfile.TemporaryDirectory(prefix="router-instructions-") as tmpdir:
+        tmp = Path(tmpdir)
+        fake_port = free_port()
+        fake_url = f"http://127.0.0.1:{fake_port}"
+        fake = subprocess.Popen(
+            [sys.executable, "-m", "router.fake", "--port", str(fake_port), "--model", "fast", "--tokens", "64"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        results: dict[str, dict[str, float]] = {}
+        try:
+            wait_http(fake_url + "/v1/models", process=fake)
+            results["router"] = measure("router", None, tmp, fake_url, args.requests)
+            for ref in args.baseline:
+                tree = checkout(ref, tmp / "trees" / ref)
+                results[f"router@{ref}"] = measure(f"router@{ref}", tree, tmp, fake_url, args.requests)
+        finally:
+            fake.terminate()
+            fake.wait(timeout=20)
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    now = results["router"]
+    print("| router | instructions per short request | per 64-chunk stream |")
+    print("| --- | --- | --- |")
+    for name, figures in results.items():
+        ratios = (
+            ""
+            if name == "router"
+            else " (working tree: {:.3f}x, {:.3f}x)".format(
+                now["short"] / figures["short"], now["stream"] / figures["stream"]
+            )
+        )
+        print(f"| {name} | {figures['short']:,.0f} | {figures['stream']:,.0f}{ratios} |")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    sys.exit(main())
