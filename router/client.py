@@ -346,6 +346,8 @@ class _Connection(asyncio.Protocol):
         elif self.state is _ACTIVE:
             # Counted per read, not per completed field: an endless header
             # line never completes, and httptools grows it with `+=`.
+            if not self._head_bytes:
+                self._line = 0
             self._head_bytes += len(data)
             # And the line still arriving, which httptools copies whole on
             # every read that adds to it: bounded, so is the copying.
@@ -433,15 +435,17 @@ class _Connection(asyncio.Protocol):
             # All of it in one read, which data_received's count never saw unfinished.
             self._fail("head_too_large", HeadTooLarge(f"the replica's head is over {MAX_HEAD_BYTES} bytes"))
             raise _Stop
+        # The count of a head that spanned reads starts anew with the next head.
+        self._head_bytes = 0
         status = self.parser.get_status_code()
-        if status < 100:
-            # 099 parses as three digits, but no such status exists (RFC 9110 15).
-            self._fail("invalid_response", self._broken(f"the replica answered with status {status:03d}"))
-            raise _Stop
-        if status == 101:
-            self._switched()
-            raise _Stop
-        if 100 <= status < 200:
+        if status < 200:
+            if status < 100:
+                # 099 parses as three digits, but no such status exists (RFC 9110 15).
+                self._fail("invalid_response", self._broken(f"the replica answered with status {status:03d}"))
+                raise _Stop
+            if status == 101:
+                self._switched()
+                raise _Stop
             # An interim answer (100 Continue, 103 Early Hints): the real one
             # follows. Dropped, not forwarded: passing anything to the client
             # would commit it to this attempt, so no retry could follow.
@@ -452,9 +456,7 @@ class _Connection(asyncio.Protocol):
         response = Response(self, status, self._status_line, self._headers)
         self.response = response
         self.state = _BODY
-        self.seen_reads = -1
         client = self.client
-        client._busy.add(self)
         if client._watch is None:
             client._watch = self.loop.call_later(client._watch_every, client._watch_idle)
         head = self.head
@@ -471,7 +473,6 @@ class _Connection(asyncio.Protocol):
         if self._body:
             self._flush()
         self.state = _DONE
-        self.client._busy.discard(self)
         self.reusable = self.parser.should_keep_alive()
         response._finish()
 
@@ -499,9 +500,6 @@ class _Connection(asyncio.Protocol):
         self._status_line = b""
         self._headers = []
         self._reads_at_send = self.reads
-        self._head_bytes = 0
-        self._line = 0
-        self._framing_bytes = 0
         self.head = loop.create_future()
         if head_timeout is not None:
             # One timer per request, cancelled by the head: cheaper than an
@@ -614,9 +612,8 @@ class Client:
         self._all: set[_Connection] = set()
         self._tls: ssl.SSLContext | None = None
         self._sweeper: asyncio.TimerHandle | None = None
-        # Connections with a body in progress, and the one timer that watches
-        # them all for silence: no timer, no clock call per chunk.
-        self._busy: set[_Connection] = set()
+        # The one timer that watches every connection with a body in progress
+        # for silence: no timer, no clock call per chunk.
         self._watch: asyncio.TimerHandle | None = None
         self._watch_every = min(max(idle_timeout / 4, 0.05), 5.0)
         self.protocol_errors = ProtocolErrors(logging.getLogger("router.client"), level=logging.WARNING)
@@ -739,7 +736,7 @@ class Client:
         replica: skipped, and its quiet time starts afresh once resumed.
         """
         self._watch = None
-        busy = self._busy
+        busy = [c for c in self._all if c.state is _BODY]
         if not busy:
             return  # no timer while no body is in progress
         loop = asyncio.get_running_loop()
@@ -756,12 +753,10 @@ class Client:
                 quiet.append(connection)
         for connection in quiet:
             connection.went_quiet(limit)
-        if busy:
-            self._watch = loop.call_later(self._watch_every, self._watch_idle)
+        self._watch = loop.call_later(self._watch_every, self._watch_idle)
 
     def _forget(self, connection: _Connection) -> None:
         self._all.discard(connection)
-        self._busy.discard(connection)
         idle = self._idle.get(connection.origin.key)
         if idle and connection in idle:
             idle.remove(connection)

@@ -72,6 +72,10 @@ class Failed:
         return self.answer or error_response(self.error)
 
 
+def _is_sse(resp: Response) -> bool:
+    return (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
+
+
 class DataPathMetrics:
     """Histograms observed per request; their children are bound once per model."""
 
@@ -183,12 +187,7 @@ class Forwarder:
             if (
                 status < 400
                 and status not in _NO_BODY
-                and (
-                    stream
-                    or length is None
-                    or length > WHOLE_ANSWER_BYTES
-                    or (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
-                )
+                and (stream or length is None or length > WHOLE_ANSWER_BYTES or _is_sse(resp))
             ):
                 await self._stream(writer, replica, resp, out_headers)
                 return None
@@ -200,7 +199,10 @@ class Forwarder:
             except ConnectionBroken as exc:
                 error = UpstreamResetError(f"Replica {replica.id} broke off its answer: {exc}")
                 return self._failed(replica, error, False)
-            writer.answer(replica_answer(status, resp.reason_bytes, data, out_headers))
+            if status < 400:
+                writer.answer(Reply(status, data, out_headers, resp.reason_bytes))
+            else:
+                writer.answer(replica_answer(status, resp.reason_bytes, data, out_headers))
             return None
         finally:
             # Back to the pool after a complete answer; closed if the answer
@@ -238,10 +240,14 @@ class Forwarder:
             last = chunk
             return write(chunk)
 
-        sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
         try:
-            # A known length passes through as a length; the writer holds the body to it.
-            writer.start(resp.status, resp.reason_bytes, headers, length=None if sse else resp.content_length)
+            # A known length passes through as a length, the writer holding the
+            # body to it (an event stream's length is not kept: it may end in an
+            # error event of the router's own).
+            length = resp.content_length
+            if length is not None and _is_sse(resp):
+                length = None
+            writer.start(resp.status, resp.reason_bytes, headers, length=length)
             write = writer.body_sink()
             try:
                 await resp.pipe(sink, writer.drain)
@@ -253,7 +259,7 @@ class Forwarder:
                 self.pool.count_failure(replica, "reset")
                 self.pool.record_failure(replica)
                 log.warning("replica %s broke off an answer: %s", replica.id, exc)
-                if sse:
+                if _is_sse(resp):
                     event = b"data: " + error_body(
                         502, f"Replica {replica.id} broke off the stream: {exc}", "server_error", "upstream_error"
                     )

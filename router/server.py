@@ -822,28 +822,6 @@ class Connection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
-    def write_reply(self, reply: Reply, head_only: bool = False) -> None:
-        """A whole answer in one write (the connection's own refusals and each Writer.answer())."""
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        status = reply.status
-        # 204 and 304 carry neither a body nor a length (RFC 9110 8.6).
-        framing = b"" if status in (204, 304) else b"Content-Length: %d\r\n" % len(reply.body)
-        if not self._keep_alive:
-            framing += b"Connection: close\r\n"
-        elif not self._version_11:
-            # HTTP/1.0 closes by default: say that this one stays open.
-            framing += b"Connection: keep-alive\r\n"
-        head = _head(status, reply.reason, reply.headers, framing + b"\r\n")
-        if head_only or status in (204, 304):
-            transport.write(head)
-        elif len(reply.body) > 65536:
-            # A big answer (embeddings of a large batch) is not copied into the head.
-            transport.writelines((head, reply.body))
-        else:
-            transport.write(head + reply.body)
-
     def _write_stream_head(
         self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], length: int | None, no_body: bool
     ) -> bool:
@@ -961,7 +939,7 @@ class Connection(asyncio.Protocol):
         assert reply is not None
         self._keep_alive = False
         self._version_11 = True
-        self.write_reply(reply, head_only=self._doomed_head_only)
+        Writer(self, self._doomed_head_only).answer(reply)
         if self.reading is not _R_DISCARD:
             self._close()
         # A DISCARD connection closes when the refused body ends, or at its deadline.
@@ -1088,12 +1066,9 @@ class Writer:
         self._connection = connection
         self._head_only = head_only
         self.phase = _NEW
-        # Set by start(), read only by a started stream: whether no body may
-        # follow the head, whether it is chunked, and the bytes still owed when
-        # it declared a length (-1: none declared).
-        self._no_body = head_only
-        self._chunked = False
-        self._left = -1
+        # start() sets, and only a started stream reads: whether no body may
+        # follow the head (_no_body), whether it is chunked (_chunked), and
+        # the bytes still owed when it declared a length (_left; -1: none).
 
     @property
     def started(self) -> bool:
@@ -1104,7 +1079,26 @@ class Writer:
         if self.phase is not _NEW:
             raise RuntimeError(f"an answer was already {'begun' if self.phase is _STREAMING else 'written'}")
         self.phase = _DONE
-        self._connection.write_reply(reply, self._head_only)
+        connection = self._connection
+        transport = connection.transport
+        if transport is None or transport.is_closing():
+            return
+        status = reply.status
+        # 204 and 304 carry neither a body nor a length (RFC 9110 8.6).
+        framing = b"" if status in (204, 304) else b"Content-Length: %d\r\n" % len(reply.body)
+        if not connection._keep_alive:
+            framing += b"Connection: close\r\n"
+        elif not connection._version_11:
+            # HTTP/1.0 closes by default: say that this one stays open.
+            framing += b"Connection: keep-alive\r\n"
+        head = _head(status, reply.reason, reply.headers, framing + b"\r\n")
+        if self._head_only or status in (204, 304):
+            transport.write(head)
+        elif len(reply.body) > 65536:
+            # A big answer (embeddings of a large batch) is not copied into the head.
+            transport.writelines((head, reply.body))
+        else:
+            transport.write(head + reply.body)
 
     def start(
         self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], *, length: int | None = None
@@ -1114,8 +1108,7 @@ class Writer:
             raise RuntimeError("the answer's head was already written")
         self.phase = _STREAMING
         self._no_body = self._head_only or status in (204, 304) or 100 <= status < 200
-        if length is not None:
-            self._left = length
+        self._left = -1 if length is None else length
         self._chunked = self._connection._write_stream_head(status, reason, headers, length, self._no_body)
 
     def write(self, data: bytes) -> bool:
