@@ -2,7 +2,8 @@
 
     make bench            (= .venv/bin/python bench/run.py, after bench/peers)
 
-Runs the acquire()+release() bench, the usage-tick bench and bench/compare.py
+Runs the acquire()+release() bench, the usage-tick bench, instructions per
+request under callgrind (bench/instructions.py, when valgrind is installed) and bench/compare.py
 (router against the floor proxy and the peers, 4 and 4,000 replicas, 10,000
 open streams), and writes bench/results/latest.md. Ratios within the run are
 what to compare: the machines are shared and noisy.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -35,6 +37,8 @@ def main() -> None:
     args = parser.parse_args()
     acquire = json.loads(run("acquire.py", "--json"))
     tick = json.loads(run("tick.py", "--json"))
+    # Instructions per request: the CPU budget's figure, steady on a noisy machine.
+    instructions = json.loads(run("instructions.py", "--json")) if shutil.which("valgrind") else None
     subprocess.run(
         [
             sys.executable,
@@ -60,6 +64,18 @@ def main() -> None:
         "| --- | --- | --- |",
         *(f"| {n} | {ns:.0f} | {ns / base:.2f} |" for n, ns in acquire.items()),
         "",
+        *(
+            [
+                "## Instructions per request (callgrind; bench/instructions.py)",
+                "",
+                "| short request | 64-chunk stream |",
+                "| --- | --- |",
+                f"| {instructions['router']['short']:,.0f} | {instructions['router']['stream']:,.0f} |",
+                "",
+            ]
+            if instructions is not None
+            else []
+        ),
         "## The usage tick (snapshot, usage body, Prometheus copy)",
         "",
         "| replicas | tick, quiet fleet | tick, every replica used since the last | /metrics render (off the loop) |",
