@@ -70,8 +70,10 @@ def callgrind_control(pid: int, *args: str) -> None:
     subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
 
 
-def measure(name: str, cwd: Path | None, tmp: Path, fake: str, requests: int) -> dict[str, float]:
+def measure(name: str, cwd: Path | None, tmp: Path, fake: str, requests: int, extra: str = "") -> dict[str, float]:
     config = router_config(tmp, name.replace("@", "-"), fake, 4)
+    if extra:
+        config.write_text(config.read_text() + extra)
     port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
     out = tmp / f"{name.replace('@', '-')}.callgrind"
     process = subprocess.Popen(
@@ -126,6 +128,11 @@ def main() -> int:
     parser.add_argument("--baseline", metavar="REF", action="append", default=[], help="a commit to compare with")
     parser.add_argument("--requests", type=int, default=2000, help="requests counted per workload")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--hold-configured",
+        action="store_true",
+        help="also run the working tree with cold_start_seconds on every model, nothing held (router-hold)",
+    )
     args = parser.parse_args()
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         parser.error("valgrind is not installed (Debian's valgrind package)")
@@ -142,6 +149,9 @@ def main() -> int:
         try:
             wait_http(fake_url + "/v1/models", process=fake)
             results["router"] = measure("router", None, tmp, fake_url, args.requests)
+            if args.hold_configured:
+                hold = "".join(f'[models."{m}"]\ncold_start_seconds = 60\n' for m in ("fast", "slow", "sleepy"))
+                results["router-hold"] = measure("router-hold", None, tmp, fake_url, args.requests, hold)
             for ref in args.baseline:
                 tree = checkout(ref, tmp / "trees" / ref)
                 results[f"router@{ref}"] = measure(f"router@{ref}", tree, tmp, fake_url, args.requests)

@@ -20,7 +20,10 @@ def error_body(status: int, message: str, type_: str, code: str | None, param: s
 
 
 def error_response(exc: ClientFacingError) -> Reply:
-    return Reply(exc.status, error_body(exc.status, exc.message, exc.type, exc.code, exc.param), [JSON])
+    headers = [JSON]
+    if exc.retry_after is not None:
+        headers.append((b"Retry-After", b"%d" % exc.retry_after))
+    return Reply(exc.status, error_body(exc.status, exc.message, exc.type, exc.code, exc.param), headers)
 
 
 def server_error(status: int, message: str, *, code: str | None = None) -> Reply:

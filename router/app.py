@@ -36,6 +36,7 @@ from router.sinks.push import PushSink
 from router.sources import ReplicaSource, build_sources, exclusive_source, initial_set, reload_all
 from router.upstream import make_session
 from router.usage import Ticker
+from router.wake import Waker
 from router.worker_metrics import METRICS_PATH, report
 
 log = logging.getLogger("router")
@@ -138,6 +139,22 @@ class RouterServer(Listening):
             idle_timeout=config.upstream_idle_timeout_seconds,
         )
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
+        if config.wake_url:
+            pool, wall, mono = self.pool, self._wall, self._mono
+
+            def held_now(model: str) -> tuple[int, float | None]:
+                oldest = pool.oldest_held(model)
+                return pool.held(model), None if oldest is None else wall() - (mono() - oldest)
+
+            proxy.waker = Waker(
+                session,
+                config.wake_url,
+                router=config.router_name,
+                cooldown=config.wake_cooldown_seconds,
+                token=config.admin_token,
+                registry=self.registry,
+                held_now=held_now,
+            )
 
         # The client port's own HTTP/1.1 server (server.py): the request
         # path stays in one protocol object, with no framework per request.
@@ -220,6 +237,11 @@ class RouterServer(Listening):
     async def stop(self) -> None:
         """Graceful: not ready, stop accepting, let requests finish, final push."""
         self.ready = False
+        # Held requests would wait for a replica this router will never send
+        # them to: they get their 503 now, not at the end of the grace.
+        ended = self.pool.end_holds()
+        if ended:
+            log.info("shutting down: %d held requests answered 503 model_cold", ended)
         if self._client_listener is not None:
             # Stop accepting at once; those connected finish within the grace.
             self._client_listener.close()
@@ -232,6 +254,8 @@ class RouterServer(Listening):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        if self.proxy is not None and self.proxy.waker is not None:
+            await self.proxy.waker.close()
         if self.ticker is not None:
             final = self.ticker.tick()
             if self.sinks.push is not None:

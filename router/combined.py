@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from router.pool import ReplicaState
-from router.usage import ReplicaUsage, UsageSnapshot
+from router.usage import Demand, ReplicaUsage, UsageSnapshot
 
 Key = tuple[str, str, str]  # (id, url, model): one replica; an id whose URL changed is another
 
@@ -66,7 +66,7 @@ class Memory:
                 del store[key]
 
 
-_TALLIES = ("retries", "fallbacks", "unserved", "stalled", "overloaded")
+_TALLIES = ("retries", "fallbacks", "unserved", "stalled", "overloaded", "hold_outcomes")
 
 
 def _key(r: ReplicaUsage) -> Key:
@@ -103,7 +103,20 @@ def combine(
     """One router's snapshot from its workers' (every live worker's, taken just now)."""
     grouped: dict[Key, list[ReplicaUsage]] = {}
     tallies: dict[str, dict[Any, int]] = {name: dict(memory.retired_tallies.get(name, {})) for name in _TALLIES}
+    demand: dict[str, Demand] = {}
     for snapshot in snapshots:
+        for model, d in snapshot.demand.items():
+            # Held requests add up; the oldest wait and the latest ask win.
+            known = demand.get(model)
+            demand[model] = (
+                d
+                if known is None
+                else Demand(
+                    known.held + d.held,
+                    _least(known.oldest_held_since, d.oldest_held_since),
+                    _most(known.last_asked, d.last_asked),
+                )
+            )
         for r in snapshot.replicas:
             grouped.setdefault(_key(r), []).append(r)
         for name in _TALLIES:
@@ -155,4 +168,14 @@ def combine(
         unserved=MappingProxyType(tallies["unserved"]),
         stalled=MappingProxyType(tallies["stalled"]),
         overloaded=MappingProxyType(tallies["overloaded"]),
+        hold_outcomes=MappingProxyType(tallies["hold_outcomes"]),
+        demand=MappingProxyType(demand),
     )
+
+
+def _least(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _most(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)

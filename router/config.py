@@ -153,6 +153,10 @@ class ModelConfig:
     fallbacks: tuple[str, ...] = ()
     # The picking policy (router.picking.POLICIES) for this model's replicas.
     routing: str = DEFAULT_POLICY
+    # Scale from zero: how long a request may be held waiting for a replica
+    # that answers (0: a prompt 503 as before), and how many at once.
+    cold_start_seconds: float = 0.0
+    max_held: int = 100
 
 
 # Each setting is declared once, as a field of Config below: its type and
@@ -246,6 +250,11 @@ class Config:
     health_check_interval_seconds: float = _seconds(0.0, "active checks of every replica; 0 = off", minimum=0.0)
     health_check_path: str = _setting("/health", _path, 'a 2xx is healthy ("/v1/models" for llama.cpp)')
     health_check_timeout_seconds: float = _seconds(2.0, "")
+    # Scale from zero: told when a model's first request is held, so that it can start a replica.
+    wake_url: str = _setting(
+        "", _optional_url, 'optional: POST {"router", "model", "held", "since"} here when a request is held'
+    )
+    wake_cooldown_seconds: float = _seconds(10.0, "at most one wake call per model this often while requests stay held")
     replicas: tuple[ReplicaConfig, ...] = ()
     models: Mapping[str, ModelConfig] = field(default_factory=lambda: MappingProxyType({}))
     source: str = "<defaults>"
@@ -260,7 +269,7 @@ _SETTINGS = settings()
 # The tables beside the settings.
 _TOP_KEYS = set(_SETTINGS) | {"replicas", "models"}
 _REPLICA_KEYS = {"id", "model", "url", "labels"}
-_MODEL_KEYS = {"aliases", "fallbacks", "routing"}
+_MODEL_KEYS = {"aliases", "fallbacks", "routing", "cold_start_seconds", "max_held"}
 
 
 def _labels(where: _Where, key: str, value: object) -> Mapping[str, LabelValue]:
@@ -323,6 +332,8 @@ def _models(where: _Where, value: object, replicas: tuple[ReplicaConfig, ...]) -
         aliases = _string_list(where, f"{key}.aliases", raw.get("aliases", []))
         fallbacks = _string_list(where, f"{key}.fallbacks", raw.get("fallbacks", []))
         routing = _string(where, f"{key}.routing", raw.get("routing", DEFAULT_POLICY))
+        cold_start = _number(where, f"{key}.cold_start_seconds", raw.get("cold_start_seconds", 0.0), minimum=0.0)
+        max_held = int(_number(where, f"{key}.max_held", raw.get("max_held", 100), minimum=1, integer=True))
         if routing not in POLICIES:
             known = ", ".join(repr(name) for name in POLICIES)
             raise where.error(f"{key}.routing", f"unknown policy {routing!r} (known: {known})")
@@ -342,7 +353,14 @@ def _models(where: _Where, value: object, replicas: tuple[ReplicaConfig, ...]) -
                     f"{key}.fallbacks[{i}]",
                     f"fallback to {target!r}, a model that no replica serves and no [models] table declares",
                 )
-        out[name] = ModelConfig(name=name, aliases=aliases, fallbacks=fallbacks, routing=routing)
+        out[name] = ModelConfig(
+            name=name,
+            aliases=aliases,
+            fallbacks=fallbacks,
+            routing=routing,
+            cold_start_seconds=float(cold_start),
+            max_held=max_held,
+        )
     return MappingProxyType(out)
 
 

@@ -176,6 +176,7 @@ def cmd_idle(args: argparse.Namespace) -> int:
                 last_used=doc["last_used"],
                 watching_since=doc["watching_since"],
                 generated_at=doc["generated_at"],
+                held={model: d.get("held", 0) for model, d in doc.get("demand", {}).items()},
             )
         )
     merged = merge_reports(reports, now=time.time(), idle_for=args.idle_for, models=models)
@@ -257,6 +258,23 @@ def cmd_status(args: argparse.Namespace) -> int:
         ]
     else:
         parts.append(f"unasked-for: none known quiet longer than {window}")
+    if doc.get("held"):
+        parts += [
+            "",
+            "held, waiting for a replica that answers (scale from zero):",
+            table(
+                ["MODEL", "REPLICAS", "HELD", "OLDEST-WAITING"],
+                [
+                    [
+                        h["model"],
+                        h["replicas"],
+                        h["held"],
+                        "-" if h["oldest_waited_seconds"] is None else human_duration(h["oldest_waited_seconds"]),
+                    ]
+                    for h in doc["held"]
+                ],
+            ),
+        ]
     if doc["unserved"]:
         parts += [
             "",

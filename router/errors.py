@@ -8,6 +8,7 @@
         ├── ModelNotFound        404 model_not_found
         ├── BodyTooLarge         413 request_too_large
         ├── NoReplicaAvailable   503 no replica of the model (or its fallbacks) can serve
+        ├── ModelCold            503 held past cold_start_seconds, or max_held reached (Retry-After)
         ├── Overloaded           503 every replica at its limit past the queue wait
         └── UpstreamError        a replica failed; `reason` labels the metric
             ├── UpstreamConnectError   502 could not connect
@@ -35,10 +36,12 @@ class ClientFacingError(RouterError):
     type = "server_error"
     code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        # Seconds after which trying again makes sense: the Retry-After header.
+        self.retry_after = retry_after
 
 
 class BadRequest(ClientFacingError):
@@ -68,6 +71,12 @@ class NoReplicaAvailable(ClientFacingError):
     status = 503
     type = "server_error"
     code = "no_replica_available"
+
+
+class ModelCold(ClientFacingError):
+    status = 503
+    type = "server_error"
+    code = "model_cold"
 
 
 class Overloaded(ClientFacingError):

@@ -60,13 +60,13 @@ class Failed:
     answer: Reply | None = None
 
     @property
-    def may_retry_same(self) -> bool:
-        """A broken connection may have been a stale keep-alive one: the same replica may be tried again."""
-        return isinstance(self.error, UpstreamResetError)
-
-    @property
     def connect_failure(self) -> bool:
         return isinstance(self.error, UpstreamConnectError)
+
+    @property
+    def loading(self) -> bool:
+        """What an engine still loading its model answers: a refused connection, or 503."""
+        return isinstance(self.error, UpstreamConnectError) or (self.answer is not None and self.answer.status == 503)
 
     def reply(self) -> Reply:
         return self.answer or error_response(self.error)
@@ -94,6 +94,13 @@ class DataPathMetrics:
             registry=registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
+        self.held = Histogram(
+            "router_held_seconds",
+            "How long requests held for a cold model waited before a replica answered, by model.",
+            ["model"],
+            registry=registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+        )
         self._duration: dict[str, Any] = {}
         self._first_byte: dict[str, Any] = {}
 
@@ -102,6 +109,9 @@ class DataPathMetrics:
         if child is None:
             child = self._duration[model] = self.duration.labels(model)
         child.observe(seconds)
+
+    def observe_held(self, model: str, seconds: float) -> None:
+        self.held.labels(model).observe(seconds)
 
     def observe_first_byte(self, model: str, seconds: float) -> None:
         child = self._first_byte.get(model)
@@ -135,8 +145,12 @@ class Forwarder:
         headers: bytes,
         model: str,
         stream: bool,
+        extra: list[tuple[bytes, bytes]] | None = None,
     ) -> Failed | None:
-        """Send to `replica`; None once the client was answered, else what failed."""
+        """Send to `replica`; None once the client was answered, else what failed.
+
+        `extra`: headers of the router's own added to the answer (X-Router-Held-Seconds).
+        """
         origin = replica.origin
         head = b"".join(
             (
@@ -181,6 +195,8 @@ class Forwarder:
             else:
                 self.pool.record_success(replica)
             out_headers = response_headers(resp.headers)
+            if extra:
+                out_headers += extra
             # Passed through as it arrives: a stream, or anything without a length.
             # A replica's error answer is read whole, to give it OpenAI's shape.
             length = resp.content_length

@@ -126,9 +126,13 @@ class SetDiff:
 class Tallies:
     """Per-model figures of the data path that belong to no replica."""
 
-    __slots__ = ("retries", "fallbacks", "unserved", "stalled", "overloaded")
+    __slots__ = ("retries", "fallbacks", "unserved", "stalled", "overloaded", "hold_outcomes", "last_asked")
 
     def __init__(self) -> None:
+        # Held requests' ends, by (model, outcome): served, timeout, overflow, client_gone, shutdown.
+        self.hold_outcomes: dict[tuple[str, str], int] = {}
+        # Monotonic time a request for the model last found nothing to serve it (held, or refused).
+        self.last_asked: dict[str, float] = {}
         self.overloaded: dict[str, int] = {}
         self.stalled: dict[str, int] = {}
         self.retries: dict[str, int] = {}
@@ -148,6 +152,10 @@ class Tallies:
         key = (model, to)
         self.fallbacks[key] = self.fallbacks.get(key, 0) + 1
 
+    def hold_ended(self, model: str, outcome: str) -> None:
+        key = (model, outcome)
+        self.hold_outcomes[key] = self.hold_outcomes.get(key, 0) + 1
+
     def unserved_request(self, model: str) -> None:
         if model not in self.unserved and len(self.unserved) >= MAX_UNSERVED_NAMES:
             model = OTHER_MODELS
@@ -158,9 +166,13 @@ _NO_ROUTING: Mapping[str, str] = {}
 
 
 class _Waiter:
-    """A request waiting for a replica of `model`: handed one (or None: none can take it) by the pool."""
+    """A request waiting for a replica of `model`: handed one (or None: none can take it) by the pool.
 
-    __slots__ = ("avoid", "exclude", "future", "model", "seq")
+    A held waiter (`hold`) waits for its model to come up: it is never handed
+    None, only a replica, or the end (deadline, shutdown).
+    """
+
+    __slots__ = ("avoid", "deadline", "exclude", "future", "hold", "model", "seq", "since")
 
     def __init__(
         self,
@@ -169,12 +181,53 @@ class _Waiter:
         avoid: Replica | None,
         exclude: Container[Replica],
         seq: int,
+        hold: bool = False,
+        since: float = 0.0,
+        deadline: float = 0.0,
     ) -> None:
         self.future = future
         self.model = model
         self.avoid = avoid
         self.exclude = exclude
         self.seq = seq
+        self.hold = hold
+        # Monotonic time it began waiting (the oldest held request's age).
+        self.since = since
+        # A held request's deadline, in loop time.
+        self.deadline = deadline
+
+
+@dataclass(frozen=True, slots=True)
+class HoldTicket:
+    """A held request's place in its model's queue, and since when it waits."""
+
+    seq: int
+    since: float
+    # Loop time by which a replica must have been handed over, or the request gets 503.
+    deadline: float
+
+
+class HoldEnded(Exception):
+    """A held request's wait ended without a replica: the router is shutting down."""
+
+
+# While a model is cold, one held request at a time is tried on its replicas,
+# this long after the last try failed, doubling up to the cap: an engine that
+# starts to answer is found within the cap, and is not flooded while it loads.
+PROBE_FIRST_SECONDS = 0.05
+PROBE_CAP_SECONDS = 0.2
+
+
+class _Cold:
+    """A model whose replicas do not answer yet (none, or all refusing): its held requests probe one at a time."""
+
+    __slots__ = ("backoff", "probing", "timer")
+
+    def __init__(self) -> None:
+        self.backoff = PROBE_FIRST_SECONDS
+        self.probing = False
+        # The next probe.
+        self.timer: asyncio.TimerHandle | None = None
 
 
 class Pool:
@@ -209,6 +262,13 @@ class Pool:
         # is removed in O(1).
         self._waiting: dict[str, OrderedDict[_Waiter, None]] = {}
         self._seq = itertools.count()
+        # Models whose held requests wait for a replica that answers.
+        self._cold: dict[str, _Cold] = {}
+        self._holds: dict[str, int] = {}
+        # Per model with held requests: the one timer for the oldest one's deadline.
+        self._expiries: dict[str, asyncio.TimerHandle] = {}
+        # Every model that had a replica since start: known, so never 404.
+        self.ever_served: set[str] = set()
         self.set_replicas(replicas)
 
     # The hot path -----------------------------------------------------------
@@ -275,8 +335,88 @@ class Pool:
         replica = self.acquire(model, avoid, exclude)
         if replica is not None or not self.saturated(model):
             return replica, False
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), model, avoid, exclude, next(self._seq))
+        return await self._wait(waiter, deadline)
+
+    async def hold(
+        self, model: str, *, deadline: float, ticket: HoldTicket | None = None
+    ) -> tuple[Replica | None, HoldTicket]:
+        """Wait until `deadline` for a replica of `model` that may answer: the model is cold.
+
+        One held request at a time is handed a replica while the model is
+        cold (a probe: the caller tries it, then says warm() or still_cold());
+        once warm, every held request in turn, under the limits. Returns
+        (replica, ticket), or (None, ticket) at the deadline; raises HoldEnded
+        when the router shuts down. A probe that failed passes its ticket
+        back to keep its place at the head of the queue and its age.
+        """
+        cold = self._cold.get(model)
+        if cold is None:
+            cold = self._cold[model] = _Cold()
+        again = ticket is not None
+        if ticket is None:
+            ticket = HoldTicket(next(self._seq), self._clock(), deadline)
         future: asyncio.Future[Replica | None] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(future, model, avoid, exclude, next(self._seq))
+        waiter = _Waiter(future, model, None, (), ticket.seq, hold=True, since=ticket.since, deadline=ticket.deadline)
+        queue = self._waiting.get(model)
+        if queue is None:
+            queue = self._waiting[model] = OrderedDict()
+        queue[waiter] = None
+        if again:
+            # A probe that failed goes back to where it was: first, and first due.
+            queue.move_to_end(waiter, last=False)
+            expiry = self._expiries.get(model)
+            if expiry is not None and expiry.when() > ticket.deadline:
+                expiry.cancel()
+                del self._expiries[model]
+        self._holds[model] = self._holds.get(model, 0) + 1
+        # No timer per held request: a model's held requests share one, for
+        # the oldest one's deadline (they are held in arrival order, for the
+        # same cold_start_seconds, so the oldest is always the first due).
+        self._expire_soon(model)
+        self._hand_off(model)
+        try:
+            return await future, ticket
+        except asyncio.CancelledError:
+            # The client left; a replica handed over meanwhile goes to the next.
+            if future.done() and not future.cancelled() and (handed := future.result()) is not None:
+                self.probe_over(model)
+                self.release(handed)
+            raise
+        finally:
+            queue.pop(waiter, None)
+            if not queue and self._waiting.get(model) is queue:
+                del self._waiting[model]
+            self._holds[model] -= 1
+            if not self._holds[model]:
+                del self._holds[model]
+
+    def _expire_soon(self, model: str) -> None:
+        if model in self._expiries:
+            return
+        queue = self._waiting.get(model)
+        first = next((w for w in queue if w.hold), None) if queue else None
+        if first is not None:
+            self._expiries[model] = asyncio.get_running_loop().call_at(first.deadline, self._expire, model)
+
+    def _expire(self, model: str) -> None:
+        """Held requests whose deadline passed get None: the caller answers 503 model_cold."""
+        self._expiries.pop(model, None)
+        queue = self._waiting.get(model)
+        now = asyncio.get_running_loop().time()
+        if queue:
+            for waiter in list(queue):
+                if not waiter.hold:
+                    continue
+                if waiter.deadline > now:
+                    break
+                if not waiter.future.done():
+                    waiter.future.set_result(None)
+        self._expire_soon(model)
+
+    async def _wait(self, waiter: _Waiter, deadline: float) -> tuple[Replica | None, bool]:
+        model = waiter.model
+        future = waiter.future
         queue = self._waiting.get(model)
         if queue is None:
             queue = self._waiting[model] = OrderedDict()
@@ -299,6 +439,95 @@ class Pool:
             if not queue and self._waiting.get(model) is queue:
                 del self._waiting[model]
 
+    def warm(self, model: str) -> None:
+        """A replica of `model` answered: its held requests go, oldest first, under the limits."""
+        cold = self._cold.pop(model, None)
+        if cold is None:
+            return
+        if cold.timer is not None:
+            cold.timer.cancel()
+        self._hand_off(model)
+
+    def still_cold(self, model: str) -> None:
+        """The probe was refused (connection refused, 503 while loading): the next one after a pause."""
+        cold = self._cold.get(model)
+        if cold is None:
+            cold = self._cold[model] = _Cold()
+        cold.probing = False
+        self._probe_soon(model, cold, cold.backoff)
+        cold.backoff = min(cold.backoff * 2, PROBE_CAP_SECONDS)
+
+    def probe_over(self, model: str) -> None:
+        """The probe ended without a verdict (its client left, it timed out): another may go."""
+        cold = self._cold.get(model)
+        if cold is not None and cold.probing:
+            cold.probing = False
+            self._probe_soon(model, cold, cold.backoff)
+
+    def end_holds(self) -> int:
+        """Shutting down: every held request's wait ends now. How many there were."""
+        ended = 0
+        for queue in list(self._waiting.values()):
+            for waiter in list(queue):
+                if waiter.hold and not waiter.future.done():
+                    waiter.future.set_exception(HoldEnded("the router is shutting down"))
+                    ended += 1
+        for cold in self._cold.values():
+            if cold.timer is not None:
+                cold.timer.cancel()
+                cold.timer = None
+        for expiry in self._expiries.values():
+            expiry.cancel()
+        self._expiries.clear()
+        return ended
+
+    def held(self, model: str) -> int:
+        """Requests held for `model` now, waiting (a probe trying a replica is not counted meanwhile)."""
+        return self._holds.get(model, 0)
+
+    def oldest_held(self, model: str) -> float | None:
+        """Monotonic time the oldest request still held for `model` began waiting."""
+        queue = self._waiting.get(model)
+        if not queue:
+            return None
+        return min((w.since for w in queue if w.hold), default=None)
+
+    def held_models(self) -> list[str]:
+        return list(self._holds)
+
+    def asked(self, model: str) -> None:
+        """A request for `model` found nothing to serve it now: demand the control plane should see."""
+        last_asked = self.tallies.last_asked
+        if model in last_asked or len(last_asked) < MAX_UNSERVED_NAMES:
+            last_asked[model] = self._clock()
+
+    def _probe_soon(self, model: str, cold: _Cold, delay: float) -> None:
+        if cold.probing or cold.timer is not None:
+            return
+        cold.timer = asyncio.get_running_loop().call_later(delay, self._probe, model)
+
+    def _probe(self, model: str) -> None:
+        """Hand one replica of a cold model to its oldest held request, to try."""
+        cold = self._cold.get(model)
+        if cold is None:
+            return
+        cold.timer = None
+        queue = self._waiting.get(model)
+        while queue:
+            waiter = next(iter(queue))
+            if waiter.future.done():
+                queue.popitem(last=False)
+                continue
+            # Every replica may be tried again: a refusal was the engine loading.
+            replica = self.acquire(model)
+            if replica is None:
+                # None ready, or all at a limit: an arrival or a release calls again.
+                return
+            queue.popitem(last=False)
+            cold.probing = True
+            waiter.future.set_result(replica)
+            return
+
     def waiting(self, model: str) -> int:
         """Requests waiting for a replica of `model` now."""
         queue = self._waiting.get(model)
@@ -311,6 +540,13 @@ class Pool:
     def _hand_off(self, model: str) -> None:
         """Give what `model` can serve now to its waiters, oldest first."""
         queue = self._waiting.get(model)
+        if not queue:
+            return
+        cold = self._cold.get(model)
+        if cold is not None:
+            # A cold model's waiters go one probe at a time, never all at once.
+            self._probe_soon(model, cold, 0.0)
+            return
         while queue:
             waiter = next(iter(queue))
             if waiter.future.done():
@@ -318,7 +554,8 @@ class Pool:
                 queue.popitem(last=False)
                 continue
             replica = self.acquire(model, waiter.avoid, waiter.exclude)
-            if replica is None and self.saturated(model):
+            if replica is None and (waiter.hold or self.saturated(model)):
+                # Nothing for the head now; those behind it wait their turn.
                 return
             queue.popitem(last=False)
             # A replica, or None: nothing left that this waiter may use.
@@ -351,6 +588,8 @@ class Pool:
     # Health -----------------------------------------------------------------
 
     def record_success(self, replica: Replica) -> None:
+        if self._cold and replica.model in self._cold:
+            self.warm(replica.model)
         replica.failures_in_row = 0
         if replica.ejected_until is None:
             replica.ejections_in_row = 0
@@ -444,6 +683,7 @@ class Pool:
             if replica_id not in changed:
                 added.append(replica_id)
             replica = Replica(config, added_at=now)
+            self.ever_served.add(replica.model)
             self._by_id[replica_id] = replica
             self._models.setdefault(replica.model, []).append(replica)
             self._refresh_candidate(replica)

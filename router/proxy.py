@@ -23,15 +23,17 @@ from router.config import Config
 from router.errors import (
     BadRequest,
     ClientFacingError,
+    ModelCold,
     ModelNotFound,
     NoReplicaAvailable,
     Overloaded,
     Unauthorized,
 )
 from router.forward import DataPathMetrics, Failed, Forwarder
-from router.pool import Pool, Replica
+from router.pool import HoldEnded, HoldTicket, Pool, Replica
 from router.server import Reply, Request, Writer
 from router.upstream import request_headers
+from router.wake import Waker
 
 INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 
@@ -114,6 +116,10 @@ class Proxy:
             write_stall_timeout=config.write_stall_timeout_seconds,
         )
         self._max_attempts = config.max_attempts
+        # Scale from zero, per model: how long a request may be held, and how many at once.
+        self.cold_start = {name: m.cold_start_seconds for name, m in config.models.items() if m.cold_start_seconds}
+        self.max_held = {name: m.max_held for name, m in config.models.items()}
+        self.waker: Waker | None = None
         self._queue_timeout = config.queue_timeout_seconds
         self._created = int(started_at if started_at is not None else time.time())
 
@@ -138,7 +144,9 @@ class Proxy:
             body = request.body
             obj, requested, stream = parse_request(body)
             model = self.routes.aliases.get(requested, requested)
-            if not self.pool.serves(model) and model not in self.routes.declared:
+            if not self.pool.serves(model) and model not in self.routes.declared and model not in self.pool.ever_served:
+                # Known is declared, or served now or at any time since start:
+                # a model scaled to zero is unavailable (503), not unknown (404).
                 self.pool.tallies.unserved_request(requested)
                 raise ModelNotFound(f"The model '{requested}' does not exist or no replica serves it.", param="model")
             await self._serve(request, writer, obj, requested, model, stream)
@@ -186,6 +194,7 @@ class Proxy:
         chain = (model, *self.routes.fallbacks.get(model, ()))
         last: Failed | None = None
         only_connect_failures = True
+        only_loading = True
         for target in chain:
             # The replica must see the name it serves (vLLM refuses an alias or
             # another model's name); only then is the body re-encoded.
@@ -210,13 +219,101 @@ class Proxy:
                     return
                 last = failed
                 only_connect_failures = only_connect_failures and failed.connect_failure
+                only_loading = only_loading and failed.loading
                 if not failed.retryable:
                     writer.answer(failed.reply())
                     return
                 avoid = replica
-                if not failed.may_retry_same:
-                    refused.add(replica)
+                refused.add(replica)
+        cold_start = self.cold_start.get(model)
+        if cold_start and (last is None or only_loading):
+            # Scaled to zero, or every replica still loading: held until one answers.
+            await self._hold(request, writer, obj, requested, model, stream, headers, cold_start)
+            return
         writer.answer(self._unserved(requested, chain, last, only_connect_failures))
+
+    async def _hold(
+        self,
+        request: Request,
+        writer: Writer,
+        obj: dict[str, Any],
+        requested: str,
+        model: str,
+        stream: bool,
+        headers: bytes,
+        cold_start: float,
+    ) -> None:
+        """Hold the request until a replica of `model` answers, `cold_start` seconds at most.
+
+        The first held request is tried on the model's replicas with a short
+        capped backoff while they refuse (loading); once one answers, the
+        rest follow in arrival order under the limits. The body is the one
+        read from the client, never copied per try.
+        """
+        pool = self.pool
+        tallies = pool.tallies
+        pool.asked(model)
+        retry_after = max(1, min(30, round(cold_start / 4)))
+        max_held = self.max_held[model]
+        if pool.held(model) >= max_held:
+            tallies.hold_ended(model, "overflow")
+            raise ModelCold(
+                f"The model '{model}' is starting, and {max_held} requests already wait for it; retry shortly.",
+                retry_after=retry_after,
+            )
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        deadline = began + cold_start
+        if self.waker is not None:
+            self.waker.held(model)
+        body = request.body if model == requested else orjson.dumps({**obj, "model": model})
+        ticket: HoldTicket | None = None
+        try:
+            while True:
+                try:
+                    replica, ticket = await pool.hold(model, deadline=deadline, ticket=ticket)
+                except HoldEnded:
+                    tallies.hold_ended(model, "shutdown")
+                    raise ModelCold(
+                        f"The router is shutting down; the model '{model}' was still starting.", retry_after=1
+                    ) from None
+                if replica is None:
+                    tallies.hold_ended(model, "timeout")
+                    raise ModelCold(
+                        f"No replica of '{model}' answered within {cold_start:g} s; it is still starting.",
+                        retry_after=retry_after,
+                    )
+                held = loop.time() - began
+                ended = False
+                try:
+                    failed = await self.forwarder.attempt(
+                        request,
+                        writer,
+                        replica,
+                        body,
+                        headers,
+                        model,
+                        stream,
+                        [(b"X-Router-Held-Seconds", b"%.3f" % held)],
+                    )
+                    ended = True
+                finally:
+                    pool.release(replica)
+                    if not ended:
+                        pool.probe_over(model)
+                if failed is not None and failed.retryable and failed.loading:
+                    # Still loading: the next try after a pause, this request first in line.
+                    pool.still_cold(model)
+                    continue
+                pool.probe_over(model)
+                tallies.hold_ended(model, "served")
+                self.metrics.observe_held(model, held)
+                if failed is not None:
+                    writer.answer(failed.reply())
+                return
+        except asyncio.CancelledError:
+            tallies.hold_ended(model, "client_gone")
+            raise
 
     async def _wait(self, model: str, avoid: Replica | None, refused: set[Replica]) -> Replica | None:
         """Every replica of `model` is at its limit: wait in its queue for one (503 after the timeout)."""

@@ -290,6 +290,45 @@ _D_DISCARD = _Deadline.DISCARD
 class Connection(asyncio.Protocol):
     """One client connection: parse, run the handler per request in order, answer."""
 
+    # Slots: thousands of connections may wait at once (held requests, open
+    # streams), and a dict per connection would be most of their memory.
+    __slots__ = (
+        "_backlog",
+        "_body",
+        "_body_size",
+        "_chunked",
+        "_continue_owed",
+        "_deadline",
+        "_deadline_kind",
+        "_doomed",
+        "_doomed_head_only",
+        "_drained",
+        "_framing",
+        "_headers",
+        "_in_head",
+        "_keep_alive",
+        "_keep_alive_request",
+        "_line",
+        "_method",
+        "_paused",
+        "_pending",
+        "_refusal",
+        "_reserved",
+        "_reserved_current",
+        "_synthetic",
+        "_target",
+        "_target_size",
+        "_upgrade_framing",
+        "_version_11",
+        "_write_deadline",
+        "answering",
+        "parser",
+        "reading",
+        "server",
+        "task",
+        "transport",
+    )
+
     def __init__(self, server: Server) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None

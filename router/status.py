@@ -51,6 +51,17 @@ class Unasked:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldFor:
+    """A model with requests held for it now: scaled to zero, or its replicas still loading."""
+
+    model: str
+    held: int
+    # How long the oldest held request has waited, as of the snapshot.
+    oldest_waited_seconds: float | None
+    replicas: int
+
+
+@dataclass(frozen=True, slots=True)
 class FleetStatus:
     router: str
     generated_at: float
@@ -60,6 +71,7 @@ class FleetStatus:
     gpus: tuple[GpuClassStatus, ...]
     unasked: tuple[Unasked, ...]
     unserved: Mapping[str, int]
+    held: tuple[HeldFor, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -156,4 +168,14 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
         gpus=gpus,
         unasked=tuple(sorted(unasked, key=lambda u: -u.quiet_for_seconds)),
         unserved=dict(sorted(snapshot.unserved.items())),
+        held=tuple(
+            HeldFor(
+                model,
+                d.held,
+                None if d.oldest_held_since is None else round(max(0.0, now - d.oldest_held_since), 1),
+                len(by_model.get(model, ())),
+            )
+            for model, d in sorted(snapshot.demand.items())
+            if d.held > 0
+        ),
     )

@@ -51,10 +51,21 @@ class ReplicaUsage(NamedTuple):
         return max(0.0, now - self.last_used)
 
 
-# The snapshot's per-model tallies keyed by a model name (fallbacks are keyed
-# by a pair), and a replica's fields that are mappings: the JSON codec's shape.
+# The snapshot's per-model tallies keyed by a model name, those keyed by a
+# pair, and a replica's fields that are mappings: the JSON codec's shape.
 TALLIES_BY_MODEL = ("retries", "unserved", "stalled", "overloaded")
+TALLIES_BY_PAIR = ("fallbacks", "hold_outcomes")
 REPLICA_MAPPINGS = ("labels", "responses", "errors")
+
+
+class Demand(NamedTuple):
+    """A model that clients want and no replica serves now: held requests, or asked-for in vain."""
+
+    held: int
+    # Unix seconds the oldest held request began waiting; None with none held.
+    oldest_held_since: float | None
+    # Unix seconds of the last request that nothing could serve at once; None if none since the last tick.
+    last_asked: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +80,8 @@ class UsageSnapshot:
     unserved: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     stalled: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     overloaded: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    hold_outcomes: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
+    demand: Mapping[str, Demand] = field(default_factory=lambda: MappingProxyType({}))
 
     def to_json(self) -> dict[str, Any]:
         """The whole snapshot as JSON (a worker's report to its supervisor); from_json() reads it back."""
@@ -80,8 +93,9 @@ class UsageSnapshot:
             "replicas": [
                 {**r._asdict(), **{name: dict(getattr(r, name)) for name in REPLICA_MAPPINGS}} for r in self.replicas
             ],
-            "fallbacks": [[a, b, n] for (a, b), n in self.fallbacks.items()],
+            **{name: [[a, b, n] for (a, b), n in getattr(self, name).items()] for name in TALLIES_BY_PAIR},
             **{name: dict(getattr(self, name)) for name in TALLIES_BY_MODEL},
+            "demand": {model: list(d) for model, d in self.demand.items()},
         }
 
     @classmethod
@@ -96,7 +110,9 @@ class UsageSnapshot:
                 for r in doc["replicas"]
             ),
             fallbacks=MappingProxyType({(a, b): n for a, b, n in doc["fallbacks"]}),
+            hold_outcomes=MappingProxyType({(a, b): n for a, b, n in doc["hold_outcomes"]}),
             **{name: MappingProxyType(doc[name]) for name in TALLIES_BY_MODEL},
+            demand=MappingProxyType({model: Demand(*d) for model, d in doc["demand"].items()}),
         )
 
     def usage_document(self) -> dict[str, object]:
@@ -117,6 +133,10 @@ class UsageSnapshot:
             "tick_seconds": self.tick_seconds,
             "last_used": last_used,
             "watching_since": watching,
+            "demand": {
+                model: {"held": d.held, "oldest_held_since": d.oldest_held_since, "last_asked": d.last_asked}
+                for model, d in self.demand.items()
+            },
         }
 
 
@@ -140,6 +160,8 @@ class Snapshotter:
         self.started_at = started_at
         self.tick_seconds = tick_seconds
         self._frozen: dict[Replica, tuple[tuple[object, ...], ReplicaUsage]] = {}
+        # Monotonic time of the previous snapshot: demand asked since then is shown.
+        self._previous = float("-inf")
 
     def take(self, *, wall: float, mono: float) -> UsageSnapshot:
         offset = wall - mono
@@ -190,7 +212,22 @@ class Snapshotter:
             frozen[r] = (key, usage)
             append(usage)
         self._frozen = frozen
-        tallies = self.pool.tallies
+        pool = self.pool
+        tallies = pool.tallies
+        demand: dict[str, Demand] = {}
+        since = self._previous
+        for model, asked in tallies.last_asked.items():
+            if asked >= since:
+                demand[model] = Demand(0, None, asked + offset)
+        for model in pool.held_models():
+            oldest = pool.oldest_held(model)
+            asked_before = demand.get(model)
+            demand[model] = Demand(
+                pool.held(model),
+                None if oldest is None else oldest + offset,
+                asked_before.last_asked if asked_before is not None else None,
+            )
+        self._previous = mono
         return UsageSnapshot(
             router=self.router,
             started_at=started_at,
@@ -202,6 +239,8 @@ class Snapshotter:
             unserved=MappingProxyType(dict(tallies.unserved)),
             stalled=MappingProxyType(dict(tallies.stalled)),
             overloaded=MappingProxyType(dict(tallies.overloaded)),
+            hold_outcomes=MappingProxyType(dict(tallies.hold_outcomes)),
+            demand=MappingProxyType(demand),
         )
 
 
@@ -297,6 +336,8 @@ class RouterReport:
     last_used: Mapping[str, float]
     watching_since: Mapping[str, float]
     generated_at: float
+    # Requests held now per model (a model with any is wanted: none of its replicas is idle).
+    held: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +401,8 @@ def merge_reports(
             if horizons:
                 bound = max(0.0, as_of - max(horizons))
         quiet_for[rid] = bound
+    # A model some router holds requests for is wanted now, however quiet its replicas look.
+    wanted = {model for rep in answered for model, held in rep.held.items() if held > 0}
     candidates = tuple(
         Candidate(
             id=rid,
@@ -368,7 +411,7 @@ def merge_reports(
             last_used=newest[rid],
         )
         for rid in ids
-        if (q := quiet_for[rid]) is not None and q >= idle_for
+        if (q := quiet_for[rid]) is not None and q >= idle_for and (models or {}).get(rid) not in wanted
     )
     unknown = tuple(rid for rid in ids if quiet_for[rid] is None)
     return MergedUsage(

@@ -27,6 +27,8 @@ MODES: dict[str, Mode] = {
     "router_time_to_first_byte_seconds": "sum",
     "router_client_protocol_errors": "sum",
     "router_upstream_protocol_errors": "sum",
+    "router_held_seconds": "sum",
+    "router_wake_calls": "sum",
 }
 
 # On a worker's private socket only.

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -418,3 +419,36 @@ def test_worker_metrics_merge_by_their_declared_mode() -> None:
     # Gauges are the live workers' only: the highest, and the last report's.
     assert merged[("g", "g", ())] == 7
     assert merged[("l", "l", ())] == 5
+
+
+async def test_held_requests_are_merged_over_the_workers_and_each_holds_its_share(serve: Serve) -> None:
+    serve.write([], '[models."m"]\ncold_start_seconds = 30\nmax_held = 4\n')
+    await serve.start("--workers", "2")
+    body = orjson.dumps({**CHAT, "model": "m"})
+    url = serve.client_url + "/v1/chat/completions"
+    async with aiohttp.ClientSession() as session:
+
+        async def one() -> int:
+            # A connection of its own each, so that the kernel spreads them over the workers.
+            async with aiohttp.ClientSession() as own, own.post(url, data=body) as resp:
+                await resp.read()
+                return resp.status
+
+        tasks = [asyncio.create_task(one()) for _ in range(6)]
+
+        async def held() -> int:
+            doc = await get(session, serve.admin_url + "/api/v1/usage")
+            return int(doc.get("demand", {}).get("m", {}).get("held", 0))
+
+        # Each worker holds its share (max_held 4 over 2 workers: 2), and refuses
+        # the rest at once; the merged view sums what they hold.
+        deadline = time.monotonic() + 10
+        while (now := await held()) + sum(t.done() for t in tasks) < 6:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        refused = [t.result() for t in tasks if t.done()]
+        assert 2 <= now <= 4
+        assert refused == [503] * (6 - now)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -151,6 +151,20 @@ class UsageCollector(Collector):
             (((model,), n) for model, n in snapshot.overloaded.items()),
         )
         yield _tallies(
+            "router_hold_outcomes",
+            "Requests held for a cold model, by how their wait ended: served, timeout, overflow, client_gone, ...",
+            ["model", "outcome"],
+            snapshot.hold_outcomes.items(),
+        )
+        held = GaugeMetricFamily(
+            "router_held_requests", "Requests held now, waiting for a replica of a cold model.", labels=["model"]
+        )
+        # Every model ever held keeps its series, at 0 when nothing is held: an empty queue is a fact.
+        for model in sorted(set(snapshot.demand) | {model for model, _ in snapshot.hold_outcomes}):
+            demand = snapshot.demand.get(model)
+            held.add_metric([model], demand.held if demand is not None else 0)
+        yield held
+        yield _tallies(
             "router_client_write_stalls",
             "Streams cut off because the client read nothing for write_stall_timeout_seconds.",
             ["model"],

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 
 import orjson
 import uvloop
@@ -39,6 +40,10 @@ def for_worker(config: Config, port: int, workers: int) -> Config:
         max_in_flight=share(config.max_in_flight),
         # The buffered-body cap bounds the router's memory: the workers' shares add up to it.
         max_buffered_body_bytes=share(config.max_buffered_body_bytes),
+        # Held requests per model too: each worker holds its share.
+        models=MappingProxyType(
+            {name: replace(model, max_held=share(model.max_held)) for name, model in config.models.items()}
+        ),
     )
 
 

@@ -1,0 +1,120 @@
+"""A wake receiver: starts a replica when the router holds a request for a cold model, and pushes it.
+
+    python deploy/scale-from-zero/wake_receiver.py --listen 127.0.0.1:9400 \
+        --router-admin http://127.0.0.1:9090 \
+        --model llama-3.1-8b='vllm serve meta-llama/Llama-3.1-8B-Instruct --port {port}'
+
+The router (`wake_url = "http://127.0.0.1:9400/wake"`) POSTs
+`{"router", "model", "held", "since"}` here when a request for a model is
+held. This receiver starts the model's command on a free port (`{port}` in
+it), and at once adds the new replica to the router's set with
+`PUT /api/v1/endpoints`: the router keeps the request held, tries the replica
+with a short backoff while the engine loads (it refuses connections or
+answers 503), and serves the held requests the moment it answers. A model
+already started is not started again; `--admin-token` (or
+ROUTER_ADMIN_TOKEN) is sent on the push and required on the wake call.
+
+It keeps what it started in memory only: an example of the loop, not a
+control plane (on Kubernetes, `router scaler` and KEDA do this).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import os
+import shlex
+import socket
+import sys
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Receiver:
+    def __init__(self, admin: str, token: str, commands: dict[str, str]) -> None:
+        self.admin = admin.rstrip("/")
+        self.token = token
+        self.commands = commands
+        # model -> (process, replica entry)
+        self.started: dict[str, tuple[asyncio.subprocess.Process, dict[str, Any]]] = {}
+        self.lock = asyncio.Lock()
+
+    async def wake(self, request: web.Request) -> web.Response:
+        if self.token:
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").encode()
+            if not hmac.compare_digest(given, self.token.encode()):
+                return web.json_response({"error": "bad token"}, status=401)
+        doc = await request.json()
+        model = doc.get("model")
+        if model not in self.commands:
+            return web.json_response({"error": f"no command for model {model!r}"}, status=404)
+        async with self.lock:
+            running = self.started.get(model)
+            if running is None or running[0].returncode is not None:
+                await self.start(model)
+        return web.json_response({"started": model, "held": doc.get("held")})
+
+    async def start(self, model: str) -> None:
+        port = free_port()
+        argv = shlex.split(self.commands[model].format(port=port, model=model))
+        process = await asyncio.create_subprocess_exec(*argv)
+        entry = {"id": f"{model}-{port}", "model": model, "url": f"http://127.0.0.1:{port}"}
+        self.started[model] = (process, entry)
+        print(f"started {model} on port {port} (pid {process.pid}); pushing it", file=sys.stderr)
+        await self.push()
+
+    async def push(self) -> None:
+        """The whole desired set: what the router serves now, plus what was started here."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        async with aiohttp.ClientSession(headers=headers) as session:
+            async with session.get(self.admin + "/api/v1/endpoints") as resp:
+                current = (await resp.json())["replicas"]
+            ours = {entry["id"]: entry for _, entry in self.started.values()}
+            desired = [r for r in current if r["id"] not in ours] + list(ours.values())
+            async with session.put(self.admin + "/api/v1/endpoints", json={"replicas": desired}) as resp:
+                resp.raise_for_status()
+
+    async def stop(self) -> None:
+        for process, _ in self.started.values():
+            if process.returncode is None:
+                process.terminate()
+                await process.wait()
+
+
+async def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--listen", default="127.0.0.1:9400")
+    parser.add_argument("--router-admin", default="http://127.0.0.1:9090")
+    parser.add_argument("--admin-token", default=os.environ.get("ROUTER_ADMIN_TOKEN", ""))
+    parser.add_argument("--model", action="append", default=[], metavar="NAME=COMMAND", required=True)
+    args = parser.parse_args(argv)
+    commands = dict(item.split("=", 1) for item in args.model)
+    receiver = Receiver(args.router_admin, args.admin_token, commands)
+    app = web.Application()
+    app.router.add_post("/wake", receiver.wake)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    host, _, port = args.listen.rpartition(":")
+    await web.TCPSite(runner, host, int(port)).start()
+    print(f"wake receiver on http://{args.listen}/wake", file=sys.stderr, flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await receiver.stop()
+        await runner.cleanup()
+
+
+if __name__ == "__main__":
+    try:
+        asyncio.run(main(sys.argv[1:]))
+    except KeyboardInterrupt:
+        pass
