@@ -73,7 +73,9 @@ def callgrind_control(pid: int, *args: str) -> None:
 def measure(name: str, cwd: Path | None, tmp: Path, fake: str, requests: int, extra: str = "") -> dict[str, float]:
     config = router_config(tmp, name.replace("@", "-"), fake, 4)
     if extra:
-        config.write_text(config.read_text() + extra)
+        # Top-level keys go before the first table; tables after the last.
+        text = config.read_text()
+        config.write_text(text + extra if extra.startswith("[") else extra + text)
     port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
     out = tmp / f"{name.replace('@', '-')}.callgrind"
     process = subprocess.Popen(
@@ -129,6 +131,11 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2000, help="requests counted per workload")
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
+        "--access-log",
+        action="store_true",
+        help="also run the working tree writing its access log to a file (router-logged)",
+    )
+    parser.add_argument(
         "--hold-configured",
         action="store_true",
         help="also run the working tree with cold_start_seconds on every model, nothing held (router-hold)",
@@ -149,6 +156,9 @@ def main() -> int:
         try:
             wait_http(fake_url + "/v1/models", process=fake)
             results["router"] = measure("router", None, tmp, fake_url, args.requests)
+            if args.access_log:
+                logged = f'access_log = "{tmp / "access.log"}"\n'
+                results["router-logged"] = measure("router-logged", None, tmp, fake_url, args.requests, logged)
             if args.hold_configured:
                 hold = "".join(f'[models."{m}"]\ncold_start_seconds = 60\n' for m in ("fast", "slow", "sleepy"))
                 results["router-hold"] = measure("router-hold", None, tmp, fake_url, args.requests, hold)

@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from router.access_log import AccessLog
 from router.admin import Admin
 from router.answers import server_error
 from router.client import Client
@@ -158,8 +159,11 @@ class RouterServer(Listening):
 
         # The client port's own HTTP/1.1 server (server.py): the request
         # path stays in one protocol object, with no framework per request.
+        if config.access_log:
+            proxy.access_log = AccessLog(config.access_log)
         self._client_server = client = ClientServer(
-            proxy.dispatch,
+            # With no access log, the handler keeps nothing per request for it.
+            proxy.dispatch_logged if proxy.access_log is not None else proxy.dispatch,
             max_body_bytes=config.max_body_bytes,
             header_timeout=config.header_timeout_seconds,
             body_timeout=config.body_timeout_seconds,
@@ -256,6 +260,8 @@ class RouterServer(Listening):
         self._tasks = []
         if self.proxy is not None and self.proxy.waker is not None:
             await self.proxy.waker.close()
+        if self.proxy is not None and self.proxy.access_log is not None:
+            self.proxy.access_log.close()
         if self.ticker is not None:
             final = self.ticker.tick()
             if self.sinks.push is not None:
@@ -276,9 +282,15 @@ class RouterServer(Listening):
         return web.Response(body=orjson.dumps(report(self.registry)), content_type="application/json")
 
     async def reload(self) -> bool:
-        """SIGHUP: every source reads its replica set again (the config file's [[replicas]])."""
+        """SIGHUP: every source reads its replica set again (the config file's [[replicas]]); the access log reopens."""
+        self.reopen_logs()
         assert self.fleet is not None, "start() first"
         return await reload_all(self.sources, self.fleet)
+
+    def reopen_logs(self) -> None:
+        """After logrotate moved the access log away: what is gathered goes to the old file, then a new one."""
+        if self.proxy is not None and self.proxy.access_log is not None:
+            self.proxy.access_log.reopen()
 
     @property
     def push(self) -> PushSink | None:

@@ -29,7 +29,11 @@ DEMO_FLEET = (
 
 
 def _setup_logging(level: str) -> None:
+    from router.logs import install
+
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        install(handler)
 
 
 def _run(coro: Any) -> None:

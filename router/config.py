@@ -139,6 +139,42 @@ def _optional_url(where: _Where, key: str, value: object) -> str:
     return check_url(where, key, text) if text else ""
 
 
+def _paths(where: _Where, key: str, value: object) -> tuple[str, ...]:
+    paths = _string_list(where, key, value)
+    for i, path in enumerate(paths):
+        _path(where, f"{key}[{i}]", path)
+    return paths
+
+
+def _optional_path(where: _Where, key: str, value: object) -> str:
+    text = _string(where, key, value, empty_ok=True)
+    if "\x00" in text:
+        raise where.error(key, "must not contain NUL")
+    return text
+
+
+# The POST paths routed by the model they name: what vLLM and SGLang serve.
+ROUTED_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/rerank",
+    "/rerank",
+    "/v2/rerank",
+    "/v1/score",
+    "/score",
+    "/pooling",
+    "/classify",
+    "/tokenize",
+    "/detokenize",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v1/audio/speech",
+    "/v1/images/generations",
+)
+
+
 def _path(where: _Where, key: str, value: object) -> str:
     path = _string(where, key, value)
     if not path.startswith("/") or "?" in path or "#" in path or " " in path:
@@ -250,6 +286,11 @@ class Config:
     health_check_interval_seconds: float = _seconds(0.0, "active checks of every replica; 0 = off", minimum=0.0)
     health_check_path: str = _setting("/health", _path, 'a 2xx is healthy ("/v1/models" for llama.cpp)')
     health_check_timeout_seconds: float = _seconds(2.0, "")
+    routed_paths: tuple[str, ...] = _setting(ROUTED_PATHS, _paths, "POST paths routed by the model their body names")
+    remembered_responses: int = _count(100_000, "response ids kept with the replica that made them (/v1/responses)")
+    access_log: str = _setting(
+        "", _optional_path, 'off; "-" for stdout, or a file (reopened on SIGHUP): one JSON line a request'
+    )
     # Scale from zero: told when a model's first request is held, so that it can start a replica.
     wake_url: str = _setting(
         "", _optional_url, 'optional: POST {"router", "model", "held", "since"} here when a request is held'

@@ -6,6 +6,7 @@
         ├── BadRequest           400 invalid_request_error
         ├── Unauthorized         401 invalid_api_key
         ├── ModelNotFound        404 model_not_found
+        ├── ResponseNotFound     404 a response id this router did not see, or whose replica is gone
         ├── BodyTooLarge         413 request_too_large
         ├── NoReplicaAvailable   503 no replica of the model (or its fallbacks) can serve
         ├── ModelCold            503 held past cold_start_seconds, or max_held reached (Retry-After)
@@ -59,6 +60,12 @@ class ModelNotFound(ClientFacingError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+
+
+class ResponseNotFound(ClientFacingError):
+    status = 404
+    type = "invalid_request_error"
+    code = "response_not_found"
 
 
 class BodyTooLarge(ClientFacingError):

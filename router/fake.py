@@ -1,7 +1,11 @@
 """A fake OpenAI replica: good enough to stand in for vLLM in tests, demo, bench.
 
 It answers chat, completions (both streaming, in vLLM's chunk format),
-embeddings and models, and has switches for the shape of its answers
+embeddings and models, the Responses API (stored in memory, as engines keep
+them: another replica does not know them), and the other endpoints vLLM and
+SGLang serve (rerank, score, pooling, classify, tokenize, audio, images) with
+an echo that says which replica served and what body arrived (its length and
+SHA-256, so that a test can check it came byte for byte), and has switches for the shape of its answers
 (tokens, delays) and for failures (a status code, a reset after K chunks, a
 stall before the first byte, a short keep-alive). The switches live in a
 mutable `Behaviour`, so a test can flip them while the replica runs, and the
@@ -12,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import email.parser
+import email.policy
+import hashlib
 import itertools
 import os
 import random
@@ -80,15 +87,27 @@ class FakeReplica:
     active: int = 0
     completed: int = 0
     url: str = ""
+    # Responses this replica created, by id (the Responses API's store).
+    responses: dict[str, dict[str, Any]] = field(default_factory=dict)
     _runner: web.AppRunner | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def app(self) -> web.Application:
-        app = web.Application()
+        # As large a body as the router lets through by default (an upload, a long prompt).
+        app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_get("/v1/responses/{id}", self._stored_response)
+        app.router.add_post("/v1/responses/{id}/cancel", self._stored_response)
+        app.router.add_get("/v1/responses/{id}/input_items", self._stored_response)
+        for path in ECHOED:
+            app.router.add_post(path, self._echo)
+        for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+            app.router.add_post(path, self._transcribe)
+        app.router.add_post("/v1/audio/speech", self._speech)
         app.router.add_get("/health", self._health)
         # What SGLang's and vLLM's own routers probe before they route (bench/compare.py).
         app.router.add_get("/get_model_info", self._engine_info)
@@ -185,6 +204,174 @@ class FakeReplica:
 
     async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         return await self._tracked(request, "embeddings")
+
+    # The other endpoints -------------------------------------------------------------
+
+    async def _echo(self, request: web.Request) -> web.StreamResponse:
+        self.active += 1
+        try:
+            body = await request.read()
+            if self.record:
+                self.seen.append(Seen(request.path_qs, dict(request.headers), body))
+            try:
+                model = orjson.loads(body).get("model")
+            except (orjson.JSONDecodeError, AttributeError):
+                model = None
+            return web.json_response(
+                {"object": "echo", "path": request.path, "model": model, **self._received(body)},
+                headers=self._headers(),
+            )
+        finally:
+            self.active -= 1
+            self.completed += 1
+
+    def _received(self, body: bytes) -> dict[str, Any]:
+        return {"served_by": self.name, "body_bytes": len(body), "body_sha256": hashlib.sha256(body).hexdigest()}
+
+    async def _transcribe(self, request: web.Request) -> web.StreamResponse:
+        """Multipart form data, as the audio endpoints take it: the model is a field, the audio a file part."""
+        body = await request.read()
+        if self.record:
+            self.seen.append(Seen(request.path_qs, dict(request.headers), body))
+        message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+            b"Content-Type: " + request.headers.get("Content-Type", "").encode() + b"\r\n\r\n" + body
+        )
+        fields: dict[str, str] = {}
+        file_bytes = 0
+        for part in message.iter_parts():
+            data = part.get_payload(decode=True)
+            assert isinstance(data, bytes)
+            if part.get_filename() is not None:
+                file_bytes = len(data)
+            elif (name := part.get_param("name", header="content-disposition")) is not None:
+                fields[str(name)] = data.decode()
+        text = f"{file_bytes} bytes of audio heard by {self.name}"
+        return web.json_response(
+            {"text": text, "model": fields.get("model"), "file_bytes": file_bytes, **self._received(body)},
+            headers=self._headers(),
+        )
+
+    async def _speech(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if self.record:
+            self.seen.append(Seen(request.path_qs, dict(request.headers), body))
+        resp = web.StreamResponse(headers={"Content-Type": "audio/mpeg", **self._headers()})
+        await resp.prepare(request)
+        for i in range(4):
+            await resp.write(bytes([i]) * 1024)
+        await resp.write_eof()
+        return resp
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/responses: stored here, so that only this replica knows it (as in vLLM)."""
+        self.active += 1
+        try:
+            obj, failure = await self._begin(request)
+            if failure is not None:
+                return failure
+            previous = obj.get("previous_response_id")
+            if previous is not None and previous not in self.responses:
+                return web.json_response(
+                    {
+                        "error": {
+                            "message": f"Response with id '{previous}' not found.",
+                            "type": "invalid_request_error",
+                            "param": "previous_response_id",
+                            "code": None,
+                        }
+                    },
+                    status=404,
+                    headers=self._headers(),
+                )
+            doc = self._response_doc(obj)
+            self.responses[doc["id"]] = doc
+            if obj.get("stream") is True:
+                return await self._stream_response(request, doc)
+            return web.json_response(doc, headers=self._headers())
+        finally:
+            self.active -= 1
+            self.completed += 1
+
+    def _response_doc(self, obj: dict[str, Any]) -> dict[str, Any]:
+        n = self._tokens({"max_tokens": obj.get("max_output_tokens")})
+        text = "".join(f"tok{i} " for i in range(n))
+        ident = f"resp_{self.name}_{next(self._ids)}"
+        return {
+            "id": ident,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "completed",
+            "model": obj.get("model", self.models[0]),
+            "previous_response_id": obj.get("previous_response_id"),
+            "output": [
+                {
+                    "id": f"msg_{ident}",
+                    "type": "message",
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}],
+                }
+            ],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "usage": {
+                "input_tokens": 4,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": n,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": 4 + n,
+            },
+        }
+
+    async def _stream_response(self, request: web.Request, doc: dict[str, Any]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self._headers()})
+        await resp.prepare(request)
+        started = {**doc, "status": "in_progress", "output": []}
+        events: list[dict[str, Any]] = [{"type": "response.created", "response": started}]
+        text = doc["output"][0]["content"][0]["text"]
+        for i, word in enumerate(text.split()):
+            events.append(
+                {
+                    "type": "response.output_text.delta",
+                    "item_id": doc["output"][0]["id"],
+                    "output_index": 0,
+                    "content_index": 0,
+                    "delta": word + " ",
+                    "logprobs": [],
+                    "sequence_number": i,
+                }
+            )
+        events.append({"type": "response.completed", "response": doc})
+        for number, event in enumerate(events):
+            event.setdefault("sequence_number", number)
+            await resp.write(b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _stored_response(self, request: web.Request) -> web.StreamResponse:
+        ident = request.match_info["id"]
+        if self.record:
+            self.seen.append(Seen(request.path_qs, dict(request.headers), await request.read()))
+        doc = self.responses.get(ident)
+        if doc is None:
+            return web.json_response(
+                {
+                    "error": {
+                        "message": f"Response '{ident}' not found.",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+                status=404,
+                headers=self._headers(),
+            )
+        if request.path.endswith("/cancel"):
+            doc = {**doc, "status": "cancelled"}
+        elif request.path.endswith("/input_items"):
+            return web.json_response({"object": "list", "data": [], "has_more": False}, headers=self._headers())
+        return web.json_response(doc, headers=self._headers())
 
     def _headers(self) -> dict[str, str]:
         return {"X-Served-By": self.name, **self.behaviour.extra_headers}
@@ -290,6 +477,21 @@ class FakeReplica:
             await resp.write(chunk)
         await resp.write_eof()
         return resp
+
+
+# Paths answered with an echo of what arrived (JSON bodies).
+ECHOED = (
+    "/v1/rerank",
+    "/rerank",
+    "/v2/rerank",
+    "/v1/score",
+    "/score",
+    "/pooling",
+    "/classify",
+    "/tokenize",
+    "/detokenize",
+    "/v1/images/generations",
+)
 
 
 def _stream_chunks(kind: str, ident: str, created: int, model: str, n: int, *, include_usage: bool) -> list[bytes]:

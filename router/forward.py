@@ -28,7 +28,7 @@ from router.errors import (
 )
 from router.pool import Pool, Replica
 from router.server import Reply, Request, Writer, WriteStalled
-from router.upstream import response_headers
+from router.upstream import RESPONSE_HEADERS
 
 log = logging.getLogger("router.proxy")
 
@@ -70,6 +70,23 @@ class Failed:
 
     def reply(self) -> Reply:
         return self.answer or error_response(self.error)
+
+
+def _remembering(write: Callable[[bytes], bool], remember: Callable[[bytes], None]) -> Callable[[bytes], bool]:
+    """A stream's sink that hands its first bytes to `remember` (up to its first whole event), then only writes."""
+    first = bytearray()
+    done = False
+
+    def sink(chunk: bytes) -> bool:
+        nonlocal done
+        if not done:
+            first.extend(chunk)
+            if first.find(b"\n\n") >= 0 or len(first) > 65536:
+                done = True
+                remember(bytes(first))
+        return write(chunk)
+
+    return sink
 
 
 def _is_sse(resp: Response) -> bool:
@@ -146,22 +163,27 @@ class Forwarder:
         model: str,
         stream: bool,
         extra: list[tuple[bytes, bytes]] | None = None,
+        remember: Callable[[bytes], None] | None = None,
     ) -> Failed | None:
         """Send to `replica`; None once the client was answered, else what failed.
 
         `extra`: headers of the router's own added to the answer (X-Router-Held-Seconds).
+        `remember`: given the answer's first bytes (a /v1/responses answer: its id).
         """
         origin = replica.origin
+        method = request.method
         head = b"".join(
             (
-                b"POST ",
+                b"POST " if method == "POST" else method.encode("ascii") + b" ",
                 origin.prefix,
                 request.target,
                 b" HTTP/1.1\r\nHost: ",
                 origin.host_header,
+                b"\r\nX-Request-Id: ",
+                request.request_id,
                 b"\r\n",
                 headers,
-                b"Content-Length: %d\r\n\r\n" % len(body),
+                b"Content-Length: %d\r\n\r\n" % len(body) if body or method == "POST" else b"\r\n",
             )
         )
         began = time.perf_counter()
@@ -184,8 +206,12 @@ class Forwarder:
             # out is the one case the client itself tries again, once.)
             reset = UpstreamResetError(f"Replica {replica.id} failed before its answer: {exc}")
             return self._failed(replica, reset, False)
+        entry = writer.entry
         try:
-            self.metrics.observe_first_byte(model, time.perf_counter() - began)
+            ttfb = time.perf_counter() - began
+            self.metrics.observe_first_byte(model, ttfb)
+            if entry is not None:
+                entry.ttfb_seconds = ttfb
             status = resp.status
             self.pool.count_response(replica, status)
             if status in RETRY_STATUSES:
@@ -194,7 +220,7 @@ class Forwarder:
                 self.pool.record_failure(replica)
             else:
                 self.pool.record_success(replica)
-            out_headers = response_headers(resp.headers)
+            out_headers = RESPONSE_HEADERS.kept(resp.headers)
             if extra:
                 out_headers += extra
             # Passed through as it arrives: a stream, or anything without a length.
@@ -205,7 +231,7 @@ class Forwarder:
                 and status not in _NO_BODY
                 and (stream or length is None or length > WHOLE_ANSWER_BYTES or _is_sse(resp))
             ):
-                await self._stream(writer, replica, resp, out_headers)
+                await self._stream(writer, replica, resp, out_headers, remember)
                 return None
             try:
                 data = await resp.read(WHOLE_ANSWER_BYTES)
@@ -216,6 +242,8 @@ class Forwarder:
                 error = UpstreamResetError(f"Replica {replica.id} broke off its answer: {exc}")
                 return self._failed(replica, error, False)
             if status < 400:
+                if remember is not None:
+                    remember(data)
                 writer.answer(Reply(status, data, out_headers, resp.reason_bytes))
             else:
                 writer.answer(replica_answer(status, resp.reason_bytes, data, out_headers))
@@ -234,12 +262,17 @@ class Forwarder:
             data = await resp.read(WHOLE_ANSWER_BYTES)
         except ConnectionBroken:
             data = b""
-        answer = replica_answer(status, resp.reason_bytes, data, response_headers(resp.headers))
+        answer = replica_answer(status, resp.reason_bytes, data, RESPONSE_HEADERS.kept(resp.headers))
         self.pool.count_failure(replica, "status")
         return Failed(UpstreamError(f"Replica {replica.id} answered {status}."), retryable=True, answer=answer)
 
     async def _stream(
-        self, writer: Writer, replica: Replica, resp: Response, headers: list[tuple[bytes, bytes]]
+        self,
+        writer: Writer,
+        replica: Replica,
+        resp: Response,
+        headers: list[tuple[bytes, bytes]],
+        remember: Callable[[bytes], None] | None = None,
     ) -> None:
         """Pass the body through as it arrives, each piece written in the replica's callback.
 
@@ -265,6 +298,8 @@ class Forwarder:
                 length = None
             writer.start(resp.status, resp.reason_bytes, headers, length=length)
             write = writer.body_sink()
+            if remember is not None:
+                write = _remembering(write, remember)
             try:
                 await resp.pipe(sink, writer.drain)
             except ConnectionBroken as exc:
@@ -275,6 +310,8 @@ class Forwarder:
                 self.pool.count_failure(replica, "reset")
                 self.pool.record_failure(replica)
                 log.warning("replica %s broke off an answer: %s", replica.id, exc)
+                if writer.entry is not None:
+                    writer.entry.outcome = "timeout" if isinstance(exc, UpstreamIdle) else "upstream_reset"
                 if _is_sse(resp):
                     event = b"data: " + error_body(
                         502, f"Replica {replica.id} broke off the stream: {exc}", "server_error", "upstream_error"
@@ -287,6 +324,8 @@ class Forwarder:
                 return
             writer.end()
         except WriteStalled:
+            if writer.entry is not None:
+                writer.entry.outcome = "stalled"
             self.pool.tallies.client_stalled(replica.model)
             log.warning(
                 "cut off a client that read nothing of its %s stream for %gs", replica.model, self._write_stall_timeout
@@ -294,6 +333,8 @@ class Forwarder:
         except ConnectionError:
             # The client went away. Nothing more to send; release() in the
             # caller closes the half-read upstream connection at once.
+            if writer.entry is not None:
+                writer.entry.outcome = "client_gone"
             writer.close_after()
 
     def _failed(self, replica: Replica, error: UpstreamError, retryable: bool) -> Failed:

@@ -307,6 +307,28 @@ class Pool:
         replica.last_used = self._clock()
         return replica
 
+    def acquire_this(self, replica_id: str) -> Replica | None:
+        """acquire() of one given replica (the one that keeps a response): None unless it is ready.
+
+        Counted and stamped as acquire() does; the limits apply as well.
+        """
+        replica = self._by_id.get(replica_id)
+        if replica is None or replica.state is not ReplicaState.READY:
+            return None
+        limits = self.limits
+        if (limits.per_replica and replica.in_flight >= limits.per_replica) or (
+            limits.total and self.in_flight >= limits.total
+        ):
+            return None
+        candidates = self._candidates.get(replica.model)
+        if candidates is not None:
+            candidates.increment(replica)
+        self.in_flight += 1
+        replica.in_flight += 1
+        replica.requests += 1
+        replica.last_used = self._clock()
+        return replica
+
     def release(self, replica: Replica) -> None:
         """Always called once per acquire(), in a `finally`."""
         replica.in_flight -= 1

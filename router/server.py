@@ -44,16 +44,21 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import enum
+import itertools
 import logging
+import os
 import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import httptools
 
 from router.protocol_errors import ProtocolErrors
+
+if TYPE_CHECKING:
+    from router.access_log import Entry
 
 MAX_LINE = 8190
 MAX_HEAD = 64 * 1024
@@ -91,7 +96,7 @@ _REASONS = {
 
 # The request fields the server itself reads, by name as sent (the usual
 # spellings) or lowered; any other name is passed over with one lookup.
-_F_HOST, _F_LENGTH, _F_CODINGS, _F_EXPECT, _F_CONNECTION, _F_UPGRADE = range(6)
+_F_HOST, _F_LENGTH, _F_CODINGS, _F_EXPECT, _F_CONNECTION, _F_UPGRADE, _F_REQUEST_ID = range(7)
 _FIELDS: dict[bytes, int] = {}
 for _kind, _name in (
     (_F_HOST, b"host"),
@@ -100,10 +105,14 @@ for _kind, _name in (
     (_F_EXPECT, b"expect"),
     (_F_CONNECTION, b"connection"),
     (_F_UPGRADE, b"upgrade"),
+    (_F_REQUEST_ID, b"x-request-id"),
 ):
     _FIELDS[_name] = _kind
     _FIELDS[b"-".join(part.capitalize() for part in _name.split(b"-"))] = _kind
 _FIELD_LENGTHS = frozenset(len(name) for name in _FIELDS)
+
+# A client's X-Request-Id is kept when it is short and visible ASCII; else the server makes one.
+_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
 
 # Bytes tested by value (`b"#" in x` raises and clears a TypeError inside).
 _HASH = ord("#")
@@ -150,6 +159,7 @@ class Request:
         "method",
         "path",
         "raw_headers",
+        "request_id",
         "reserved",
         "target",
         "version_11",
@@ -165,6 +175,7 @@ class Request:
         keep_alive: bool,
         version_11: bool,
         reserved: int = 0,
+        request_id: bytes = b"",
     ) -> None:
         self.connection = connection
         self.method = method
@@ -177,6 +188,8 @@ class Request:
         self.version_11 = version_11
         # Body bytes counted against the server's max_buffered_body_bytes until it ends.
         self.reserved = reserved
+        # The client's X-Request-Id, or one the server made: on every answer and log line.
+        self.request_id = request_id
 
     def header(self, lower_name: bytes) -> bytes | None:
         for name, value in self.raw_headers:
@@ -297,6 +310,7 @@ class Connection(asyncio.Protocol):
         "_body",
         "_body_size",
         "_chunked",
+        "_client",
         "_continue_owed",
         "_deadline",
         "_deadline_kind",
@@ -313,6 +327,7 @@ class Connection(asyncio.Protocol):
         "_paused",
         "_pending",
         "_refusal",
+        "_request_id",
         "_reserved",
         "_reserved_current",
         "_synthetic",
@@ -345,6 +360,7 @@ class Connection(asyncio.Protocol):
         self._line = 0
         self._keep_alive_request = True
         self._method = b""
+        self._request_id = b""
         # The body being read is chunked; bytes of framing read since its last data.
         self._chunked = False
         self._framing = 0
@@ -377,6 +393,15 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._drained: asyncio.Future[None] | None = None
         self._keep_alive = True
+        self._client: str | None = None
+
+    @property
+    def client(self) -> str:
+        """The peer as "address:port" (for the access log), looked up once per connection."""
+        if self._client is None:
+            peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+            self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else ""
+        return self._client
 
     @property
     def stopped(self) -> bool:
@@ -595,6 +620,7 @@ class Connection(asyncio.Protocol):
         # One pass over the names: most are none of these, told by one lookup.
         hosts = 0
         host = b""
+        self._request_id = b""
         length: int | None = None
         codings: list[bytes] | None = None
         expect = False
@@ -621,8 +647,10 @@ class Connection(asyncio.Protocol):
                 expect = value.lower() == b"100-continue"
             elif kind == _F_CONNECTION:
                 connection = value.lower() if connection is None else connection + b"," + value.lower()
-            else:
+            elif kind == _F_UPGRADE:
                 upgrade = True
+            elif _REQUEST_ID.fullmatch(value):
+                self._request_id = value
         if hosts != 1:
             if version_11 or hosts:
                 detail = "no Host header" if hosts == 0 else f"{hosts} Host headers"
@@ -737,6 +765,7 @@ class Connection(asyncio.Protocol):
             self._keep_alive_request,
             self._version_11,
             self._reserved_current,
+            self._request_id or self.server.new_request_id(),
         )
         self._body = []
         self._continue_owed = False
@@ -777,7 +806,8 @@ class Connection(asyncio.Protocol):
     async def _run(self, request: Request) -> None:
         self._keep_alive = request.keep_alive and not self.server.stopping
         self._version_11 = request.version_11
-        writer = Writer(self, request.method == "HEAD")
+        # (`request` is found by name in this frame: see running_request().)
+        writer = Writer(self, request.method == "HEAD", request.request_id)
         try:
             await self.server.handler(request, writer)
         except asyncio.CancelledError:
@@ -978,7 +1008,7 @@ class Connection(asyncio.Protocol):
         assert reply is not None
         self._keep_alive = False
         self._version_11 = True
-        Writer(self, self._doomed_head_only).answer(reply)
+        Writer(self, self._doomed_head_only, self.server.new_request_id()).answer(reply)
         if self.reading is not _R_DISCARD:
             self._close()
         # A DISCARD connection closes when the refused body ends, or at its deadline.
@@ -1086,6 +1116,30 @@ _STREAMING = Phase.STREAMING
 _DONE = Phase.DONE
 
 
+def running_request() -> Request | None:
+    """The request whose handler runs in the current task, if any (for its log lines).
+
+    Read from the task itself, so that nothing is stored per request for a log
+    line that is rarely written: a request's task runs Connection._run(request),
+    and that coroutine's frame holds the request.
+    """
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running loop
+        return None
+    if task is None:
+        return None
+    coro = task.get_coro()
+    if getattr(coro, "cr_code", None) is not _RUN_CODE:
+        return None
+    frame = coro.cr_frame  # type: ignore[union-attr]
+    request = frame.f_locals.get("request") if frame is not None else None
+    return request if isinstance(request, Request) else None
+
+
+_RUN_CODE = Connection._run.__code__
+
+
 class Writer:
     """One request's answer, written through its connection: the only way a handler answers.
 
@@ -1099,12 +1153,17 @@ class Writer:
     writer, with no change in the handler.
     """
 
-    __slots__ = ("_chunked", "_connection", "_head_only", "_left", "_no_body", "phase")
+    __slots__ = ("_chunked", "_connection", "_head_only", "_left", "_no_body", "_request_id", "entry", "phase")
 
-    def __init__(self, connection: Connection, head_only: bool) -> None:
+    def __init__(self, connection: Connection, head_only: bool, request_id: bytes) -> None:
         self._connection = connection
         self._head_only = head_only
+        # Sent back on every answer (X-Request-Id).
+        self._request_id = request_id
         self.phase = _NEW
+        # The access log's entry, when it is kept: the writer fills in the
+        # status and counts the bytes written.
+        self.entry: Entry | None = None
         # start() sets, and only a started stream reads: whether no body may
         # follow the head (_no_body), whether it is chunked (_chunked), and
         # the bytes still owed when it declared a length (_left; -1: none).
@@ -1123,21 +1182,33 @@ class Writer:
         if transport is None or transport.is_closing():
             return
         status = reply.status
-        # 204 and 304 carry neither a body nor a length (RFC 9110 8.6).
-        framing = b"" if status in (204, 304) else b"Content-Length: %d\r\n" % len(reply.body)
+        body = reply.body
         if not connection._keep_alive:
-            framing += b"Connection: close\r\n"
-        elif not connection._version_11:
-            # HTTP/1.0 closes by default: say that this one stays open.
-            framing += b"Connection: keep-alive\r\n"
-        head = _head(status, reply.reason, reply.headers, framing + b"\r\n")
-        if self._head_only or status in (204, 304):
-            transport.write(head)
-        elif len(reply.body) > 65536:
-            # A big answer (embeddings of a large batch) is not copied into the head.
-            transport.writelines((head, reply.body))
+            persistence = b"Connection: close\r\n"
+        elif connection._version_11:
+            persistence = b""
         else:
-            transport.write(head + reply.body)
+            # HTTP/1.0 closes by default: say that this one stays open.
+            persistence = b"Connection: keep-alive\r\n"
+        entry = self.entry
+        if status == 204 or status == 304:  # noqa: PLR1714 (two compares beat a tuple here)
+            # 204 and 304 carry neither a body nor a length (RFC 9110 8.6).
+            framing = b"%sX-Request-Id: %s\r\n\r\n" % (persistence, self._request_id)
+            body = b""
+        else:
+            # One format for the framing lines: this runs for every answer.
+            framing = b"Content-Length: %d\r\n%sX-Request-Id: %s\r\n\r\n" % (len(body), persistence, self._request_id)
+        head = _head(status, reply.reason, reply.headers, framing)
+        if self._head_only or not body:
+            transport.write(head)
+        elif len(body) > 65536:
+            # A big answer (embeddings of a large batch) is not copied into the head.
+            transport.writelines((head, body))
+        else:
+            transport.write(head + body)
+        if entry is not None:
+            entry.status = status
+            entry.bytes_out = len(head) if self._head_only else len(head) + len(body)
 
     def start(
         self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], *, length: int | None = None
@@ -1146,8 +1217,11 @@ class Writer:
         if self.phase is not _NEW:
             raise RuntimeError("the answer's head was already written")
         self.phase = _STREAMING
+        if self.entry is not None:
+            self.entry.status = status
         self._no_body = self._head_only or status in (204, 304) or 100 <= status < 200
         self._left = -1 if length is None else length
+        headers = [*headers, (b"X-Request-Id", self._request_id)]
         self._chunked = self._connection._write_stream_head(status, reason, headers, length, self._no_body)
 
     def write(self, data: bytes) -> bool:
@@ -1167,6 +1241,8 @@ class Writer:
                 raise RuntimeError(f"{len(data)} bytes written where {self._left} were left of the declared length")
             self._left -= len(data)
         transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        if self.entry is not None:
+            self.entry.bytes_out += len(data)
         return connection._paused
 
     def body_sink(self) -> Callable[[bytes], bool]:
@@ -1179,7 +1255,7 @@ class Writer:
             raise RuntimeError("body_sink() outside a started, unfinished stream")
         connection = self._connection
         transport = connection.transport
-        if transport is None or self._no_body or self._left >= 0 or not self._chunked:
+        if transport is None or self._no_body or self._left >= 0 or not self._chunked or self.entry is not None:
             return self.write
 
         def write_chunk(data: bytes) -> bool:
@@ -1265,12 +1341,18 @@ class Server:
         self.now = time.monotonic()
         # Host values already found valid: a connection sends the same one on every request.
         self.hosts: set[bytes] = set()
+        # Request ids this server makes: unique per process, cheap to make (no uuid per request).
+        self._id_prefix = os.urandom(4).hex().encode() + b"-"
+        self._ids = itertools.count(1)
         # Deadlines are checked this often: a few times per the shortest of them.
         shortest = min(header_timeout, keepalive_timeout, body_timeout, write_stall_timeout)
         self.every = max(0.05, min(1.0, shortest / 4))
 
     def __call__(self) -> Connection:
         return Connection(self)
+
+    def new_request_id(self) -> bytes:
+        return self._id_prefix + b"%x" % next(self._ids)
 
     def valid_host(self, value: bytes) -> bool:
         if _HOST.fullmatch(value) is None:

@@ -146,6 +146,40 @@ async def test_hop_by_hop_headers_stay_behind_and_end_to_end_ones_pass(
     assert "Keep-Alive" not in headers
 
 
+async def test_hop_by_hop_headers_stay_behind_after_many_names_were_seen(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    # The filter remembers a bounded number of names' verdicts: a client that
+    # sends new names on every request fills it, and later names, hop-by-hop
+    # ones spelled anew among them, are still judged, never passed by default.
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    url = server.client_url + "/v1/chat/completions"
+    for batch in range(12):
+        names = {f"X-Filler-{batch}-{n}": "1" for n in range(90)}
+        status, _, _ = await post(url, orjson.dumps(CHAT), {"Content-Type": "application/json", **names})
+        assert status == 200
+    assert sum(name.lower().startswith("x-filler-11-") for name in fake.seen[-1].headers) == 90
+    status, _, _ = await post(
+        url,
+        orjson.dumps(CHAT),
+        {
+            "Content-Type": "application/json",
+            "CONNECTION": "keep-alive, X-Named-Late",
+            "X-Named-Late": "1",
+            "KEEP-ALIVE": "timeout=9",
+            "Proxy-Late": "1",
+            "Transfer_Encoding": "chunked",
+            "X-Late-Arrival": "kept",
+        },
+    )
+    assert status == 200
+    seen = {k.lower(): v for k, v in fake.seen[-1].headers.items()}
+    assert seen["x-late-arrival"] == "kept"
+    for name in ("x-named-late", "keep-alive", "proxy-late", "transfer_encoding"):
+        assert name not in seen, name
+
+
 @pytest.mark.parametrize(
     ("body", "fragment"),
     [

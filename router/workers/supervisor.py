@@ -419,7 +419,13 @@ class Supervisor(Listening):
         return {"id": replica_id, "state": merged_state([a["state"] for a in found], in_flight), "in_flight": in_flight}
 
     async def reload(self) -> bool:
-        """SIGHUP: every source reads its replica set again and applies it to every worker."""
+        """SIGHUP: every source reads its replica set again and applies it to every worker.
+
+        The workers get the signal too: each reopens its own access log.
+        """
+        for worker in self.workers:
+            if worker.live and worker.process is not None and worker.process.returncode is None:
+                worker.process.send_signal(signal.SIGHUP)
         return await reload_all(self.sources, self.fleet)
 
     @property

@@ -19,6 +19,7 @@ import uvloop
 from router.app import RouterServer
 from router.config import Config, load_config
 from router.errors import ConfigError
+from router.logs import install as install_request_ids
 from router.workers.state import Paths, load_state
 
 log = logging.getLogger("router.workers")
@@ -61,6 +62,8 @@ def worker_main(argv: Sequence[str]) -> int:
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s worker-{args.index} %(name)s: %(message)s",
     )
+    for handler in logging.getLogger().handlers:
+        install_request_ids(handler)
     try:
         config = for_worker(load_config(args.config), args.port, args.workers)
     except ConfigError as exc:
@@ -78,6 +81,8 @@ async def _run_worker(config: Config, runtime: Path, index: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # The supervisor passes SIGHUP on: the replica set comes from it, the access log is this worker's.
+    loop.add_signal_handler(signal.SIGHUP, server.reopen_logs)
     parent = os.getppid()
 
     async def orphaned() -> None:

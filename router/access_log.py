@@ -1,0 +1,146 @@
+"""The access log: one JSON line per request when it ends, written off the hot path.
+
+Off by default (`access_log = ""`); `"-"` writes to standard output, a path
+to that file, opened for appending and opened again on SIGHUP so that
+logrotate can move it away (lines buffered before the signal go to the old
+file, none is lost). Lines are gathered in memory and written together,
+a few times a second or when 64 KiB have gathered: one write per batch,
+never per request. A line holds what the operator needs to follow one
+request (`Entry`), never a body and never a key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+
+import orjson
+
+log = logging.getLogger("router.access")
+
+FLUSH_EVERY_SECONDS = 0.2
+FLUSH_BYTES = 64 * 1024
+
+
+class Entry:
+    """One request's line, filled in as it goes by the proxy, the forwarder and the writer."""
+
+    __slots__ = (
+        "attempts",
+        "bytes_in",
+        "bytes_out",
+        "client",
+        "held_seconds",
+        "id",
+        "method",
+        "model",
+        "outcome",
+        "path",
+        "replica",
+        "served_model",
+        "started",
+        "status",
+        "ttfb_seconds",
+    )
+
+    def __init__(self, request_id: str, client: str, method: str, path: str, bytes_in: int) -> None:
+        self.id = request_id
+        self.client = client
+        self.method = method
+        self.path = path
+        self.bytes_in = bytes_in
+        self.started = time.perf_counter()
+        self.model: str | None = None
+        self.served_model: str | None = None
+        self.replica: str | None = None
+        self.status = 0
+        self.bytes_out = 0
+        self.attempts = 0
+        self.held_seconds: float | None = None
+        self.ttfb_seconds: float | None = None
+        # ok, client_gone, upstream_reset, stalled, timeout, error
+        self.outcome = "ok"
+
+    def line(self, now: float) -> bytes:
+        return orjson.dumps(
+            {
+                "time": round(time.time(), 3),
+                "id": self.id,
+                "client": self.client,
+                "method": self.method,
+                "path": self.path,
+                "model": self.model,
+                "served_model": self.served_model,
+                "replica": self.replica,
+                "status": self.status,
+                "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out,
+                "attempts": self.attempts,
+                "held_seconds": None if self.held_seconds is None else round(self.held_seconds, 3),
+                "ttfb_seconds": None if self.ttfb_seconds is None else round(self.ttfb_seconds, 4),
+                "duration_seconds": round(now - self.started, 4),
+                "outcome": self.outcome,
+            }
+        )
+
+
+class AccessLog:
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self._fd = -1
+        self._buffer: list[bytes] = []
+        self._size = 0
+        self._flusher: asyncio.TimerHandle | None = None
+        self.open()
+
+    def open(self) -> None:
+        if self.target == "-":
+            self._fd = sys.stdout.fileno()
+        else:
+            self._fd = os.open(self.target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+
+    def reopen(self) -> None:
+        """SIGHUP: what is gathered goes to the file as it was; then the path is opened anew."""
+        self.flush()
+        if self.target != "-":
+            old, self._fd = self._fd, -1
+            try:
+                self.open()
+            finally:
+                if old >= 0:
+                    os.close(old)
+
+    def write(self, entry: Entry) -> None:
+        line = entry.line(time.perf_counter())
+        self._buffer.append(line)
+        self._size += len(line) + 1
+        if self._size >= FLUSH_BYTES:
+            self.flush()
+        elif self._flusher is None:
+            self._flusher = asyncio.get_running_loop().call_later(FLUSH_EVERY_SECONDS, self.flush)
+
+    def flush(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            self._flusher = None
+        if not self._buffer:
+            return
+        data = b"\n".join(self._buffer) + b"\n"
+        self._buffer = []
+        self._size = 0
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+        except OSError as exc:
+            log.error("the access log could not be written (%s): %s", self.target, exc)  # noqa: TRY400
+
+    def close(self) -> None:
+        self.flush()
+        if self.target != "-" and self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
