@@ -27,6 +27,7 @@ from router.config import Config
 from router.fleet import LocalFleet
 from router.forward import DataPathMetrics
 from router.health import HealthChecker
+from router.picking import Routing
 from router.pool import EjectionPolicy, Limits, Pool
 from router.protocol_errors import ProtocolErrorCollector
 from router.proxy import Proxy
@@ -93,7 +94,7 @@ class RouterServer(Listening):
                 config.ejection_failures, config.ejection_base_seconds, config.ejection_max_seconds
             ),
             limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
-            routing={name: model.routing for name, model in config.models.items()},
+            routing={name: Routing(model.routing, model.balance_factor) for name, model in config.models.items()},
         )
         self.sinks = Sinks()
         self._wall = wall
@@ -169,6 +170,8 @@ class RouterServer(Listening):
             body_timeout=config.body_timeout_seconds,
             write_stall_timeout=config.write_stall_timeout_seconds,
             max_buffered_body_bytes=config.max_buffered_body_bytes,
+            # Read in the server's own pass over each head, not searched for per request.
+            captured=[m.session_header.encode() for m in config.models.values() if m.routing == "session"],
             error=server_error,
             log_exception=log.exception,
         )

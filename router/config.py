@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import re
 import socket
 import tomllib
 from collections.abc import Callable, Mapping
@@ -76,6 +77,12 @@ def _string(where: _Where, key: str, value: object, *, empty_ok: bool = False) -
         raise where.error(key, "must not be empty")
     if any(ch in value for ch in "\r\n\x00"):
         raise where.error(key, "must not contain CR, LF or NUL")
+    return value
+
+
+def _boolean(where: _Where, key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise where.error(key, f"must be true or false, got {_type_name(value)}")
     return value
 
 
@@ -189,6 +196,12 @@ class ModelConfig:
     fallbacks: tuple[str, ...] = ()
     # The picking policy (router.picking.POLICIES) for this model's replicas.
     routing: str = DEFAULT_POLICY
+    # routing = "session": the header that names the session (then the body's
+    # `user`, then `previous_response_id`); "prefix": how much of the prompt
+    # makes the key. Both: no replica above ceil(balance_factor x mean in flight).
+    session_header: str = "X-Session-Id"
+    prefix_chars: int = 1024
+    balance_factor: float = 1.25
     # Scale from zero: how long a request may be held waiting for a replica
     # that answers (0: a prompt 503 as before), and how many at once.
     cold_start_seconds: float = 0.0
@@ -288,6 +301,8 @@ class Config:
     health_check_timeout_seconds: float = _seconds(2.0, "")
     routed_paths: tuple[str, ...] = _setting(ROUTED_PATHS, _paths, "POST paths routed by the model their body names")
     remembered_responses: int = _count(100_000, "response ids kept with the replica that made them (/v1/responses)")
+    # Replica ids are internal: only an operator who wants them in answers turns this on.
+    expose_replica_header: bool = _setting(False, _boolean, "X-Router-Replica: the replica that answered")
     access_log: str = _setting(
         "", _optional_path, 'off; "-" for stdout, or a file (reopened on SIGHUP): one JSON line a request'
     )
@@ -310,7 +325,35 @@ _SETTINGS = settings()
 # The tables beside the settings.
 _TOP_KEYS = set(_SETTINGS) | {"replicas", "models"}
 _REPLICA_KEYS = {"id", "model", "url", "labels"}
-_MODEL_KEYS = {"aliases", "fallbacks", "routing", "cold_start_seconds", "max_held"}
+_MODEL_KEYS = {
+    "aliases",
+    "fallbacks",
+    "routing",
+    "session_header",
+    "prefix_chars",
+    "balance_factor",
+    "cold_start_seconds",
+    "max_held",
+}
+
+# A header name (RFC 9110 5.1: a token).
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# Headers the router itself frames, consumes or sets: never a session's name.
+_OWN_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "expect",
+        "upgrade",
+        "authorization",
+        "x-request-id",
+        "te",
+        "trailer",
+        "keep-alive",
+    }
+)
 
 
 def _labels(where: _Where, key: str, value: object) -> Mapping[str, LabelValue]:
@@ -378,6 +421,15 @@ def _models(where: _Where, value: object, replicas: tuple[ReplicaConfig, ...]) -
         if routing not in POLICIES:
             known = ", ".join(repr(name) for name in POLICIES)
             raise where.error(f"{key}.routing", f"unknown policy {routing!r} (known: {known})")
+        session_header = _string(where, f"{key}.session_header", raw.get("session_header", "X-Session-Id"))
+        if not _TOKEN.fullmatch(session_header):
+            raise where.error(f"{key}.session_header", f"{session_header!r} is not a valid header name")
+        if session_header.lower() in _OWN_HEADERS:
+            raise where.error(
+                f"{key}.session_header", f"{session_header!r} is a header the router reads or sets itself"
+            )
+        prefix_chars = _number(where, f"{key}.prefix_chars", raw.get("prefix_chars", 1024), minimum=1, integer=True)
+        balance_factor = _number(where, f"{key}.balance_factor", raw.get("balance_factor", 1.25), minimum=1.0)
         for i, alias in enumerate(aliases):
             if alias in declared:
                 raise where.error(f"{key}.aliases[{i}]", f"alias {alias!r} shadows the model of that name")
@@ -399,6 +451,9 @@ def _models(where: _Where, value: object, replicas: tuple[ReplicaConfig, ...]) -
             aliases=aliases,
             fallbacks=fallbacks,
             routing=routing,
+            session_header=session_header,
+            prefix_chars=int(prefix_chars),
+            balance_factor=float(balance_factor),
             cold_start_seconds=float(cold_start),
             max_held=max_held,
         )
