@@ -336,14 +336,12 @@ class KubernetesSource:
                     reason = "expired"
                 except asyncio.CancelledError:
                     raise
-                except (
-                    ApiException,
-                    aiohttp.ClientError,
-                    OSError,
-                    TimeoutError,
-                    FleetUnavailable,
-                    ConfigException,
-                ) as exc:
+                except FleetUnavailable as exc:
+                    # The API answered; a worker did not take the change. The next list applies it again.
+                    log.warning("discovery: %s; listing and applying again", exc)
+                    reason, began = "error", None
+                    failures += 1
+                except (ApiException, aiohttp.ClientError, OSError, TimeoutError, ConfigException) as exc:
                     reason, began = "error", None
                     failures += 1
                     self._lost(exc)
@@ -379,7 +377,7 @@ class KubernetesSource:
         self._confirmed = now
         if not self._synced and self._lost_at is not None:
             log.info(
-                "Kubernetes API answering again after %.0f s; the replica set is listed afresh (%d replicas)",
+                "EndpointSlices readable again after %.0f s; the replica set is listed afresh (%d replicas)",
                 now - self._lost_at,
                 len(self._applied),
             )
@@ -395,12 +393,14 @@ class KubernetesSource:
             self._lost_at = now
             self._reported_at = now
             log.warning(
-                "Kubernetes API not answering (%s); keeping the last known set of %d replicas", _describe(exc), kept
+                "cannot read EndpointSlices from the Kubernetes API (%s); keeping the last known set of %d replicas",
+                _describe(exc),
+                kept,
             )
         elif now - self._reported_at >= self.report_every:
             self._reported_at = now
             log.warning(
-                "Kubernetes API still not answering after %.0f s (%s); keeping the last known set of %d replicas, "
+                "still cannot read EndpointSlices after %.0f s (%s); keeping the last known set of %d replicas, "
                 "stale for %.0f s",
                 now - self._lost_at,
                 _describe(exc),

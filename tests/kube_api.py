@@ -159,6 +159,8 @@ class FakeKubernetesApi:
         # Watches from a resourceVersion below this get 410 Gone.
         self.oldest = self.revision
         self.gone_as_status = False
+        # RBAC without list/watch on endpointslices: every request is 403.
+        self.forbidden = False
         self.watches: set[_Watch] = set()
         self.requests: list[str] = []
         # Watch events to send verbatim instead of the live ones (the library check).
@@ -269,6 +271,14 @@ class FakeKubernetesApi:
         namespace = request.match_info["namespace"]
         query = request.query
         selector = query.get("labelSelector", "")
+        if self.forbidden:
+            verb = "watch" if query.get("watch") in _TRUE else "list"
+            message = (
+                f'endpointslices.discovery.k8s.io is forbidden: User "system:serviceaccount:{namespace}:router" '
+                f'cannot {verb} resource "endpointslices" in API group "discovery.k8s.io" '
+                f'in the namespace "{namespace}"'
+            )
+            return web.json_response(_status(403, "Forbidden", message), status=403)
         try:
             matches(selector, {})
         except BadSelector as exc:

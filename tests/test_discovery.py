@@ -550,9 +550,9 @@ async def test_api_server_down_keeps_the_set_grows_the_stale_gauge_and_traffic_g
         stale.append(samples(await scrape(server), "router_discovery_stale_seconds")[()])
         await asyncio.sleep(0.5)
     assert stale[-1] >= 4.0 and stale == sorted(stale)
-    reports = [r.getMessage() for r in caplog.records if "not answering" in r.getMessage()]
+    reports = [r.getMessage() for r in caplog.records if "cannot read EndpointSlices" in r.getMessage()]
     assert "keeping the last known set of 2 replicas" in reports[0]
-    assert any("still not answering" in m for m in reports[1:])
+    assert any("still cannot read" in m for m in reports[1:])
     # Back, with a change made meanwhile.
     kube.put(model_slice("llama", "m", [a], pods.port), tell=False)
     await kube.start()
@@ -584,6 +584,30 @@ async def test_a_label_change_moves_a_pod_between_models(
     await traffic(server, ["b"], n=8)
     assert all(orjson.loads(s.body)["model"] == "b" for s in pods.fakes["pod-p"].seen)
     await settled(server, pods, [], ["a", "b"])
+
+
+async def test_a_forbidden_list_is_logged_with_the_api_servers_reason_and_the_router_stays_unready(
+    kube: FakeKubernetesApi,
+    pods: Pods,
+    discovery: tuple[RouterServer, KubernetesSource],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """RBAC missing: not ready, the API server's own message in the log; once allowed, the set arrives."""
+    server, source = discovery
+    caplog.set_level(logging.WARNING, "router.discovery")
+    a = await pods.add("pod-a")
+    kube.put(model_slice("llama", "m", [a], pods.port))
+    await kube.stop()
+    kube.forbidden = True
+    await kube.start()
+    await wait_for(lambda: "forbidden" in caplog.text, timeout=10)
+    assert "HTTP 403: endpointslices.discovery.k8s.io is forbidden" in caplog.text
+    assert not source.ready() and router_set(server) == {}
+    async with aiohttp.ClientSession() as session, session.get(server.admin_url + "/readyz") as resp:
+        assert resp.status == 503
+    kube.forbidden = False
+    await in_sync(server, expect({"a": ("m", a)}, pods.port))
+    assert source.ready()
 
 
 async def test_pushes_are_refused_with_409_and_drains_still_work(
