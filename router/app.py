@@ -35,7 +35,7 @@ from router.server import Server as ClientServer
 from router.sinks import Sinks, build_sinks
 from router.sinks.latest import LatestSink
 from router.sinks.push import PushSink
-from router.sources import ReplicaSource, build_sources, exclusive_source, initial_set, reload_all
+from router.sources import ReplicaSource, build_sources, exclusive_source, initial_set, reload_all, sources_ready
 from router.upstream import make_session
 from router.usage import Ticker
 from router.wake import Waker
@@ -134,6 +134,8 @@ class RouterServer(Listening):
                 sink_failures=lambda: ticker.sink_failures,
                 tick_seconds=lambda: ticker.last_tick_seconds,
             )
+            for source in self.sources:
+                source.register(self.registry)
         metrics = DataPathMetrics(self.registry)
         self.upstream = Client(
             connect_timeout=config.connect_timeout_seconds,
@@ -182,7 +184,10 @@ class RouterServer(Listening):
             fleet,
             sinks.latest,
             admin_token=config.admin_token,
-            is_ready=lambda: self.ready,
+            # The sources run here unless a supervisor runs them: the first set must be in before ready.
+            is_ready=(lambda: self.ready and sources_ready(self.sources))
+            if worker_socket is None
+            else lambda: self.ready,
             rates=sinks.rates,
             wall=self._wall,
             exclusive_source=exclusive_source(self.sources) if worker_socket is None else None,

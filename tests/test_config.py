@@ -138,7 +138,7 @@ def test_the_readme_configuration_block_says_what_the_code_declares() -> None:
     block = section.split("```toml\n", 1)[1].split("```", 1)[0]
     documented = tomllib.loads(block)
     declared = settings()
-    assert set(documented) - {"replicas", "models"} == set(declared)
+    assert set(documented) - {"replicas", "models", "discovery"} == set(declared)
     comments = {
         m.group(1): (m.group(2) or "").strip()
         for m in re.finditer(r"^(\w+) = [^#\n]*?(?:# (.*))?$", block.split("[[replicas]]")[0], re.M)
@@ -153,6 +153,9 @@ def test_the_readme_configuration_block_says_what_the_code_declares() -> None:
     from router.config import _MODEL_KEYS
 
     assert set(documented["models"]["llama-3.1-8b"]) == _MODEL_KEYS
+    from router.config import _KUBERNETES_KEYS
+
+    assert set(documented["discovery"]["kubernetes"]) == _KUBERNETES_KEYS
 
 
 def test_an_unknown_routing_policy_is_refused_with_the_known_ones() -> None:
