@@ -1370,8 +1370,14 @@ class Server:
         self.now = time.monotonic()
         # Host values already found valid: a connection sends the same one on every request.
         self.hosts: set[bytes] = set()
-        # Request ids this server makes: unique per process, cheap to make (no uuid per request).
-        self._id_prefix = os.urandom(4).hex().encode() + b"-"
+        # Request ids this server makes are UUIDs (version 4 shape): engines validate the header
+        # (llama.cpp's server answers 400 with an empty body to anything else). Random per
+        # process, then a counter in the last group: unique, and cheap to make (no uuid4 per request).
+        seed = bytearray(os.urandom(10))
+        seed[6] = 0x40 | (seed[6] & 0x0F)
+        seed[8] = 0x80 | (seed[8] & 0x3F)
+        hexed = seed.hex().encode()
+        self._id_prefix = b"%s-%s-%s-%s-" % (hexed[:8], hexed[8:12], hexed[12:16], hexed[16:20])
         self._ids = itertools.count(1)
         # Deadlines are checked this often: a few times per the shortest of them.
         shortest = min(header_timeout, keepalive_timeout, body_timeout, write_stall_timeout)
@@ -1381,7 +1387,7 @@ class Server:
         return Connection(self)
 
     def new_request_id(self) -> bytes:
-        return self._id_prefix + b"%x" % next(self._ids)
+        return self._id_prefix + b"%012x" % (next(self._ids) & 0xFFFF_FFFF_FFFF)
 
     def valid_host(self, value: bytes) -> bool:
         if _HOST.fullmatch(value) is None:

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -234,7 +235,11 @@ async def test_a_request_id_is_the_clients_or_a_new_one_and_goes_both_ways(
     assert seen_id(fake) == ["client-id-1"]
     _, headers, _ = await post_json(server, "/v1/chat/completions", CHAT)
     made = headers["X-Request-Id"]
-    assert made and seen_id(fake) == [made]
+    assert seen_id(fake) == [made]
+    # A UUID: engines check the header's shape (llama.cpp's server refuses anything else with 400).
+    assert uuid.UUID(made).version == 4 and str(uuid.UUID(made)) == made
+    _, headers, _ = await post_json(server, "/v1/chat/completions", CHAT)
+    assert headers["X-Request-Id"] != made and uuid.UUID(headers["X-Request-Id"]).version == 4
     # Too long, or not visible ASCII: replaced, never forwarded as sent.
     _, headers, _ = await post_json(server, "/v1/chat/completions", CHAT, **{"X-Request-Id": "x" * 300})
     assert headers["X-Request-Id"] != "x" * 300
