@@ -46,10 +46,16 @@ def _error(status: int, message: str, code: str) -> web.Response:
 
 
 def replica_rows(snapshot: UsageSnapshot, now: float) -> list[dict[str, Any]]:
-    """GET /api/v1/replicas: unknown is `last_used: null` and a negative idle_seconds."""
+    """GET /api/v1/replicas: unknown is `last_used: null` and a negative idle_seconds.
+
+    `quiet_for_seconds` is the proven quiet bound as of the snapshot (the
+    rule of `router ctl idle` and status): idle for T when it is at least T.
+    """
     rows = []
+    proven = snapshot.quiet_for()
     for r in snapshot.replicas:
         quiet = r.quiet_seconds(now)
+        quiet_for = proven.get(r.id)
         rows.append(
             {
                 "id": r.id,
@@ -60,6 +66,7 @@ def replica_rows(snapshot: UsageSnapshot, now: float) -> list[dict[str, Any]]:
                 "requests": r.requests,
                 "last_used": r.last_used,
                 "idle_seconds": -1.0 if quiet is None else round(quiet, 3),
+                "quiet_for_seconds": None if quiet_for is None else round(quiet_for, 3),
                 "watching_since": r.watching_since,
                 "labels": dict(r.labels),
             }

@@ -109,7 +109,7 @@ def _emit(args: argparse.Namespace, doc: Any, text: str) -> None:
 def cmd_replicas(args: argparse.Namespace) -> int:
     rows = Client(args.server[0], token=args.token).call("GET", "/api/v1/replicas")
     text = table(
-        ["ID", "MODEL", "STATE", "IN-FLIGHT", "REQUESTS", "IDLE", "URL"],
+        ["ID", "MODEL", "STATE", "IN-FLIGHT", "REQUESTS", "IDLE", "QUIET-FOR", "URL"],
         [
             [
                 r["id"],
@@ -119,6 +119,8 @@ def cmd_replicas(args: argparse.Namespace) -> int:
                 r["requests"],
                 # Negative idle_seconds is the API's "unknown": never shown as a duration.
                 human_duration(r["idle_seconds"]) if r["idle_seconds"] >= 0 else "-",
+                # The proven bound: the rule of `idle` and `status`.
+                human_duration(r["quiet_for_seconds"]) if r.get("quiet_for_seconds") is not None else "-",
                 r["url"],
             ]
             for r in rows
@@ -247,7 +249,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     ]
     if doc["unasked"]:
         parts += [
-            f"unasked-for (known quiet longer than {window}):",
+            f"unasked-for (proven quiet for at least {window}):",
             table(
                 ["ID", "MODEL", "GPU-CLASS", "GPUS", "QUIET-FOR"],
                 [
@@ -257,7 +259,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             ),
         ]
     else:
-        parts.append(f"unasked-for: none known quiet longer than {window}")
+        parts.append(f"unasked-for: none proven quiet for {window}")
     if doc.get("held"):
         parts += [
             "",

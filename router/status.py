@@ -1,13 +1,16 @@
 """The fleet summary an operator reads first (GET /api/v1/status, router ctl status).
 
-Derived from one usage snapshot, the same one the other views read, so that
-it cannot disagree with them. Unknown stays unknown: a replica without a
-stamp is neither busy nor idle, and an ejected one is neither either.
+Derived from one usage snapshot, the same one the other views read, and
+by the same rule as `router ctl idle` (UsageSnapshot.quiet_for: the proven
+quiet bound), so that it cannot disagree with them. A replica is idle for
+the window when no request reached it for that long, stamp or no stamp;
+unknown when that cannot be proven (watched for less than the window);
+an ejected one is neither busy nor idle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -80,22 +83,34 @@ class FleetStatus:
 
 
 def gpus_of(replica: ReplicaUsage) -> int:
+    """The `gpus` label (checked as a positive integer where the replica set is read); 0 without one."""
     value = replica.labels.get("gpus", 0)
+    if isinstance(value, str) and value.isdigit():
+        # Kubernetes labels are strings (discovery's labels_from).
+        return int(value)
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         return 0
     return int(value)
 
 
-def usage_class(replica: ReplicaUsage, now: float, idle_for: float) -> str:
-    """busy, idle, unknown or ejected: how a replica counts in the summary."""
+def usage_class(
+    replica: ReplicaUsage, quiet_for: float | None, now: float, idle_for: float, wanted: Container[str] = ()
+) -> str:
+    """busy, idle, unknown or ejected: how a replica counts in the summary.
+
+    `quiet_for` is the proven quiet bound (UsageSnapshot.quiet_for); `wanted`
+    the models with requests held for them, whose replicas are never idle.
+    """
     if replica.state == "ejected":
         return "ejected"
-    if replica.in_flight > 0:
+    if replica.in_flight > 0 or replica.model in wanted:
         return "busy"
-    quiet = replica.quiet_seconds(now)
-    if quiet is None:
-        return "unknown"
-    return "busy" if quiet <= idle_for else "idle"
+    if quiet_for is not None and quiet_for >= idle_for:
+        return "idle"
+    if replica.last_used is not None and now - replica.last_used < idle_for:
+        return "busy"
+    # Watched for less than the window, and nothing seen meanwhile.
+    return "unknown"
 
 
 def bar(busy: int, idle: int, unknown: int, ejected: int, width: int = BAR_WIDTH) -> str:
@@ -120,9 +135,15 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
     by_model: dict[str, list[ReplicaUsage]] = {}
     for r in snapshot.replicas:
         by_model.setdefault(r.model, []).append(r)
+    quiet = snapshot.quiet_for()
+    wanted = {model for model, d in snapshot.demand.items() if d.held > 0}
+
+    def kind_of(r: ReplicaUsage) -> str:
+        return usage_class(r, quiet.get(r.id), now, idle_for, wanted)
+
     models = []
     for model, replicas in sorted(by_model.items()):
-        classes = [usage_class(r, now, idle_for) for r in replicas]
+        classes = [kind_of(r) for r in replicas]
         if "busy" in classes:
             asked = "yes"
         elif classes and all(c == "idle" for c in classes):
@@ -146,13 +167,13 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
     for r in snapshot.replicas:
         gpu_class = str(r.labels.get("gpu_class", "-"))
         held = gpus_of(r)
-        kind = usage_class(r, now, idle_for)
+        kind = kind_of(r)
         tally = per_class.setdefault(gpu_class, {"busy": 0, "idle": 0, "unknown": 0, "ejected": 0})
         tally[kind] += held
         if kind == "idle":
-            quiet = r.quiet_seconds(now)
-            assert quiet is not None
-            unasked.append(Unasked(r.id, r.model, gpu_class, held, round(quiet, 1)))
+            quiet_for = quiet.get(r.id)
+            assert quiet_for is not None
+            unasked.append(Unasked(r.id, r.model, gpu_class, held, round(quiet_for, 1)))
     gpus = tuple(
         GpuClassStatus(
             gpu_class=c, total=sum(t.values()), bar=bar(t["busy"], t["idle"], t["unknown"], t["ejected"]), **t

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 from router.config import LabelValue
 from router.picking import AFFINITY_OUTCOMES
@@ -122,6 +123,27 @@ class UsageSnapshot:
             **{name: MappingProxyType(doc[name]) for name in TALLIES_BY_MODEL},
             demand=MappingProxyType({model: Demand(*d) for model, d in doc["demand"].items()}),
         )
+
+    def report(self) -> RouterReport:
+        """This snapshot as one router's report to the merge (what GET /api/v1/usage says)."""
+        doc = self.usage_document()
+        return RouterReport(
+            server=self.router,
+            last_used=cast(dict[str, float], doc["last_used"]),
+            watching_since=cast(dict[str, float], doc["watching_since"]),
+            generated_at=self.generated_at,
+            held={model: d.held for model, d in self.demand.items()},
+        )
+
+    def quiet_for(self) -> Mapping[str, float | None]:
+        """Per replica, how long it has provably been quiet as of this snapshot.
+
+        The merge of `router ctl idle` over this one router: every view of
+        idleness (status, replicas, /metrics) reads this, so none can say
+        otherwise. No request reached the replica after
+        max(last_used, watching_since), whether or not it ever had a stamp.
+        """
+        return merge_reports([self.report()], now=self.generated_at, idle_for=math.inf).quiet_for
 
     def usage_document(self) -> dict[str, object]:
         """The body of GET /api/v1/usage and of the usage push."""

@@ -272,18 +272,22 @@ async def test_status_summarizes_models_gpus_and_demand(start_fake: StartFake, s
         "draining": 1,
         "in_flight": 0,
         "requests_per_second": 0,
-        "asked": "unknown",
+        # a1 was never used, but watched longer than the window: idle, like a0.
+        "asked": "no",
     }
     assert models["a"]["requests_per_second"] > 0
     assert models["b"]["asked"] == "no"
     gpus = {g["gpu_class"]: g for g in status["gpus"]}
-    assert (gpus["h100"]["idle"], gpus["h100"]["unknown"], gpus["h100"]["total"]) == (2, 2, 4)
-    assert gpus["h100"]["bar"] == "[" + "." * 10 + "?" * 10 + "]"
-    assert {u["id"] for u in status["unasked"]} == {"a0", "b0"}
+    assert (gpus["h100"]["idle"], gpus["h100"]["unknown"], gpus["h100"]["total"]) == (4, 0, 4)
+    assert {u["id"] for u in status["unasked"]} == {"a0", "a1", "b0"}
     assert status["unserved"] == {"wanted": 1}
     busy = await get_json(server.admin_url + "/api/v1/status?idle_for=60")
     assert {m["model"]: m["asked"] for m in busy["models"]} == {"a": "yes", "b": "yes"}
     assert busy["unasked"] == []
+    # Over a minute's window, a1 (never used, watched for less) cannot be called idle.
+    gpus = {g["gpu_class"]: g for g in busy["gpus"]}
+    assert (gpus["h100"]["busy"], gpus["h100"]["idle"], gpus["h100"]["unknown"]) == (2, 0, 2)
+    assert gpus["h100"]["bar"] == "[" + "#" * 10 + "?" * 10 + "]"
     async with aiohttp.ClientSession() as session, session.get(server.admin_url + "/api/v1/status?idle_for=x") as r:
         assert r.status == 400
     code, out = await asyncio.to_thread(run_ctl, "status", "--server", server.admin_url, "--idle-for", "60s")
@@ -372,3 +376,47 @@ async def test_a_source_that_owns_the_set_drives_the_pool_and_pushes_get_409(sta
         assert status == 200
     finally:
         await server.stop()
+
+
+async def test_every_view_says_the_same_about_idle_at_several_ages(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    """status, idle, replicas and /metrics: one rule (the proven quiet bound) on one fleet."""
+    fakes = [await start_fake(f"m{i}") for i in range(3)]
+    server = await start_router(
+        [replica_entry(f"r{i}", fake, model=f"m{i}", gpus=1) for i, fake in enumerate(fakes)], tick_seconds=0.05
+    )
+    # r1 used now, r0 a moment before the views are read, r2 never: watched only.
+    await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "m1"}))
+    await asyncio.sleep(1.2)
+    await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "m0"}))
+    await asyncio.sleep(0.1)
+    # Ages now: r0 ~0.1 s, r1 ~1.3 s, r2 watched ~1.3 s and never used.
+    for window, idle, unknown in ((0.5, {"r1", "r2"}, 0), (3.0, set(), 1)):
+        status = await get_json(server.admin_url + f"/api/v1/status?idle_for={window}")
+        rows = await get_json(server.admin_url + "/api/v1/replicas")
+        quiet = samples(await scrape(server), "router_replica_quiet_seconds")
+        code, out = await asyncio.to_thread(
+            run_ctl, "idle", "--server", server.admin_url, "--idle-for", f"{window}s", "--json"
+        )
+        assert code == 0
+        merged = orjson.loads(out)
+        code, out = await asyncio.to_thread(
+            run_ctl, "status", "--server", server.admin_url, "--idle-for", f"{window}s", "--json"
+        )
+        assert code == 0
+        ctl_status = orjson.loads(out)
+        assert {u["id"] for u in status["unasked"]} == idle, window
+        assert {u["id"] for u in ctl_status["unasked"]} == idle, window
+        assert {c["id"] for c in merged["candidates"]} == idle, window
+        assert {r["id"] for r in rows if r["quiet_for_seconds"] >= window} == idle, window
+        assert {dict(labels)["replica"] for labels, value in quiet.items() if value >= window} == idle, window
+        # Not idle and not busy: r2 at 3 s, watched for less than the window.
+        assert status["gpus"][0]["unknown"] == unknown, window
+        assert merged["unknown"] == []
+    # A replica never used shows no last use anywhere, and its proven quiet time.
+    never = next(r for r in rows if r["id"] == "r2")
+    assert never["last_used"] is None and never["idle_seconds"] < 0 and never["quiet_for_seconds"] > 1.0
+    code, out = await asyncio.to_thread(run_ctl, "replicas", "--server", server.admin_url)
+    r2_line = next(line for line in out.splitlines() if line.startswith("r2"))
+    assert r2_line.split()[5] == "-" and r2_line.split()[6] != "-"

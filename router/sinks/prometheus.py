@@ -89,6 +89,13 @@ class UsageCollector(Collector):
             "Since when this router has watched the replica (start or addition).",
             labels=labels,
         )
+        quiet = GaugeMetricFamily(
+            "router_replica_quiet_seconds",
+            "Proven quiet: no request reached the replica through this router for at least this long, "
+            "as of the snapshot (stamp or no stamp: since it was last used or watched from).",
+            labels=labels,
+        )
+        proven = snapshot.quiet_for()
         in_flight = GaugeMetricFamily(
             "router_replica_in_flight_requests", "Requests in flight to the replica.", labels=labels
         )
@@ -116,6 +123,9 @@ class UsageCollector(Collector):
             if r.last_used is not None:
                 last_used.add_metric(key, r.last_used)
             watching.add_metric(key, r.watching_since)
+            quiet_for = proven.get(r.id)
+            if quiet_for is not None:
+                quiet.add_metric(key, quiet_for)
             in_flight.add_metric(key, r.in_flight)
             for name in STATES:
                 state.add_metric([*key, name], 1.0 if name == r.state else 0.0)
@@ -125,7 +135,7 @@ class UsageCollector(Collector):
                 requests.add_metric([*key, status_class], count)
             for reason, count in sorted(r.errors.items()):
                 errors.add_metric([*key, reason], count)
-        yield from (last_used, watching, in_flight, state, ejections, recoveries, requests, errors)
+        yield from (last_used, watching, quiet, in_flight, state, ejections, recoveries, requests, errors)
         yield _tallies(
             "router_retries",
             "Requests sent again to another replica before any byte reached the client.",
