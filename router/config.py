@@ -135,6 +135,18 @@ def check_url(where: _Where, key: str, value: object) -> str:
     return text.rstrip("/")
 
 
+def _replica_url(where: _Where, key: str, value: object) -> str:
+    url = check_url(where, key, value)
+    # The client's path (/v1/chat/completions) is appended to the base URL:
+    # one ending in /v1 would send every request to /v1/v1/... and get 404s.
+    if urlsplit(url).path.rstrip("/").endswith("/v1"):
+        raise where.error(
+            key,
+            f"ends in /v1: give the base URL without it (the router appends the client's /v1/... path), got {url!r}",
+        )
+    return url
+
+
 def _string_list(where: _Where, key: str, value: object) -> tuple[str, ...]:
     if not isinstance(value, list):
         raise where.error(key, f"must be an array of strings, got {_type_name(value)}")
@@ -385,6 +397,16 @@ def _labels(where: _Where, key: str, value: object) -> Mapping[str, LabelValue]:
         if not isinstance(item, str | int | float | bool):
             raise where.error(f"{key}.{name}", f"must be a string, number or boolean, got {_type_name(item)}")
         out[name] = item
+    # The labels `router ctl status` reads: a wrong one would drop the replica's GPUs silently.
+    if "gpus" in out:
+        gpus = out["gpus"]
+        if isinstance(gpus, str) and gpus.isdigit():
+            gpus = int(gpus)
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise where.error(f"{key}.gpus", f"must be a positive integer (the GPUs the replica holds), got {gpus!r}")
+        out["gpus"] = gpus
+    if "gpu_class" in out and (not isinstance(out["gpu_class"], str) or not out["gpu_class"]):
+        raise where.error(f"{key}.gpu_class", f"must be a non-empty string, got {out['gpu_class']!r}")
     return MappingProxyType(out)
 
 
@@ -417,7 +439,7 @@ def parse_replicas(where: _Where, key: str, value: object) -> tuple[ReplicaConfi
             ReplicaConfig(
                 id=replica_id,
                 model=_string(where, f"{item_key}.model", raw["model"]),
-                url=check_url(where, f"{item_key}.url", raw["url"]),
+                url=_replica_url(where, f"{item_key}.url", raw["url"]),
                 labels=_labels(where, f"{item_key}.labels", raw.get("labels", {})),
             )
         )
@@ -493,6 +515,16 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         if setting.fallback is not None and not value:
             value = setting.fallback(env)
         values[key] = value
+    listen, admin = values["listen"], values["admin_listen"]
+    wildcards = ("0.0.0.0", "::", "")
+    if (
+        listen.port
+        and listen.port == admin.port
+        and (listen.host == admin.host or listen.host in wildcards or admin.host in wildcards)
+    ):
+        raise where.error(
+            "admin_listen", f"must differ from listen ({listen}): the client port and the admin API need two"
+        )
     replicas = parse_replicas(where, "replicas", raw.get("replicas", []))
     models = _models(where, raw.get("models", {}), replicas)
     discovery = _discovery(where, raw["discovery"]) if "discovery" in raw else None

@@ -65,6 +65,23 @@ def test_admin_token_falls_back_to_the_environment(tmp_path: Path) -> None:
         ('[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://u:p@h"\n', "replicas[2].url", "credentials"),
         ('[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1"\nport = 3\n', "replicas[2].port", "unknown key"),
         ('[[replicas]]\nid = "r"\nurl = "http://h:1"\n', "replicas[2].model", "is required"),
+        ('[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1/v1"\n', "replicas[2].url", "ends in /v1"),
+        ('[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1/openai/v1/"\n', "replicas[2].url", "without it"),
+        (
+            '[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1"\nlabels = { gpus = "two" }\n',
+            "replicas[2].labels.gpus",
+            "must be a positive integer",
+        ),
+        (
+            '[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1"\nlabels = { gpus = 0 }\n',
+            "replicas[2].labels.gpus",
+            "positive integer",
+        ),
+        (
+            '[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1"\nlabels = { gpu_class = 3 }\n',
+            "replicas[2].labels.gpu_class",
+            "non-empty string",
+        ),
         ('[models."x"]\nfallbacks = ["nobody"]\n', 'models."x".fallbacks[0]', "no replica serves"),
         ('[models."x"]\naliases = ["llama-3.1-70b"]\n', 'models."x".aliases[0]', "shadows the model"),
         ('[models."x"]\naliases = ["llama"]\n', 'models."x".aliases[0]', "already an alias"),
@@ -94,6 +111,8 @@ def test_each_mistake_names_file_key_and_problem(tmp_path: Path, change: str, ke
         ('listen = "127.0.0.1:99999"', "listen", "port must be"),
         ('api_keys = "k"', "api_keys", "array of strings"),
         ('usage_push_url = "collector:80"', "usage_push_url", "http://"),
+        ('admin_listen = "127.0.0.1:8080"', "admin_listen", "must differ from listen .127.0.0.1:8080."),
+        ('admin_listen = "0.0.0.0:8080"', "admin_listen", "must differ from listen"),
     ],
 )
 def test_bad_values_name_the_key(tmp_path: Path, line: str, key: str, problem: str) -> None:

@@ -96,3 +96,26 @@ async def test_sighup_reloads_the_replicas_and_a_bad_file_changes_nothing(serve:
     out = serve.output()
     assert "reload refused, nothing changed" in out
     assert "colour: unknown key" in out
+
+
+async def test_a_config_without_replicas_starts_ready_and_a_push_fills_it(serve: Serve, start_fake: StartFake) -> None:
+    """No replicas is a valid start (the push API or discovery fills the set): ready, models 404 until then."""
+    fake = await start_fake("m")
+    serve.write([])
+    await serve.start()  # waits for /readyz 200
+    async with aiohttp.ClientSession() as session:
+        async with session.get(serve.admin_url + "/readyz") as resp:
+            assert resp.status == 200
+        async with session.get(serve.client_url + "/v1/models") as resp:
+            assert (await resp.json())["data"] == []
+        async with session.post(serve.client_url + "/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 404
+            assert (await resp.json())["error"]["code"] == "model_not_found"
+        replica = {"id": "a", "model": CHAT["model"], "url": fake.url}
+        async with session.put(serve.admin_url + "/api/v1/endpoints", json={"replicas": [replica]}) as resp:
+            assert resp.status == 200
+        async with session.post(serve.client_url + "/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 200
+    serve.signal(signal.SIGTERM)
+    assert serve.process is not None
+    assert serve.process.wait(timeout=15) == 0
