@@ -14,6 +14,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import math
 import random
 import time
 from collections import OrderedDict
@@ -683,6 +684,19 @@ class Pool:
             self._ejected.remove(replica)
         self._next_readmit = min((r.ejected_until or float("inf") for r in self._ejected), default=float("inf"))
         self._refresh_candidate(replica)
+
+    def retry_after(self, models: Iterable[str]) -> int:
+        """Seconds after which a request for `models`, refused now, may find a replica (Retry-After).
+
+        The soonest end of an ejection among their replicas; else 1 where they
+        have replicas (draining ones, or ones that refused: a moment's trouble);
+        else 10: none at all, so one must be started first.
+        """
+        replicas = [r for model in models for r in self._models.get(model, ())]
+        ends = [r.ejected_until for r in replicas if r.ejected_until is not None]
+        if ends:
+            return max(1, min(60, math.ceil(min(ends) - self._clock())))
+        return 1 if replicas else 10
 
     def _readmit_expired(self) -> None:
         now = self._clock()

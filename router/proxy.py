@@ -295,7 +295,7 @@ class Proxy:
             if not self.pool.serves(model) and model not in self.routes.declared and model not in self.pool.ever_served:
                 # Known is declared, or served now or at any time since start:
                 # a model scaled to zero is unavailable (503), not unknown (404).
-                self.pool.tallies.unserved_request(requested)
+                self.pool.tallies.unserved_request(model)
                 raise ModelNotFound(f"The model '{requested}' does not exist or no replica serves it.", param="model")
             pinned: Replica | None = None
             if request.path == "/v1/responses" and (previous := obj.get("previous_response_id")) is not None:
@@ -624,7 +624,8 @@ class Proxy:
         if timed_out:
             self.pool.tallies.refused_overloaded(model)
             raise Overloaded(
-                f"Every replica of '{model}' is at its concurrency limit; waited {self._queue_timeout:g} s."
+                f"Every replica of '{model}' is at its concurrency limit; waited {self._queue_timeout:g} s.",
+                retry_after=1,
             )
         return replica
 
@@ -639,8 +640,14 @@ class Proxy:
     ) -> Reply:
         """No attempt answered: the last replica's own answer, or a 503 when none could be reached."""
         if last is None or only_connect_failures:
-            self.pool.tallies.unserved_request(requested)
+            # Demand is counted under the model the name leads to (an alias's model).
+            self.pool.tallies.unserved_request(chain[0])
             names = " or ".join(repr(name) for name in chain)
             detail = f" (last failure: {last.error.message})" if last is not None else ""
-            return error_response(NoReplicaAvailable(f"No replica of {names} can serve the request now{detail}."))
+            return error_response(
+                NoReplicaAvailable(
+                    f"No replica of {names} can serve the request now{detail}.",
+                    retry_after=self.pool.retry_after(chain),
+                )
+            )
         return last.reply()

@@ -327,13 +327,40 @@ async def test_every_replica_down_gives_a_prompt_503(start_router: StartRouter, 
     replicas = [{"id": f"d{i}", "model": "m", "url": refused_url()} for i in range(3)]
     server = await start_router(replicas, max_attempts=2)
     began = time.perf_counter()
-    status, _, answer = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+    status, headers, answer = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
     assert time.perf_counter() - began < 2.0
     assert status == 503
     error = orjson.loads(answer)["error"]
     assert error["code"] == "no_replica_available"
+    # Nothing ejected yet: the trouble may pass in a moment.
+    assert headers["Retry-After"] == "1"
     assert sum(sum(r.errors.values()) for r in server.pool) == 2
     assert server.pool.tallies.unserved == {"m": 1}
+
+
+async def test_no_replica_available_says_when_to_try_again_and_counts_the_aliased_model(
+    start_router: StartRouter, refused_url: RefusedUrl
+) -> None:
+    server = await start_router(
+        [{"id": f"d{i}", "model": "m", "url": refused_url()} for i in range(2)],
+        models={"m": {"aliases": ["alias"]}, "empty": {}},
+        ejection_failures=1,
+        ejection_base_seconds=20,
+    )
+    # Both refuse: one is ejected for 20 s (never more than half), the other tried too.
+    status, headers, answer = await post(
+        server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "alias"})
+    )
+    assert status == 503 and orjson.loads(answer)["error"]["code"] == "no_replica_available"
+    assert [r.state.value for r in server.pool].count("ejected") == 1
+    # The ejection ends in about 20 s: that is when to come back.
+    assert 15 <= int(headers["Retry-After"]) <= 20
+    # Demand is counted under the model the alias names.
+    assert server.pool.tallies.unserved == {"m": 1}
+    # A model declared with no replica at all: one must be started first.
+    empty = orjson.dumps({**CHAT, "model": "empty"})
+    status, headers, _ = await post(server.client_url + "/v1/chat/completions", empty)
+    assert status == 503 and headers["Retry-After"] == "10"
 
 
 async def test_a_replica_killed_mid_test_is_routed_around(start_fake: StartFake, start_router: StartRouter) -> None:
