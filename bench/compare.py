@@ -356,13 +356,19 @@ def paced_load(url: str, *, connections: int, seconds: float, tokens: int) -> di
     command += ["-c", str(connections), "-n", "100000000", "-d", str(seconds), "--max-tokens", str(tokens)]
     done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=seconds + 120)
     doc = json.loads(done.stdout.strip().splitlines()[-1])
+
+    def figure(key: str) -> float:
+        # router bench says null when nothing succeeded; the tables here take NaN as "no figure".
+        value = doc[key]
+        return float("nan") if value is None else float(value)
+
     return {
         "requests": doc["requests"],
         "seconds": doc["seconds"],
-        "p50_ms": doc["latency_p50_ms"],
-        "p99_ms": doc["latency_p99_ms"],
-        "ttfb_p50_ms": doc["ttfb_p50_ms"],
-        "ttfb_p99_ms": doc["ttfb_p99_ms"],
+        "p50_ms": figure("latency_p50_ms"),
+        "p99_ms": figure("latency_p99_ms"),
+        "ttfb_p50_ms": figure("ttfb_p50_ms"),
+        "ttfb_p99_ms": figure("ttfb_p99_ms"),
         "chunks": doc["chunks"],
         "errors": doc["errors"],
     }

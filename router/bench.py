@@ -10,13 +10,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import aiohttp
 import orjson
 import uvloop
+
+# Kinds of error kept apart; more are counted under one "other kinds" line, so a message that
+# differs per request (an id in it) cannot grow the report without bound.
+MAX_ERROR_KINDS = 20
+OTHER_KINDS = "other kinds"
+# Defaults when neither a count nor a duration is given.
+DEFAULT_REQUESTS = 2000
+DEFAULT_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,18 +36,41 @@ class BenchResult:
     seconds: float
     requests_per_second: float
     chunks: int
-    latency_p50_ms: float
-    latency_p90_ms: float
-    latency_p99_ms: float
-    ttfb_p50_ms: float
-    ttfb_p99_ms: float
+    # None when no request succeeded: there is nothing to take a percentile of.
+    latency_p50_ms: float | None
+    latency_p90_ms: float | None
+    latency_p99_ms: float | None
+    ttfb_p50_ms: float | None
+    ttfb_p99_ms: float | None
+    # What went wrong, counted by kind: "503 no_replica_available: <message>", or an exception.
+    errors_by_kind: dict[str, int] = field(default_factory=dict)
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
+def percentile_ms(sorted_values: Sequence[float], q: float) -> float | None:
     if not sorted_values:
-        return float("nan")
+        return None
     index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
+    return sorted_values[index] * 1000
+
+
+def describe_answer(status: int, body: bytes) -> str:
+    """One line for an error answer: its status and, for an OpenAI-shaped error, code and message."""
+    try:
+        error = orjson.loads(body)["error"]
+        code = error.get("code") or error.get("type") or ""
+        message = str(error.get("message", ""))
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        code = ""
+        message = body.decode("utf-8", "replace").strip()
+    text = f"{status} {code}".rstrip()
+    if message:
+        text += ": " + " ".join(message.split())
+    return text[:200]
+
+
+def describe_exception(exc: BaseException) -> str:
+    text = str(exc)
+    return (f"{type(exc).__name__}: {text}" if text else type(exc).__name__)[:200]
 
 
 async def run_load(
@@ -45,38 +78,47 @@ async def run_load(
     *,
     model: str,
     concurrency: int,
-    requests: int,
-    duration: float,
+    requests: int | None,
+    duration: float | None,
     stream: bool,
     max_tokens: int = 16,
     path: str = "/v1/chat/completions",
 ) -> BenchResult:
+    """Run until `requests` are done or `duration` has passed (None: no such limit; not both None)."""
+    if requests is None and duration is None:
+        raise ValueError("run_load needs a request count, a duration, or both")
     payload = orjson.dumps(
         {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens, "stream": stream}
     )
     url = base_url.rstrip("/") + path
     latencies: list[float] = []
     ttfbs: list[float] = []
-    errors = 0
+    kinds: Counter[str] = Counter()
     chunks = 0
-    remaining = requests
-    deadline = time.perf_counter() + duration
+    remaining = requests if requests is not None else -1
+    deadline = time.perf_counter() + duration if duration is not None else math.inf
+
+    def failed(kind: str) -> None:
+        if kind in kinds or len(kinds) < MAX_ERROR_KINDS:
+            kinds[kind] += 1
+        else:
+            kinds[OTHER_KINDS] += 1
 
     async def worker(session: aiohttp.ClientSession) -> None:
-        nonlocal remaining, errors, chunks
-        while remaining > 0 and time.perf_counter() < deadline:
+        nonlocal remaining, chunks
+        while remaining != 0 and time.perf_counter() < deadline:
             remaining -= 1
             began = time.perf_counter()
             try:
                 async with session.post(url, data=payload, headers={"Content-Type": "application/json"}) as resp:
                     ttfbs.append(time.perf_counter() - began)
+                    if resp.status != 200:
+                        failed(describe_answer(resp.status, await resp.read()))
+                        continue
                     async for _ in resp.content.iter_any():
                         chunks += 1
-                    if resp.status != 200:
-                        errors += 1
-                        continue
-            except (aiohttp.ClientError, OSError, TimeoutError):
-                errors += 1
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                failed(describe_exception(exc))
                 continue
             latencies.append(time.perf_counter() - began)
 
@@ -91,16 +133,41 @@ async def run_load(
     done = len(latencies)
     return BenchResult(
         requests=done,
-        errors=errors,
+        errors=sum(kinds.values()),
         seconds=seconds,
         requests_per_second=done / seconds if seconds > 0 else 0.0,
         chunks=chunks,
-        latency_p50_ms=percentile(latencies, 0.5) * 1000,
-        latency_p90_ms=percentile(latencies, 0.9) * 1000,
-        latency_p99_ms=percentile(latencies, 0.99) * 1000,
-        ttfb_p50_ms=percentile(ttfbs, 0.5) * 1000,
-        ttfb_p99_ms=percentile(ttfbs, 0.99) * 1000,
+        latency_p50_ms=percentile_ms(latencies, 0.5),
+        latency_p90_ms=percentile_ms(latencies, 0.9),
+        latency_p99_ms=percentile_ms(latencies, 0.99),
+        ttfb_p50_ms=percentile_ms(ttfbs, 0.5),
+        ttfb_p99_ms=percentile_ms(ttfbs, 0.99),
+        errors_by_kind=dict(kinds.most_common()),
     )
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"
+
+
+def report(result: BenchResult) -> str:
+    lines = [
+        f"{result.requests} requests in {result.seconds:.2f}s: {result.requests_per_second:.0f} req/s, "
+        f"{result.errors} errors",
+        f"latency p50 {_ms(result.latency_p50_ms)}, p90 {_ms(result.latency_p90_ms)}, p99 {_ms(result.latency_p99_ms)}",
+        f"time to first byte p50 {_ms(result.ttfb_p50_ms)}, p99 {_ms(result.ttfb_p99_ms)}",
+    ]
+    if result.errors_by_kind:
+        lines.append("errors:")
+        lines += [f"{count:>8}  {kind}" for kind, count in result.errors_by_kind.items()]
+    return "\n".join(lines)
+
+
+def limits(requests: int | None, duration: float | None) -> tuple[int | None, float | None]:
+    """The count and time limits a run keeps: each as given, the defaults only when neither is."""
+    if requests is None and duration is None:
+        return DEFAULT_REQUESTS, DEFAULT_SECONDS
+    return requests, duration
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,15 +175,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--url", default="http://127.0.0.1:8080", help="OpenAI base URL (without /v1)")
     parser.add_argument("--model", default="llama-3.1-8b")
     parser.add_argument("--concurrency", "-c", type=int, default=16)
-    parser.add_argument("--requests", "-n", type=int, default=2000, help="stop after this many requests")
-    parser.add_argument("--duration", "-d", type=float, default=10.0, help="or after this many seconds")
+    parser.add_argument(
+        "--requests",
+        "-n",
+        type=int,
+        help=f"stop after this many requests (alone: no time limit; neither: {DEFAULT_REQUESTS} or "
+        f"{DEFAULT_SECONDS:.0f}s, whichever comes first)",
+    )
+    parser.add_argument("--duration", "-d", type=float, help="stop after this many seconds (alone: no count limit)")
     parser.add_argument("--stream", action="store_true", help="ask for SSE streams")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--path", default="/v1/chat/completions")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if args.concurrency < 1 or args.requests < 1 or args.duration <= 0:
-        parser.error("--concurrency and --requests must be at least 1, --duration above 0")
+    if args.concurrency < 1:
+        parser.error("--concurrency must be at least 1")
+    if args.requests is not None and args.requests < 1:
+        parser.error("--requests must be at least 1")
+    if args.duration is not None and not (0 < args.duration < math.inf):
+        parser.error("--duration must be a number of seconds above 0")
+    args.requests, args.duration = limits(args.requests, args.duration)
     result = uvloop.run(
         run_load(
             args.url,
@@ -129,16 +207,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             path=args.path,
         )
     )
-    if args.json:
-        print(json.dumps(asdict(result)))
-    else:
-        print(
-            f"{result.requests} requests in {result.seconds:.2f}s: {result.requests_per_second:.0f} req/s, "
-            f"{result.errors} errors"
-        )
-        print(
-            f"latency p50 {result.latency_p50_ms:.2f} ms, p90 {result.latency_p90_ms:.2f} ms, "
-            f"p99 {result.latency_p99_ms:.2f} ms"
-        )
-        print(f"time to first byte p50 {result.ttfb_p50_ms:.2f} ms, p99 {result.ttfb_p99_ms:.2f} ms")
+    # JSON has no NaN: a percentile of nothing is null.
+    print(json.dumps(asdict(result)) if args.json else report(result))
     return 0 if result.errors == 0 else 1
