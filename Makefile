@@ -5,11 +5,9 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test lint setup clean bench
 
+# Under a lock: `make demo` and `make test` may run at once in a fresh clone.
 $(BIN)/router: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
-	touch $(BIN)/router
+	$(PYTHON) scripts/setup-venv $(PYTHON) $(VENV) test
 
 setup: $(BIN)/router
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -90,50 +92,98 @@ def demo_config(listen: str, admin_listen: str, urls: dict[str, str], tick_secon
     return parse_config(raw, "<demo>")
 
 
-async def _demo(args: argparse.Namespace) -> None:
-    from router.app import serve
-    from router.fake import Behaviour, FakeReplica
+def in_a_new_shell() -> tuple[str, str]:
+    """How another terminal reaches this install's `router` and `python`.
 
-    fakes = []
-    urls = {}
-    for rid, model, _ in DEMO_FLEET:
-        fake = FakeReplica(
-            models=(model,),
-            name=rid,
-            record=False,
-            behaviour=Behaviour(tokens=args.tokens, token_delay=args.token_delay),
-        )
-        urls[rid] = await fake.start("127.0.0.1", 0)
-        fakes.append(fake)
-    config = demo_config(args.listen, args.admin_listen, urls)
+    Inside a venv, by path (relative when under the current directory): a new
+    terminal has not activated it. Otherwise by name, as PATH finds them.
+    """
+    if sys.prefix == sys.base_prefix:
+        return "router", "python3"
+    bin_dir = Path(sys.executable).parent
+    try:
+        spelled = str(bin_dir.relative_to(Path.cwd()))
+    except ValueError:
+        spelled = str(bin_dir)
+    python = shlex.quote(f"{spelled}/python")
+    router = shlex.quote(f"{spelled}/router") if (bin_dir / "router").exists() else f"{python} -m router"
+    return router, python
 
-    def tell(server: Any) -> None:
-        client, admin = server.client_url, server.admin_url
-        admin_server = admin.removeprefix("http://")
-        print(
-            f"""
-router demo: {len(fakes)} fake replicas of 2 models behind the router.
 
-  clients  {client}/v1        (models: llama-3.1-8b, alias llama; qwen2.5-7b)
+def demo_models() -> list[str]:
+    """One line per model of the demo: its aliases and where its requests go when it has no replica."""
+    lines = []
+    for model, settings in DEMO_MODELS.items():
+        aliases = settings.get("aliases", [])
+        said = [f"{'aliases' if len(aliases) > 1 else 'alias'}: {', '.join(aliases)}"] if aliases else []
+        fallbacks = settings.get("fallbacks", [])
+        if fallbacks:
+            said.append(f"falls back to {', '.join(fallbacks)}")
+        count = sum(1 for _, of, _ in DEMO_FLEET if of == model)
+        lines.append(f"{model} ({count} replicas{'; ' if said else ''}{'; '.join(said)})")
+    return lines
+
+
+def demo_printout(client: str, admin: str, replicas: int) -> str:
+    admin_server = admin.removeprefix("http://")
+    router, python = in_a_new_shell()
+    models = ("\n" + " " * 11).join(demo_models())
+    llama = DEMO_FLEET[0][1]
+    drained = [rid for rid, model, _ in DEMO_FLEET if model == llama]
+    fallback = DEMO_MODELS[llama]["fallbacks"][0]
+    return f"""
+router demo: {replicas} fake replicas of {len(DEMO_MODELS)} models behind the router.
+
+  clients  {client}/v1
   admin    {admin}/api/v1     (metrics at {admin}/metrics)
+  models   {models}
 
-Try, in another terminal:
+Try, in another terminal (from {Path.cwd()}):
 
   curl -s {client}/v1/models
   curl -s {client}/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{"model": "llama", "messages": [{{"role": "user", "content": "hi"}}]}}'
   curl -sN {client}/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{"model": "qwen2.5-7b", "stream": true, "messages": [{{"role": "user", "content": "hi"}}]}}'
-  python -c "import openai; c = openai.OpenAI(base_url='{client}/v1', api_key='x'); \\
+  {python} -c "import openai; c = openai.OpenAI(base_url='{client}/v1', api_key='x'); \\
 print(c.chat.completions.create(model='llama', messages=[{{'role': 'user', 'content': 'hi'}}]))"
 
-  router ctl replicas --server {admin_server}     # who was used when ('-' = unknown)
-  router ctl usage --server {admin_server}
-  router ctl idle --server {admin_server} --idle-for 1m
+  {router} ctl replicas --server {admin_server}     # who was used when ('-' = unknown)
+  {router} ctl usage --server {admin_server}
+  {router} ctl status --server {admin_server} --idle-for 1m
+  {router} ctl idle --server {admin_server} --idle-for 1m
 
-Ctrl-C stops it.""",
-            flush=True,
+Draining every replica of {llama} sends its requests to {fallback}, its fallback:
+
+  for r in {" ".join(drained)}; do {router} ctl drain $r --server {admin_server}; done
+  (and back: the same with ctl undrain)
+
+Ctrl-C stops it."""
+
+
+async def _demo(args: argparse.Namespace) -> None:
+    from router.app import serve
+    from router.config import Config
+    from router.fake import Behaviour, FakeReplica
+
+    fakes = []
+    urls = {}
+    # The demo's config leaves max_body_bytes at its default: the fakes take whatever it lets through.
+    body_limit = Config().max_body_bytes
+    for rid, model, _ in DEMO_FLEET:
+        fake = FakeReplica(
+            models=(model,),
+            name=rid,
+            record=False,
+            behaviour=Behaviour(tokens=args.tokens, token_delay=args.token_delay),
+            max_body_bytes=body_limit,
         )
+        urls[rid] = await fake.start("127.0.0.1", 0)
+        fakes.append(fake)
+    config = demo_config(args.listen, args.admin_listen, urls)
+
+    def tell(server: Any) -> None:
+        print(demo_printout(server.client_url, server.admin_url, len(fakes)), flush=True)
 
     try:
         await serve(config, on_ready=tell)

@@ -104,12 +104,14 @@ class FakeReplica:
     # Prompt tokens seen, and how many of them the prefix cache held.
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Larger request bodies get 413: at least what a router in front lets through.
+    max_body_bytes: int = 64 * 1024 * 1024
     _runner: web.AppRunner | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def app(self) -> web.Application:
-        # As large a body as the router lets through by default (an upload, a long prompt).
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        # aiohttp refuses a body of exactly client_max_size bytes.
+        app = web.Application(client_max_size=self.max_body_bytes + 1)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/embeddings", self._embeddings)
