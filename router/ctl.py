@@ -182,8 +182,12 @@ def cmd_idle(args: argparse.Namespace) -> int:
             )
         )
     merged = merge_reports(reports, now=time.time(), idle_for=args.idle_for, models=models)
+    # The maps are the routers' last snapshots (one a tick): what they prove holds as of the
+    # oldest of them, and a request since then is in none of them (ctl replicas shows it live).
+    as_of = min((r.generated_at for r in reports if r is not None), default=None)
     doc = {
         "complete": merged.complete,
+        "as_of": as_of,
         "candidates": [
             {"id": c.id, "model": c.model, "quiet_for_seconds": round(c.quiet_for_seconds, 3), "last_used": c.last_used}
             for c in merged.candidates
@@ -191,6 +195,8 @@ def cmd_idle(args: argparse.Namespace) -> int:
         "unknown": list(merged.unknown),
     }
     lines = [f"warning: {p}" for p in problems]
+    if as_of is not None:
+        lines.append(f"as of {_clock(as_of)}, the oldest snapshot among the routers")
     if not merged.complete:
         lines.append("incomplete: a router did not answer, so nothing can be proven idle")
     lines.append(

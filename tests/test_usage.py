@@ -313,6 +313,7 @@ async def test_ctl_idle_merges_two_routers_one_of_which_restarted(
     )
     merged = orjson.loads(out)
     assert code == 0
+    assert merged.pop("as_of") > 0
     assert merged == {"complete": True, "candidates": [], "unknown": []}
     code, out = await asyncio.to_thread(
         run_ctl, "idle", "--server", old.admin_url, "--server", "127.0.0.1:1", "--idle-for", "0.3", "--json"
