@@ -70,7 +70,7 @@ class Scaler:
                 port = server.add_insecure_port(str(settings.listen))
             except RuntimeError as exc:
                 # grpcio says only "Failed to bind"; the address is what the operator needs.
-                raise OSError(f"cannot listen on {settings.listen} (gRPC): {exc}") from exc
+                raise OSError(f"{settings.listen} (gRPC): {exc}") from exc
             self._grpc = server
             await server.start()
             self.grpc_address = f"{settings.listen.host}:{port}"

@@ -10,10 +10,13 @@ processes.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import subprocess
 import sys
 import time
+import tomllib
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ from router.config import Address, load_config
 from router.errors import ConfigError
 from router.scaler.main import build_parser, settings_from
 from router.scaler.poller import resolve_servers
+from router.scaler.settings import HELP, ScalerSettings, apply
 from router.scaler.view import decide, parse_metadata
 from tests.helpers import samples
 from tests.scaler.helpers import (
@@ -376,9 +380,22 @@ def test_a_port_in_use_exits_1_naming_it() -> None:
             check=False,
         )
     assert result.returncode == 1, result.stderr
-    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert f"router scaler: cannot listen: 127.0.0.1:{port} (gRPC)" in result.stderr
 
 
 def test_no_view_is_active_and_says_why() -> None:
     decision = decide(None, parse_metadata({"model": "m"}))
     assert decision.active and decision.reason == "no poll round has finished yet"
+
+
+def test_the_readme_lists_every_scaler_key_with_its_default_and_help() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Scale to zero on Kubernetes", 1)[1]
+    block = section.split("```toml\n[scaler]\n", 1)[1].split("```", 1)[0]
+    documented = tomllib.loads(block)
+    defaults = ScalerSettings()
+    assert set(documented) == set(HELP) == {f.name for f in fields(ScalerSettings)}
+    shown = apply(defaults, documented, "README")
+    assert shown == defaults
+    comments = dict(re.findall(r"^(\w+) = .*?# (.*)$", block, re.M))
+    assert comments == HELP
