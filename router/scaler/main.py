@@ -158,9 +158,19 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str] | None = 
         "timeout_seconds": args.timeout_seconds,
         "token": args.token,
     }
-    flags = {key: value for key, value in given.items() if value is not None}
+    flags: dict[str, object] = {key: value for key, value in given.items() if value is not None}
+    for key in ("poll_seconds", "timeout_seconds"):
+        if key in flags:
+            flags[key] = _number(str(flags[key]), "--" + key.replace("_", "-"))
     settings = apply(settings, flags, "command line", label=lambda key: "--" + key.replace("_", "-"))
     return finish(settings, args.config or "command line", environ)
+
+
+def _number(text: str, flag: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"command line: {flag}: must be a number of seconds, got {text!r}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -78,11 +78,6 @@ def server_url(server: str) -> str:
 
 
 def _seconds(where: _Where, key: str, value: object, minimum: float) -> float:
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise where.error(key, f"must be a number of seconds, got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise where.error(key, f"must be a number of seconds, got {type(value).__name__}")
     if not math.isfinite(value) or value < minimum:

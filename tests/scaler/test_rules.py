@@ -332,6 +332,7 @@ def test_a_router_config_file_may_hold_the_scaler_table(tmp_path: Path) -> None:
     ("text", "argv", "message"),
     [
         ('[scaler]\nservers = ["a:1"]\npoll_seconds = "often"\n', [], "scaler.poll_seconds: must be a number"),
+        ('[scaler]\nservers = ["a:1"]\ntimeout_seconds = "2"\n', [], "scaler.timeout_seconds: must be a number"),
         ('[scaler]\nservers = ["a:1"]\npoll_seconds = 0\n', [], "scaler.poll_seconds: must be at least 0.05"),
         ('[scaler]\nservers = ["a:1"]\nbogus = 1\n', [], "scaler.bogus: unknown key"),
         ('[scaler]\nservers = ["ftp://a:1"]\n', [], "scaler.servers[0]: must be host:port or an http(s) URL"),
@@ -342,6 +343,8 @@ def test_a_router_config_file_may_hold_the_scaler_table(tmp_path: Path) -> None:
         ('listen = "127.0.0.1:8080"\n', [], "no [scaler] table"),
         ("[scaler\n", [], "invalid TOML"),
         ('[scaler]\nservers = ["a:1"]\n', ["--poll-seconds", "x"], "command line: --poll-seconds: must be a number"),
+        ('[scaler]\nservers = ["a:1"]\n', ["--timeout-seconds", "2s"], "command line: --timeout-seconds: must be a"),
+        ('[scaler]\nservers = ["a:1"]\n', ["--poll-seconds", "nan"], "command line: --poll-seconds: must be at least"),
         ('[scaler]\nservers = ["a:1"]\n', ["--http-listen", "9091"], "--http-listen: must be host:port"),
         ('[scaler]\nservers = ["a:1"]\n', ["--http-listen", "127.0.0.1:9091"], "http_listen: must differ from listen"),
     ],
