@@ -39,13 +39,22 @@ WORKLOADS = {
 }
 
 
-async def load(port: int, body: dict[str, object], count: int, connections: int) -> None:
+def raw_requests(body: dict[str, object], varied: bool) -> list[bytes]:
+    """The request as bytes; `varied`: 64 of them, each its own session and prompt (affinity's keys)."""
+    variants = []
+    for i in range(64 if varied else 1):
+        doc = body if not varied else {**body, "messages": [{"role": "user", "content": f"hello {i}"}]}
+        payload = json.dumps(doc).encode()
+        session = b"X-Session-Id: s%d\r\n" % i if varied else b""
+        variants.append(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n%b"
+            b"Content-Length: %d\r\n\r\n%b" % (session, len(payload), payload)
+        )
+    return variants
+
+
+async def load(port: int, requests: list[bytes], count: int, connections: int) -> None:
     """`count` requests over `connections` keep-alive connections, each answer read whole."""
-    payload = json.dumps(body).encode()
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload)
-    )
     left = [count]
 
     async def one_connection() -> None:
@@ -53,7 +62,7 @@ async def load(port: int, body: dict[str, object], count: int, connections: int)
         try:
             while left[0] > 0:
                 left[0] -= 1
-                writer.write(request)
+                writer.write(requests[left[0] % len(requests)])
                 head = await reader.readuntil(b"\r\n\r\n")
                 match = re.search(rb"(?i)content-length: (\d+)", head)
                 if match is not None:
@@ -70,7 +79,9 @@ def callgrind_control(pid: int, *args: str) -> None:
     subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
 
 
-def measure(name: str, cwd: Path | None, tmp: Path, fake: str, requests: int, extra: str = "") -> dict[str, float]:
+def measure(
+    name: str, cwd: Path | None, tmp: Path, fake: str, requests: int, extra: str = "", varied: bool = False
+) -> dict[str, float]:
     config = router_config(tmp, name.replace("@", "-"), fake, 4)
     if extra:
         # Top-level keys go before the first table; tables after the last.
@@ -101,11 +112,12 @@ def measure(name: str, cwd: Path | None, tmp: Path, fake: str, requests: int, ex
     try:
         wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=300, process=process)
         for workload, body in WORKLOADS.items():
-            asyncio.run(load(port, body, 200, 4))  # warm-up: connections, caches, lazy imports
+            raw = raw_requests(body, varied)
+            asyncio.run(load(port, raw, 200, 4))  # warm-up: connections, caches, lazy imports
             for old in tmp.glob(f"{out.name}.*"):
                 old.unlink()
             callgrind_control(process.pid, "-i", "on")
-            asyncio.run(load(port, body, requests, 4))
+            asyncio.run(load(port, raw, requests, 4))
             callgrind_control(process.pid, "-i", "off")
             callgrind_control(process.pid, "-d")
             time.sleep(0.5)
@@ -140,6 +152,14 @@ def main() -> int:
         action="store_true",
         help="also run the working tree with cold_start_seconds on every model, nothing held (router-hold)",
     )
+    parser.add_argument(
+        "--routing",
+        action="append",
+        default=[],
+        choices=["session", "prefix"],
+        help="also run the working tree with this routing on every model (router-POLICY), and least_loaded "
+        "(router-varied) as its baseline, both with 64 sessions and prompts in turn",
+    )
     args = parser.parse_args()
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         parser.error("valgrind is not installed (Debian's valgrind package)")
@@ -162,6 +182,13 @@ def main() -> int:
             if args.hold_configured:
                 hold = "".join(f'[models."{m}"]\ncold_start_seconds = 60\n' for m in ("fast", "slow", "sleepy"))
                 results["router-hold"] = measure("router-hold", None, tmp, fake_url, args.requests, hold)
+            if args.routing:
+                results["router-varied"] = measure("router-varied", None, tmp, fake_url, args.requests, varied=True)
+            for policy in args.routing:
+                routing = "".join(f'[models."{m}"]\nrouting = "{policy}"\n' for m in ("fast", "slow", "sleepy"))
+                results[f"router-{policy}"] = measure(
+                    f"router-{policy}", None, tmp, fake_url, args.requests, routing, varied=True
+                )
             for ref in args.baseline:
                 tree = checkout(ref, tmp / "trees" / ref)
                 results[f"router@{ref}"] = measure(f"router@{ref}", tree, tmp, fake_url, args.requests)
@@ -175,11 +202,15 @@ def main() -> int:
     print("| router | instructions per short request | per 64-chunk stream |")
     print("| --- | --- | --- |")
     for name, figures in results.items():
+        # A routing run is read against least_loaded with the same requests.
+        base = results["router-varied"] if name in ("router-session", "router-prefix") else now
         ratios = (
             ""
-            if name == "router"
-            else " (working tree: {:.3f}x, {:.3f}x)".format(
-                now["short"] / figures["short"], now["stream"] / figures["stream"]
+            if figures is base
+            else " ({}: {:.3f}x, {:.3f}x)".format(
+                "router-varied" if base is not now else "working tree",
+                base["short"] / figures["short"],
+                base["stream"] / figures["stream"],
             )
         )
         print(f"| {name} | {figures['short']:,.0f} | {figures['stream']:,.0f}{ratios} |")

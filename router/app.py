@@ -27,6 +27,7 @@ from router.config import Config
 from router.fleet import LocalFleet
 from router.forward import DataPathMetrics
 from router.health import HealthChecker
+from router.picking import Routing
 from router.pool import EjectionPolicy, Limits, Pool
 from router.protocol_errors import ProtocolErrorCollector
 from router.proxy import Proxy
@@ -34,7 +35,7 @@ from router.server import Server as ClientServer
 from router.sinks import Sinks, build_sinks
 from router.sinks.latest import LatestSink
 from router.sinks.push import PushSink
-from router.sources import ReplicaSource, build_sources, exclusive_source, initial_set, reload_all
+from router.sources import ReplicaSource, build_sources, exclusive_source, initial_set, reload_all, sources_ready
 from router.upstream import make_session
 from router.usage import Ticker
 from router.wake import Waker
@@ -93,7 +94,7 @@ class RouterServer(Listening):
                 config.ejection_failures, config.ejection_base_seconds, config.ejection_max_seconds
             ),
             limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
-            routing={name: model.routing for name, model in config.models.items()},
+            routing={name: Routing(model.routing, model.balance_factor) for name, model in config.models.items()},
         )
         self.sinks = Sinks()
         self._wall = wall
@@ -133,6 +134,8 @@ class RouterServer(Listening):
                 sink_failures=lambda: ticker.sink_failures,
                 tick_seconds=lambda: ticker.last_tick_seconds,
             )
+            for source in self.sources:
+                source.register(self.registry)
         metrics = DataPathMetrics(self.registry)
         self.upstream = Client(
             connect_timeout=config.connect_timeout_seconds,
@@ -169,6 +172,8 @@ class RouterServer(Listening):
             body_timeout=config.body_timeout_seconds,
             write_stall_timeout=config.write_stall_timeout_seconds,
             max_buffered_body_bytes=config.max_buffered_body_bytes,
+            # Read in the server's own pass over each head, not searched for per request.
+            captured=[m.session_header.encode() for m in config.models.values() if m.routing == "session"],
             error=server_error,
             log_exception=log.exception,
         )
@@ -179,7 +184,10 @@ class RouterServer(Listening):
             fleet,
             sinks.latest,
             admin_token=config.admin_token,
-            is_ready=lambda: self.ready,
+            # The sources run here unless a supervisor runs them: the first set must be in before ready.
+            is_ready=(lambda: self.ready and sources_ready(self.sources))
+            if worker_socket is None
+            else lambda: self.ready,
             rates=sinks.rates,
             wall=self._wall,
             exclusive_source=exclusive_source(self.sources) if worker_socket is None else None,

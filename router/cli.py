@@ -60,6 +60,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             _run(serve_workers(config, config_path=args.config, workers=args.workers, log_level=args.log_level))
         else:
             _run(serve(config, config_path=args.config))
+    except ConfigError as exc:
+        # Found only at start: where the Kubernetes API is ([discovery.kubernetes]).
+        print(f"router: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"router: cannot listen: {exc}", file=sys.stderr)
         return 1

@@ -66,7 +66,7 @@ class Memory:
                 del store[key]
 
 
-_TALLIES = ("retries", "fallbacks", "unserved", "stalled", "overloaded", "hold_outcomes")
+_TALLIES = ("retries", "fallbacks", "unserved", "stalled", "overloaded", "hold_outcomes", "affinity")
 
 
 def _key(r: ReplicaUsage) -> Key:
@@ -169,6 +169,7 @@ def combine(
         stalled=MappingProxyType(tallies["stalled"]),
         overloaded=MappingProxyType(tallies["overloaded"]),
         hold_outcomes=MappingProxyType(tallies["hold_outcomes"]),
+        affinity=MappingProxyType(tallies["affinity"]),
         demand=MappingProxyType(demand),
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import re
 import socket
 import tomllib
 from collections.abc import Callable, Mapping
@@ -76,6 +77,12 @@ def _string(where: _Where, key: str, value: object, *, empty_ok: bool = False) -
         raise where.error(key, "must not be empty")
     if any(ch in value for ch in "\r\n\x00"):
         raise where.error(key, "must not contain CR, LF or NUL")
+    return value
+
+
+def _boolean(where: _Where, key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise where.error(key, f"must be true or false, got {_type_name(value)}")
     return value
 
 
@@ -182,6 +189,25 @@ def _path(where: _Where, key: str, value: object) -> str:
     return path
 
 
+# The label on a model's EndpointSlices (copied there from its Service) that names the model.
+DEFAULT_MODEL_LABEL = "router.llm/model"
+
+
+@dataclass(frozen=True, slots=True)
+class KubernetesDiscovery:
+    """[discovery.kubernetes]: the replica set from the EndpointSlices that `selector` matches."""
+
+    selector: str
+    # A port name of the EndpointSlices, or a number.
+    port: str | int
+    # None: the pod's own namespace in a cluster, else the kubeconfig context's.
+    namespace: str | None = None
+    model_label: str = DEFAULT_MODEL_LABEL
+    labels_from: tuple[str, ...] = ()
+    # None: in a cluster its service account, else $KUBECONFIG, else ~/.kube/config.
+    kubeconfig: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
@@ -189,6 +215,12 @@ class ModelConfig:
     fallbacks: tuple[str, ...] = ()
     # The picking policy (router.picking.POLICIES) for this model's replicas.
     routing: str = DEFAULT_POLICY
+    # routing = "session": the header that names the session (then the body's
+    # `user`, then `previous_response_id`); "prefix": how much of the prompt
+    # makes the key. Both: no replica above ceil(balance_factor x mean in flight).
+    session_header: str = "X-Session-Id"
+    prefix_chars: int = 1024
+    balance_factor: float = 1.25
     # Scale from zero: how long a request may be held waiting for a replica
     # that answers (0: a prompt 503 as before), and how many at once.
     cold_start_seconds: float = 0.0
@@ -288,6 +320,8 @@ class Config:
     health_check_timeout_seconds: float = _seconds(2.0, "")
     routed_paths: tuple[str, ...] = _setting(ROUTED_PATHS, _paths, "POST paths routed by the model their body names")
     remembered_responses: int = _count(100_000, "response ids kept with the replica that made them (/v1/responses)")
+    # Replica ids are internal: only an operator who wants them in answers turns this on.
+    expose_replica_header: bool = _setting(False, _boolean, "X-Router-Replica: the replica that answered")
     access_log: str = _setting(
         "", _optional_path, 'off; "-" for stdout, or a file (reopened on SIGHUP): one JSON line a request'
     )
@@ -298,6 +332,8 @@ class Config:
     wake_cooldown_seconds: float = _seconds(10.0, "at most one wake call per model this often while requests stay held")
     replicas: tuple[ReplicaConfig, ...] = ()
     models: Mapping[str, ModelConfig] = field(default_factory=lambda: MappingProxyType({}))
+    # [discovery.kubernetes]: the replica set comes from the Kubernetes API instead of [[replicas]].
+    discovery: KubernetesDiscovery | None = None
     source: str = "<defaults>"
 
 
@@ -308,12 +344,40 @@ def settings() -> dict[str, tuple[Any, Setting]]:
 
 _SETTINGS = settings()
 # The tables beside the settings.
-_TOP_KEYS = set(_SETTINGS) | {"replicas", "models"}
+_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery"}
 # `router scaler`'s table (router/scaler/settings.py reads and checks it), so
 # that one file may configure both; `router serve` does not read it.
 _OTHER_COMMANDS_TABLES = {"scaler"}
 _REPLICA_KEYS = {"id", "model", "url", "labels"}
-_MODEL_KEYS = {"aliases", "fallbacks", "routing", "cold_start_seconds", "max_held"}
+_MODEL_KEYS = {
+    "aliases",
+    "fallbacks",
+    "routing",
+    "session_header",
+    "prefix_chars",
+    "balance_factor",
+    "cold_start_seconds",
+    "max_held",
+}
+
+# A header name (RFC 9110 5.1: a token).
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# Headers the router itself frames, consumes or sets: never a session's name.
+_OWN_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "expect",
+        "upgrade",
+        "authorization",
+        "x-request-id",
+        "te",
+        "trailer",
+        "keep-alive",
+    }
+)
 
 
 def _labels(where: _Where, key: str, value: object) -> Mapping[str, LabelValue]:
@@ -381,6 +445,15 @@ def _models(where: _Where, value: object, replicas: tuple[ReplicaConfig, ...]) -
         if routing not in POLICIES:
             known = ", ".join(repr(name) for name in POLICIES)
             raise where.error(f"{key}.routing", f"unknown policy {routing!r} (known: {known})")
+        session_header = _string(where, f"{key}.session_header", raw.get("session_header", "X-Session-Id"))
+        if not _TOKEN.fullmatch(session_header):
+            raise where.error(f"{key}.session_header", f"{session_header!r} is not a valid header name")
+        if session_header.lower() in _OWN_HEADERS:
+            raise where.error(
+                f"{key}.session_header", f"{session_header!r} is a header the router reads or sets itself"
+            )
+        prefix_chars = _number(where, f"{key}.prefix_chars", raw.get("prefix_chars", 1024), minimum=1, integer=True)
+        balance_factor = _number(where, f"{key}.balance_factor", raw.get("balance_factor", 1.25), minimum=1.0)
         for i, alias in enumerate(aliases):
             if alias in declared:
                 raise where.error(f"{key}.aliases[{i}]", f"alias {alias!r} shadows the model of that name")
@@ -402,6 +475,9 @@ def _models(where: _Where, value: object, replicas: tuple[ReplicaConfig, ...]) -
             aliases=aliases,
             fallbacks=fallbacks,
             routing=routing,
+            session_header=session_header,
+            prefix_chars=int(prefix_chars),
+            balance_factor=float(balance_factor),
             cold_start_seconds=float(cold_start),
             max_held=max_held,
         )
@@ -422,7 +498,75 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         values[key] = value
     replicas = parse_replicas(where, "replicas", raw.get("replicas", []))
     models = _models(where, raw.get("models", {}), replicas)
-    return Config(**values, replicas=replicas, models=models, source=source)
+    discovery = _discovery(where, raw["discovery"]) if "discovery" in raw else None
+    if discovery is not None and replicas:
+        raise where.error("replicas", "cannot be used with [discovery.kubernetes], which owns the whole replica set")
+    return Config(**values, replicas=replicas, models=models, discovery=discovery, source=source)
+
+
+_DISCOVERY_KEYS = {"kubernetes"}
+_KUBERNETES_KEYS = {"namespace", "selector", "port", "model_label", "labels_from", "kubeconfig"}
+# RFC 1123 labels (namespaces), IANA service names (named ports), label keys: what the API server accepts.
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def _label_key(where: _Where, key: str, value: object) -> str:
+    text = _string(where, key, value)
+    prefix, _, name = text.rpartition("/")
+    if (
+        not _LABEL_NAME.fullmatch(name)
+        or len(name) > 63
+        or ("/" in text and (not _LABEL_PREFIX.fullmatch(prefix) or len(prefix) > 253))
+    ):
+        raise where.error(key, f"is not a Kubernetes label key (like 'router.llm/model' or 'gpu_class'): {text!r}")
+    return text
+
+
+def _discovery(where: _Where, value: object) -> KubernetesDiscovery:
+    table = _table(where, "discovery", value, _DISCOVERY_KEYS)
+    if "kubernetes" not in table:
+        raise where.error("discovery.kubernetes", "is required in [discovery] (the only kind of discovery)")
+    key = "discovery.kubernetes"
+    raw = _table(where, key, table["kubernetes"], _KUBERNETES_KEYS)
+    for name in ("selector", "port"):
+        if name not in raw:
+            raise where.error(f"{key}.{name}", "is required")
+    selector = _string(where, f"{key}.selector", raw["selector"])
+    port_raw = raw["port"]
+    port: str | int
+    if isinstance(port_raw, str):
+        port = _string(where, f"{key}.port", port_raw)
+        if not _PORT_NAME.fullmatch(port) or len(port) > 15:
+            raise where.error(
+                f"{key}.port", f"must be a port number or a port name of the EndpointSlices, got {port!r}"
+            )
+    elif isinstance(port_raw, int) and not isinstance(port_raw, bool):
+        if not 1 <= port_raw <= 65535:
+            raise where.error(f"{key}.port", f"must be 1-65535, got {port_raw}")
+        port = port_raw
+    else:
+        raise where.error(f"{key}.port", f"must be a port number or name, got {_type_name(port_raw)}")
+    namespace = None
+    if "namespace" in raw:
+        namespace = _string(where, f"{key}.namespace", raw["namespace"])
+        if not _DNS_LABEL.fullmatch(namespace) or len(namespace) > 63:
+            raise where.error(f"{key}.namespace", f"is not a namespace name: {namespace!r}")
+    labels_raw = raw.get("labels_from", [])
+    if not isinstance(labels_raw, list):
+        raise where.error(f"{key}.labels_from", f"must be an array of label keys, got {_type_name(labels_raw)}")
+    labels_from = tuple(_label_key(where, f"{key}.labels_from[{i}]", item) for i, item in enumerate(labels_raw))
+    kubeconfig = _string(where, f"{key}.kubeconfig", raw["kubeconfig"]) if "kubeconfig" in raw else None
+    return KubernetesDiscovery(
+        selector=selector,
+        port=port,
+        namespace=namespace,
+        model_label=_label_key(where, f"{key}.model_label", raw.get("model_label", DEFAULT_MODEL_LABEL)),
+        labels_from=labels_from,
+        kubeconfig=kubeconfig,
+    )
 
 
 def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:

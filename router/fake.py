@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,15 @@ class Behaviour:
     # Per model: seconds between streamed tokens, drawn uniformly from
     # (low, high) for each token, like a real engine's uneven pace (bench).
     paced: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # A prefix cache like an engine's (vLLM's automatic prefix caching): the
+    # prompt in blocks of `cache_block_chars`, an LRU of `prefix_cache_blocks`
+    # of them per replica (0: no cache). A block is found only after every
+    # block before it (a prefix). The prompt's tokens not found cost
+    # `prefill_seconds_per_token` each before the first token; those found
+    # are reported in usage.prompt_tokens_details.cached_tokens.
+    prefix_cache_blocks: int = 0
+    cache_block_chars: int = 64
+    prefill_seconds_per_token: float = 0.0
 
 
 @dataclass
@@ -89,6 +99,11 @@ class FakeReplica:
     url: str = ""
     # Responses this replica created, by id (the Responses API's store).
     responses: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The prefix cache (Behaviour.prefix_cache_blocks): block hashes, least recently used first.
+    kv_cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    # Prompt tokens seen, and how many of them the prefix cache held.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
     _runner: web.AppRunner | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -186,9 +201,10 @@ class FakeReplica:
                 return failure
             if kind == "embeddings":
                 return self._embedding_answer(obj)
+            prompt = await self._prefill(obj, kind)
             if obj.get("stream") is True:
-                return await self._stream(request, obj, kind)
-            return self._whole(obj, kind)
+                return await self._stream(request, obj, kind, prompt)
+            return self._whole(obj, kind, prompt)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -382,12 +398,49 @@ class FakeReplica:
             return min(wanted, self.behaviour.tokens)
         return self.behaviour.tokens
 
-    def _whole(self, obj: dict[str, Any], kind: str) -> web.Response:
+    async def _prefill(self, obj: dict[str, Any], kind: str) -> tuple[int, int]:
+        """The prompt's tokens and how many of them the prefix cache held; the rest takes prefill time.
+
+        The answer's blocks are cached too, laid out as the next turn's prompt
+        will hold them (an engine keeps the KV of what it generated): a
+        conversation's next turn finds everything but its new message.
+        """
+        b = self.behaviour
+        if not b.prefix_cache_blocks:
+            return 4, 0
+        text = _prompt_of(obj)
+        reply = "".join(f"tok{i} " for i in range(self._tokens(obj)))
+        answered = text + (f"<|assistant|>{reply}\n" if kind == "chat" else reply)
+        size = b.cache_block_chars
+        found = 0
+        chain = b""
+        blocks: list[bytes] = []
+        for start in range(0, len(answered) - size + 1, size):
+            # Each block's hash covers every block before it: a block is only found after its prefix.
+            chain = hashlib.blake2b(chain + answered[start : start + size].encode(), digest_size=16).digest()
+            blocks.append(chain)
+            if start + size <= len(text) and found == len(blocks) - 1 and chain in self.kv_cache:
+                found += 1
+        for block in blocks:
+            self.kv_cache[block] = None
+            self.kv_cache.move_to_end(block)
+        while len(self.kv_cache) > b.prefix_cache_blocks:
+            self.kv_cache.popitem(last=False)
+        # About four characters a token, as the tokenizers of English text make them.
+        prompt_tokens = max(1, len(text) // 4)
+        cached_tokens = min(prompt_tokens, found * size // 4)
+        self.cached_tokens += cached_tokens
+        self.prompt_tokens += prompt_tokens
+        if b.prefill_seconds_per_token:
+            await asyncio.sleep((prompt_tokens - cached_tokens) * b.prefill_seconds_per_token)
+        return prompt_tokens, cached_tokens
+
+    def _whole(self, obj: dict[str, Any], kind: str, prompt: tuple[int, int]) -> web.Response:
         n = self._tokens(obj)
         text = "".join(f"tok{i} " for i in range(n))
         model = obj.get("model", self.models[0])
         ident = next(self._ids)
-        usage = {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
+        usage = _usage(prompt, n)
         choice: dict[str, Any]
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
@@ -427,15 +480,19 @@ class FakeReplica:
         }
         return web.Response(body=orjson.dumps(doc), content_type="application/json", headers=self._headers())
 
-    async def _stream(self, request: web.Request, obj: dict[str, Any], kind: str) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, obj: dict[str, Any], kind: str, prompt: tuple[int, int]
+    ) -> web.StreamResponse:
         try:
-            return await self._write_stream(request, obj, kind)
+            return await self._write_stream(request, obj, kind, prompt)
         except ConnectionError:
             # The reader went away mid-stream: what a real engine sees too.
             self.cancelled += 1
             return web.StreamResponse()
 
-    async def _write_stream(self, request: web.Request, obj: dict[str, Any], kind: str) -> web.StreamResponse:
+    async def _write_stream(
+        self, request: web.Request, obj: dict[str, Any], kind: str, prompt: tuple[int, int]
+    ) -> web.StreamResponse:
         b = self.behaviour
         n = self._tokens(obj)
         model = obj.get("model", self.models[0])
@@ -461,7 +518,7 @@ class FakeReplica:
             created,
             model,
             n,
-            include_usage=bool((obj.get("stream_options") or {}).get("include_usage")),
+            usage=_usage(prompt, n) if (obj.get("stream_options") or {}).get("include_usage") else None,
         )
         pace = b.paced.get(model)
         for index, chunk in enumerate(chunks):
@@ -494,11 +551,37 @@ ECHOED = (
 )
 
 
-def _stream_chunks(kind: str, ident: str, created: int, model: str, n: int, *, include_usage: bool) -> list[bytes]:
+def _prompt_of(obj: dict[str, Any]) -> str:
+    """The prompt as an engine's chat template lays it out: each message's role and text, in order."""
+    messages = obj.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for message in messages:
+            if isinstance(message, dict):
+                content = message.get("content")
+                if isinstance(content, list):
+                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                parts.append(f"<|{message.get('role')}|>{content if isinstance(content, str) else ''}\n")
+        return "".join(parts)
+    prompt = obj.get("prompt")
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _usage(prompt: tuple[int, int], n: int) -> dict[str, Any]:
+    prompt_tokens, cached_tokens = prompt
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    if cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+def _stream_chunks(
+    kind: str, ident: str, created: int, model: str, n: int, *, usage: dict[str, Any] | None
+) -> list[bytes]:
     """vLLM's framing: a role chunk (chat), one chunk per token, a finish chunk, [DONE]."""
     out: list[bytes] = []
 
-    def event(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+    def event(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         doc: dict[str, Any] = {
             "id": ("chatcmpl-" if kind == "chat" else "cmpl-") + ident,
             "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
@@ -521,8 +604,8 @@ def _stream_chunks(kind: str, ident: str, created: int, model: str, n: int, *, i
         out.append(event([{"index": 0, "delta": {}, "finish_reason": "length"}]))
     else:
         out.append(event([{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]))
-    if include_usage:
-        out.append(event([], {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}))
+    if usage is not None:
+        out.append(event([], usage))
     out.append(b"data: [DONE]\n\n")
     return out
 
@@ -544,8 +627,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="stream MODEL's tokens LOW to HIGH seconds apart (repeatable; MODEL is also served)",
     )
     parser.add_argument("--tokenizer-path", default="", help="reported by /get_model_info (for peer routers)")
+    parser.add_argument(
+        "--prefix-cache-blocks", type=int, default=0, help="a prefix cache of this many blocks (0: none)"
+    )
+    parser.add_argument("--cache-block-chars", type=int, default=64, help="characters of prompt per cache block")
+    parser.add_argument(
+        "--prefill-seconds-per-token", type=float, default=0.0, help="time to first token per prompt token not cached"
+    )
     parser.add_argument("--processes", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     args = parser.parse_args(argv)
+    if args.cache_block_chars < 1 or args.prefix_cache_blocks < 0 or args.prefill_seconds_per_token < 0:
+        parser.error(
+            "--cache-block-chars must be at least 1; --prefix-cache-blocks and --prefill-seconds-per-token >= 0"
+        )
     children: list[int] = []
     for _ in range(max(0, args.processes - 1)):
         pid = os.fork()
@@ -589,6 +683,9 @@ async def _serve_forever(args: argparse.Namespace) -> None:
             token_delay=args.token_delay,
             first_token_delay=args.first_token_delay,
             paced=paced,
+            prefix_cache_blocks=args.prefix_cache_blocks,
+            cache_block_chars=args.cache_block_chars,
+            prefill_seconds_per_token=args.prefill_seconds_per_token,
         ),
         record=False,
         name=f"fake-{args.port}",

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -146,12 +147,15 @@ class Forwarder:
         *,
         first_byte_timeout: float,
         write_stall_timeout: float,
+        expose_replica: bool = False,
     ) -> None:
         self.pool = pool
         self.client = client
         self.metrics = metrics
         self._first_byte_timeout = first_byte_timeout
         self._write_stall_timeout = write_stall_timeout
+        # X-Router-Replica on the answers replicas give (config expose_replica_header).
+        self._expose_replica = expose_replica
 
     async def attempt(
         self,
@@ -223,6 +227,9 @@ class Forwarder:
             out_headers = RESPONSE_HEADERS.kept(resp.headers)
             if extra:
                 out_headers += extra
+            if self._expose_replica:
+                # Percent-encoded: an id is any string, a header value is not.
+                out_headers.append((b"X-Router-Replica", quote(replica.id, safe="/:@-._~").encode()))
             # Passed through as it arrives: a stream, or anything without a length.
             # A replica's error answer is read whole, to give it OpenAI's shape.
             length = resp.content_length

@@ -11,13 +11,21 @@ they have in flight, so that finding the least loaded one costs the same
 with 4 candidates as with 400: no scan, no heap. A quiet fleet (every
 candidate at 0) still spreads, because the pick within the lowest bucket is
 random.
+
+`BoundedHashRing` (routing = "session" or "prefix"): a request's key goes to
+the same replica every time, so that the engine's prefix cache holds its
+conversation, but never to one loaded above the bound; see its docstring.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import math
 import random
-from collections.abc import Callable, Container, Hashable
-from typing import Any, Generic, Protocol, TypeVar
+from collections.abc import Callable, Container, Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 T = TypeVar("T", bound=Hashable)
 
@@ -51,10 +59,41 @@ class Policy(Protocol[T]):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """A model's policy as configured: its name in POLICIES, and the bound of the hashing ones."""
+
+    policy: str = "least_loaded"
+    balance_factor: float = 1.25
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySettings:
+    """What the pool tells a model's policy when it makes one."""
+
+    model: str = ""
+    # Bounded loads: no candidate above ceil(balance_factor x the mean in flight).
+    balance_factor: float = 1.25
+    # The pool's limit of requests in flight per replica (0: none): a key's
+    # replica at the limit is passed over like one above the bound.
+    per_replica: int = 0
+    # A candidate's name on the ring: the same on every router, every run.
+    name_of: Callable[[Any], str] = str
+    # Where first picks are counted: [hit, spill, none] (AFFINITY_OUTCOMES), kept by the
+    # pool for the model, so that the counts outlive a policy made anew.
+    outcomes: list[int] = field(default_factory=lambda: [0, 0, 0])
+
+
+# What a session or prefix policy's first pick was: the key's own replica, one
+# further along the ring (its own was full), or the least loaded (no key).
+AFFINITY_OUTCOMES = ("hit", "spill", "none")
+_HIT, _SPILL, _NONE = range(3)
+
+
 class LeastLoaded(Generic[T]):
     __slots__ = ("_buckets", "_slots", "_lowest", "_rng")
 
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(self, rng: random.Random | None = None, settings: PolicySettings | None = None) -> None:
         # _buckets[n] holds the candidates with n requests in flight.
         self._buckets: list[list[T]] = [[]]
         # Per candidate, [load, index in its bucket]: one lookup per move,
@@ -68,6 +107,9 @@ class LeastLoaded(Generic[T]):
 
     def __contains__(self, item: object) -> bool:
         return item in self._slots
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._slots)
 
     def add(self, item: T, load: int) -> None:
         if item in self._slots:
@@ -161,8 +203,188 @@ class LeastLoaded(Generic[T]):
             load += 1
         self._lowest = load
 
+    def load_of(self, item: T) -> int:
+        return self._slots[item][0]
+
+
+def affinity_key(data: bytes) -> bytes:
+    """A request's key as a point of the ring: the same on every router and every run.
+
+    (Python's own hash() of a string differs from process to process, so
+    two routers, or two workers, would send one session to two replicas.)
+    Eight bytes of BLAKE2b, compared as bytes: big-endian, so the order is
+    the number's.
+    """
+    return hashlib.blake2b(data, digest_size=8).digest()
+
+
+# Points per candidate on the ring: enough that each one's share of the keys
+# is within a few percent of 1/N (ketama's figure).
+POINTS_PER_CANDIDATE = 160
+
+
+class BoundedHashRing(LeastLoaded[T]):
+    """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, 2018).
+
+    Each candidate has POINTS_PER_CANDIDATE points on a ring of 64-bit
+    hashes of its name; a key belongs to the candidate of the first point at
+    or after it (its home). A candidate may take a key only while its
+    requests in flight are below ceil(c x average), the average counting
+    the request being placed: (in flight over all candidates + 1) / N. A key
+    whose home is full walks on along the ring to the first candidate that
+    is not (a spill), so no candidate is ever above the bound, and one
+    always has room (the least loaded is below the average). Adding or
+    removing a candidate moves only the keys of the ring's arcs it gains or
+    loses, about 1/N of them. A request without a key goes to the least
+    loaded candidate, as with least_loaded, whose bookkeeping of loads this
+    shares.
+    """
+
+    __slots__ = ("_factor", "_name_of", "_outcomes", "_owners", "_per_replica", "_points", "_scale", "_total")
+
+    def __init__(self, rng: random.Random | None = None, settings: PolicySettings | None = None) -> None:
+        super().__init__(rng)
+        settings = settings or PolicySettings()
+        self._factor = settings.balance_factor
+        self._per_replica = settings.per_replica
+        self._name_of = settings.name_of
+        self._outcomes = settings.outcomes
+        # balance_factor / the number of candidates: capacity is ceil(_scale x (in flight + 1)).
+        self._scale = 0.0
+        # The ring: sorted points, and the candidate of each.
+        self._points: list[bytes] = []
+        self._owners: list[T] = []
+        # Requests in flight over all candidates.
+        self._total = 0
+
+    def add(self, item: T, load: int) -> None:
+        super().add(item, load)
+        self._total += load
+        self._build()
+
+    def discard(self, item: T) -> None:
+        slot = self._slots.get(item)
+        if slot is None:
+            return
+        self._total -= slot[0]
+        super().discard(item)
+        self._build()
+
+    # increment() and decrement() are least-loaded's with the total kept as
+    # well, written out rather than through super(): they run on every request.
+
+    def increment(self, item: T) -> None:
+        slot = self._slots.get(item)
+        if slot is None:
+            return
+        self._total += 1
+        load = slot[0]
+        self._unplace(slot)
+        self._place(item, slot, load + 1)
+        if load == self._lowest and not self._buckets[load]:
+            self._lowest = load + 1
+
+    def decrement(self, item: T) -> None:
+        slot = self._slots.get(item)
+        if slot is None or slot[0] == 0:
+            return
+        self._total -= 1
+        load = slot[0]
+        self._unplace(slot)
+        self._place(item, slot, load - 1)
+        self._lowest = min(self._lowest, load - 1)
+
+    def home(self, key: bytes) -> T | None:
+        """The candidate `key` belongs to, whatever the loads."""
+        if not self._slots:
+            return None
+        return self._owners[bisect.bisect_left(self._points, key)]
+
+    def capacity(self) -> int:
+        """In flight a candidate may have and still take a key: it takes one while below this."""
+        bound = math.ceil(self._scale * (self._total + 1))
+        if self._per_replica and self._per_replica < bound:
+            return self._per_replica
+        return bound
+
+    def pick(self, key: Any = None) -> T | None:
+        """The key's home, or the next candidate along the ring with room; least loaded without a key."""
+        if key is None or not self._slots:
+            if key is None:
+                self._outcomes[_NONE] += 1
+            return super().pick()
+        # (The ring ends with a point above every key, so the search never runs off its end.)
+        start = bisect.bisect_left(self._points, key)
+        home = self._owners[start]
+        # capacity(), written out: this runs on every request.
+        capacity = math.ceil(self._scale * (self._total + 1))
+        if self._per_replica and self._per_replica < capacity:
+            capacity = self._per_replica
+        if self._slots[home][0] < capacity:
+            self._outcomes[_HIT] += 1
+            return home
+        self._outcomes[_SPILL] += 1
+        found = self._walk(start, capacity, home, ())
+        # Only with a per-replica limit can every candidate be full: the least
+        # loaded is the pool's to refuse (it waits, or answers 503).
+        return found if found is not None else super().pick()
+
+    def pick_avoiding(self, avoid: T | None, exclude: Container[T], key: Hashable | None = None) -> T | None:
+        """A retry's candidate: along the ring from the key's home, never one of `exclude`, `avoid` last."""
+        if key is None or not self._points:
+            return super().pick_avoiding(avoid, exclude)
+        start = bisect.bisect_left(self._points, cast(bytes, key))
+        found = self._walk(start - 1, self.capacity(), avoid, exclude)
+        # Every candidate with room is excluded or avoided: least-loaded's rules decide.
+        return found if found is not None else super().pick_avoiding(avoid, exclude)
+
+    def _walk(self, before: int, capacity: int, passed: T | None, exclude: Container[T]) -> T | None:
+        """The first candidate with room after ring position `before`, other than `passed` and `exclude`."""
+        owners = self._owners
+        slots = self._slots
+        count = len(owners)
+        seen: set[T | None] = {passed}
+        left = len(slots) - (passed in slots)
+        if not left:
+            return None
+        index = before
+        for _ in range(count):
+            index += 1
+            if index == count:
+                index = 0
+            owner = owners[index]
+            if owner in seen:
+                continue
+            if slots[owner][0] < capacity and owner not in exclude:
+                return owner
+            seen.add(owner)
+            left -= 1
+            if not left:
+                break
+        return None
+
+    def _build(self) -> None:
+        """The ring anew from the candidates' names: rare (a replica added, ejected, drained or back)."""
+        ring = sorted(
+            (affinity_key(f"{self._name_of(item)}#{i}".encode()), index, item)
+            for index, item in enumerate(self._slots)
+            for i in range(POINTS_PER_CANDIDATE)
+        )
+        self._points = [point for point, _, _ in ring]
+        self._owners = [item for _, _, item in ring]
+        if ring:
+            # A last point above every key (keys are 8 bytes), owned by the
+            # first point's candidate: past the last point, the ring wraps.
+            self._points.append(b"\xff" * 9)
+            self._owners.append(self._owners[0])
+        self._scale = self._factor / len(self._slots) if self._slots else 0.0
+
 
 # The policies a model's `routing` may name. Each is built with the pool's
 # random source, so that a seeded pool picks the same way every run.
-POLICIES: dict[str, Callable[[random.Random], Policy[Any]]] = {"least_loaded": LeastLoaded}
+POLICIES: dict[str, Callable[[random.Random, PolicySettings], Policy[Any]]] = {
+    "least_loaded": LeastLoaded,
+    "session": BoundedHashRing,
+    "prefix": BoundedHashRing,
+}
 DEFAULT_POLICY = "least_loaded"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from router.config import ReplicaConfig
 from router.origin import Origin
-from router.picking import DEFAULT_POLICY, POLICIES, Policy
+from router.picking import POLICIES, Policy, PolicySettings, Routing
 
 Clock = Callable[[], float]
 log = logging.getLogger("router.pool")
@@ -126,9 +126,21 @@ class SetDiff:
 class Tallies:
     """Per-model figures of the data path that belong to no replica."""
 
-    __slots__ = ("retries", "fallbacks", "unserved", "stalled", "overloaded", "hold_outcomes", "last_asked")
+    __slots__ = (
+        "affinity",
+        "fallbacks",
+        "hold_outcomes",
+        "last_asked",
+        "overloaded",
+        "retries",
+        "stalled",
+        "unserved",
+    )
 
     def __init__(self) -> None:
+        # First picks of the session and prefix policies per model: [hit, spill, none]
+        # (picking.AFFINITY_OUTCOMES), counted by the model's policy itself.
+        self.affinity: dict[str, list[int]] = {}
         # Held requests' ends, by (model, outcome): served, timeout, overflow, client_gone, shutdown.
         self.hold_outcomes: dict[tuple[str, str], int] = {}
         # Monotonic time a request for the model last found nothing to serve it (held, or refused).
@@ -162,7 +174,12 @@ class Tallies:
         self.unserved[model] = self.unserved.get(model, 0) + 1
 
 
-_NO_ROUTING: Mapping[str, str] = {}
+_NO_ROUTING: Mapping[str, Routing] = {}
+_LEAST_LOADED = Routing()
+
+
+def _replica_name(replica: Replica) -> str:
+    return replica.id
 
 
 class _Waiter:
@@ -172,7 +189,7 @@ class _Waiter:
     None, only a replica, or the end (deadline, shutdown).
     """
 
-    __slots__ = ("avoid", "deadline", "exclude", "future", "hold", "model", "seq", "since")
+    __slots__ = ("avoid", "deadline", "exclude", "future", "hold", "key", "model", "seq", "since")
 
     def __init__(
         self,
@@ -184,6 +201,7 @@ class _Waiter:
         hold: bool = False,
         since: float = 0.0,
         deadline: float = 0.0,
+        key: Hashable | None = None,
     ) -> None:
         self.future = future
         self.model = model
@@ -195,6 +213,8 @@ class _Waiter:
         self.since = since
         # A held request's deadline, in loop time.
         self.deadline = deadline
+        # The request's affinity key (session, prefix): it keeps it while it waits.
+        self.key = key
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,9 +259,9 @@ class Pool:
         rng: random.Random | None = None,
         ejection: EjectionPolicy = EjectionPolicy(),
         limits: Limits = Limits(),
-        routing: Mapping[str, str] = _NO_ROUTING,
+        routing: Mapping[str, Routing] = _NO_ROUTING,
     ) -> None:
-        """`routing`: the picking policy (a name in picking.POLICIES) per model; least-loaded otherwise."""
+        """`routing`: the picking policy per model; least-loaded otherwise."""
         self._clock = clock
         self._routing = routing
         self._rng = rng or random.Random()
@@ -346,7 +366,13 @@ class Pool:
                     self._hand_off(model)
 
     async def acquire_or_wait(
-        self, model: str, avoid: Replica | None = None, exclude: Container[Replica] = (), *, deadline: float
+        self,
+        model: str,
+        avoid: Replica | None = None,
+        exclude: Container[Replica] = (),
+        *,
+        deadline: float,
+        key: Hashable | None = None,
     ) -> tuple[Replica | None, bool]:
         """acquire(), or wait until `deadline` (loop time) in `model`'s FIFO queue while it is saturated.
 
@@ -354,10 +380,10 @@ class Pool:
         replica can take the request (none ready, or all excluded); or None
         and True when every candidate stayed at its limit until the deadline.
         """
-        replica = self.acquire(model, avoid, exclude)
+        replica = self.acquire(model, avoid, exclude, key)
         if replica is not None or not self.saturated(model):
             return replica, False
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), model, avoid, exclude, next(self._seq))
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), model, avoid, exclude, next(self._seq), key=key)
         return await self._wait(waiter, deadline)
 
     async def hold(
@@ -575,7 +601,7 @@ class Pool:
                 # Gone (client left, deadline): its finally removes it; skip it now.
                 queue.popitem(last=False)
                 continue
-            replica = self.acquire(model, waiter.avoid, waiter.exclude)
+            replica = self.acquire(model, waiter.avoid, waiter.exclude, waiter.key)
             if replica is None and (waiter.hold or self.saturated(model)):
                 # Nothing for the head now; those behind it wait their turn.
                 return
@@ -732,8 +758,15 @@ class Pool:
         if candidates is None:
             if replica.removed:
                 return
-            policy = POLICIES[self._routing.get(replica.model, DEFAULT_POLICY)]
-            candidates = self._candidates[replica.model] = policy(self._rng)
+            routing = self._routing.get(replica.model, _LEAST_LOADED)
+            settings = PolicySettings(
+                replica.model,
+                routing.balance_factor,
+                self.limits.per_replica,
+                _replica_name,
+                self.tallies.affinity.setdefault(replica.model, [0, 0, 0]),
+            )
+            candidates = self._candidates[replica.model] = POLICIES[routing.policy](self._rng, settings)
         serving = replica.state is ReplicaState.READY
         if serving and replica not in candidates:
             candidates.add(replica, replica.in_flight)

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from router.access_log import AccessLog, Entry
+from router.affinity import Affinity
 from router.answers import JSON, error_body, error_response
 from router.client import Client
 from router.config import Config
@@ -215,8 +216,13 @@ class Proxy:
             metrics,
             first_byte_timeout=config.first_byte_timeout_seconds,
             write_stall_timeout=config.write_stall_timeout_seconds,
+            expose_replica=config.expose_replica_header,
         )
         self._max_attempts = config.max_attempts
+        # The models routed by session or prompt prefix: how their requests are keyed.
+        self._affinity = {
+            name: Affinity(model) for name, model in config.models.items() if model.routing in ("session", "prefix")
+        }
         # Scale from zero, per model: how long a request may be held, and how many at once.
         self.cold_start = {name: m.cold_start_seconds for name, m in config.models.items() if m.cold_start_seconds}
         self.max_held = {name: m.max_held for name, m in config.models.items()}
@@ -447,12 +453,15 @@ class Proxy:
             body = request.body if target == requested else with_model(request.body, obj, target)
             avoid: Replica | None = None
             refused: set[Replica] = set()
+            key = None
+            if self._affinity and (affinity := self._affinity.get(target)) is not None:
+                key = affinity.key(request, obj)
             for attempt in range(self._max_attempts):
-                replica = self.pool.acquire(target, avoid, refused)
+                replica = self.pool.acquire(target, avoid, refused, key)
                 if replica is None:
                     if not self.pool.saturated(target):
                         break
-                    replica = await self._wait(target, avoid, refused)
+                    replica = await self._wait(target, avoid, refused, key)
                     if replica is None:
                         break
                 if attempt or target != model:
@@ -606,10 +615,12 @@ class Proxy:
             tallies.hold_ended(model, "client_gone")
             raise
 
-    async def _wait(self, model: str, avoid: Replica | None, refused: set[Replica]) -> Replica | None:
+    async def _wait(
+        self, model: str, avoid: Replica | None, refused: set[Replica], key: bytes | None
+    ) -> Replica | None:
         """Every replica of `model` is at its limit: wait in its queue for one (503 after the timeout)."""
         deadline = asyncio.get_running_loop().time() + self._queue_timeout
-        replica, timed_out = await self.pool.acquire_or_wait(model, avoid, refused, deadline=deadline)
+        replica, timed_out = await self.pool.acquire_or_wait(model, avoid, refused, deadline=deadline, key=key)
         if timed_out:
             self.pool.tallies.refused_overloaded(model)
             raise Overloaded(

@@ -50,7 +50,7 @@ import os
 import re
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, cast
 
 import httptools
@@ -96,8 +96,15 @@ _REASONS = {
 
 # The request fields the server itself reads, by name as sent (the usual
 # spellings) or lowered; any other name is passed over with one lookup.
-_F_HOST, _F_LENGTH, _F_CODINGS, _F_EXPECT, _F_CONNECTION, _F_UPGRADE, _F_REQUEST_ID = range(7)
+_F_HOST, _F_LENGTH, _F_CODINGS, _F_EXPECT, _F_CONNECTION, _F_UPGRADE, _F_REQUEST_ID, _F_CAPTURED = range(8)
 _FIELDS: dict[bytes, int] = {}
+
+
+def _spellings(lower: bytes) -> tuple[bytes, bytes]:
+    """A lowered name as clients usually send it: lowered, and capitalized (Content-Length)."""
+    return lower, b"-".join(part.capitalize() for part in lower.split(b"-"))
+
+
 for _kind, _name in (
     (_F_HOST, b"host"),
     (_F_LENGTH, b"content-length"),
@@ -107,9 +114,8 @@ for _kind, _name in (
     (_F_UPGRADE, b"upgrade"),
     (_F_REQUEST_ID, b"x-request-id"),
 ):
-    _FIELDS[_name] = _kind
-    _FIELDS[b"-".join(part.capitalize() for part in _name.split(b"-"))] = _kind
-_FIELD_LENGTHS = frozenset(len(name) for name in _FIELDS)
+    for _spelling in _spellings(_name):
+        _FIELDS[_spelling] = _kind
 
 # A client's X-Request-Id is kept when it is short and visible ASCII; else the server makes one.
 _REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
@@ -158,6 +164,7 @@ class Request:
         "keep_alive",
         "method",
         "path",
+        "captured",
         "raw_headers",
         "request_id",
         "reserved",
@@ -176,6 +183,7 @@ class Request:
         version_11: bool,
         reserved: int = 0,
         request_id: bytes = b"",
+        captured: dict[bytes, bytes] | None = None,
     ) -> None:
         self.connection = connection
         self.method = method
@@ -190,6 +198,8 @@ class Request:
         self.reserved = reserved
         # The client's X-Request-Id, or one the server made: on every answer and log line.
         self.request_id = request_id
+        # The server's `captured` headers this request has, by lowered name; None: none of them.
+        self.captured = captured
 
     def header(self, lower_name: bytes) -> bytes | None:
         for name, value in self.raw_headers:
@@ -327,6 +337,7 @@ class Connection(asyncio.Protocol):
         "_paused",
         "_pending",
         "_refusal",
+        "_captured",
         "_request_id",
         "_reserved",
         "_reserved_current",
@@ -361,6 +372,7 @@ class Connection(asyncio.Protocol):
         self._keep_alive_request = True
         self._method = b""
         self._request_id = b""
+        self._captured: dict[bytes, bytes] | None = None
         # The body being read is chunked; bytes of framing read since its last data.
         self._chunked = False
         self._framing = 0
@@ -621,17 +633,19 @@ class Connection(asyncio.Protocol):
         hosts = 0
         host = b""
         self._request_id = b""
+        self._captured = None
+        fields = self.server.fields
         length: int | None = None
         codings: list[bytes] | None = None
         expect = False
         upgrade = False
         connection: bytes | None = None
         for name, value in headers:
-            kind = _FIELDS.get(name)
+            kind = fields.get(name)
             if kind is None:
-                if len(name) not in _FIELD_LENGTHS:
+                if len(name) not in self.server.field_lengths:
                     continue
-                kind = _FIELDS.get(name.lower())
+                kind = fields.get(name.lower())
                 if kind is None:
                     continue
             if kind == _F_HOST:
@@ -649,8 +663,13 @@ class Connection(asyncio.Protocol):
                 connection = value.lower() if connection is None else connection + b"," + value.lower()
             elif kind == _F_UPGRADE:
                 upgrade = True
-            elif _REQUEST_ID.fullmatch(value):
-                self._request_id = value
+            elif kind == _F_REQUEST_ID:
+                if _REQUEST_ID.fullmatch(value):
+                    self._request_id = value
+            elif self._captured is None:
+                self._captured = {name.lower(): value}
+            else:
+                self._captured[name.lower()] = value
         if hosts != 1:
             if version_11 or hosts:
                 detail = "no Host header" if hosts == 0 else f"{hosts} Host headers"
@@ -766,6 +785,7 @@ class Connection(asyncio.Protocol):
             self._version_11,
             self._reserved_current,
             self._request_id or self.server.new_request_id(),
+            self._captured,
         )
         self._body = []
         self._continue_owed = False
@@ -1320,8 +1340,17 @@ class Server:
         body_timeout: float = 60.0,
         write_stall_timeout: float = 30.0,
         max_buffered_body_bytes: int = 1 << 30,
+        captured: Iterable[bytes] = (),
     ) -> None:
+        """`captured`: header names whose values the handler reads (Request.captured), picked out
+        in the pass over the head that the server makes anyway, instead of a search per request."""
         self.handler = handler
+        # The request fields the server reads, and those it captures for the handler.
+        self.fields = dict(_FIELDS)
+        for name in captured:
+            for spelling in _spellings(name.lower()):
+                self.fields.setdefault(spelling, _F_CAPTURED)
+        self.field_lengths = frozenset(len(name) for name in self.fields)
         self.max_body_bytes = max_body_bytes
         self.header_timeout = header_timeout
         self.keepalive_timeout = keepalive_timeout
@@ -1341,8 +1370,14 @@ class Server:
         self.now = time.monotonic()
         # Host values already found valid: a connection sends the same one on every request.
         self.hosts: set[bytes] = set()
-        # Request ids this server makes: unique per process, cheap to make (no uuid per request).
-        self._id_prefix = os.urandom(4).hex().encode() + b"-"
+        # Request ids this server makes are UUIDs (version 4 shape): engines validate the header
+        # (llama.cpp's server answers 400 with an empty body to anything else). Random per
+        # process, then a counter in the last group: unique, and cheap to make (no uuid4 per request).
+        seed = bytearray(os.urandom(10))
+        seed[6] = 0x40 | (seed[6] & 0x0F)
+        seed[8] = 0x80 | (seed[8] & 0x3F)
+        hexed = seed.hex().encode()
+        self._id_prefix = b"%s-%s-%s-%s-" % (hexed[:8], hexed[8:12], hexed[12:16], hexed[16:20])
         self._ids = itertools.count(1)
         # Deadlines are checked this often: a few times per the shortest of them.
         shortest = min(header_timeout, keepalive_timeout, body_timeout, write_stall_timeout)
@@ -1352,7 +1387,7 @@ class Server:
         return Connection(self)
 
     def new_request_id(self) -> bytes:
-        return self._id_prefix + b"%x" % next(self._ids)
+        return self._id_prefix + b"%012x" % (next(self._ids) & 0xFFFF_FFFF_FFFF)
 
     def valid_host(self, value: bytes) -> bool:
         if _HOST.fullmatch(value) is None:

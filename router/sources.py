@@ -8,14 +8,18 @@ supervisor of `--workers` (which fans each change out to every worker).
 An `exclusive` source owns the whole set: endpoint pushes are refused
 while it runs, so that two writers never fight over one set.
 
-Today's source is the config file; Kubernetes discovery will be a second.
+The sources: the config file's [[replicas]], or Kubernetes discovery
+(router/discovery.py: EndpointSlices, exclusive).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from typing import Protocol
+
+from prometheus_client import CollectorRegistry
 
 from router.config import Config, ReplicaConfig, load_config
 from router.errors import ConfigError
@@ -31,6 +35,14 @@ class ReplicaSource(Protocol):
 
     def initial(self) -> tuple[ReplicaConfig, ...]:
         """The set to serve before the first client arrives."""
+        ...
+
+    def ready(self) -> bool:
+        """False until the source has applied its first set: /readyz answers 503 meanwhile."""
+        ...
+
+    def register(self, registry: CollectorRegistry) -> None:
+        """Export the source's own metrics, where it runs (one process, or the supervisor)."""
         ...
 
     async def run(self, fleet: Fleet) -> None:
@@ -54,6 +66,12 @@ class ConfigFileSource:
 
     def initial(self) -> tuple[ReplicaConfig, ...]:
         return self.config.replicas
+
+    def ready(self) -> bool:
+        return True
+
+    def register(self, registry: CollectorRegistry) -> None:
+        return
 
     async def run(self, fleet: Fleet) -> None:
         return
@@ -85,8 +103,22 @@ class ConfigFileSource:
 
 
 def build_sources(config: Config, config_path: str | None) -> list[ReplicaSource]:
-    """The sources that `config` names, in the order their sets are merged (one today)."""
+    """The sources that `config` names, in the order their sets are merged.
+
+    With [discovery.kubernetes] discovery alone: it owns the whole set, and
+    the config file may hold no [[replicas]] then (config.py refuses both).
+    Raises ConfigError when the API server's address cannot be found.
+    """
+    if config.discovery is not None:
+        # Imported here: the Kubernetes client is loaded only where discovery is on.
+        from router.discovery import KubernetesSource, resolve_access  # noqa: PLC0415
+
+        return [KubernetesSource(config.discovery, resolve_access(config.discovery, os.environ))]
     return [ConfigFileSource(config, config_path)]
+
+
+def sources_ready(sources: list[ReplicaSource]) -> bool:
+    return all(source.ready() for source in sources)
 
 
 def initial_set(sources: list[ReplicaSource]) -> tuple[ReplicaConfig, ...]:

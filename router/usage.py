@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 from router.config import LabelValue
+from router.picking import AFFINITY_OUTCOMES
 from router.pool import Pool, Replica, ReplicaState
 
 log = logging.getLogger("router.usage")
@@ -54,8 +55,12 @@ class ReplicaUsage(NamedTuple):
 # The snapshot's per-model tallies keyed by a model name, those keyed by a
 # pair, and a replica's fields that are mappings: the JSON codec's shape.
 TALLIES_BY_MODEL = ("retries", "unserved", "stalled", "overloaded")
-TALLIES_BY_PAIR = ("fallbacks", "hold_outcomes")
+TALLIES_BY_PAIR = ("fallbacks", "hold_outcomes", "affinity")
 REPLICA_MAPPINGS = ("labels", "responses", "errors")
+
+
+def _pairs(rows: list[list[Any]]) -> Mapping[tuple[str, str], int]:
+    return MappingProxyType({(a, b): n for a, b, n in rows})
 
 
 class Demand(NamedTuple):
@@ -81,6 +86,8 @@ class UsageSnapshot:
     stalled: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     overloaded: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     hold_outcomes: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
+    # Session and prefix routing's first picks, by (model, outcome): hit, spill, none.
+    affinity: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
     demand: Mapping[str, Demand] = field(default_factory=lambda: MappingProxyType({}))
 
     def to_json(self) -> dict[str, Any]:
@@ -109,8 +116,9 @@ class UsageSnapshot:
                 ReplicaUsage(**{**r, **{name: MappingProxyType(r[name]) for name in REPLICA_MAPPINGS}})
                 for r in doc["replicas"]
             ),
-            fallbacks=MappingProxyType({(a, b): n for a, b, n in doc["fallbacks"]}),
-            hold_outcomes=MappingProxyType({(a, b): n for a, b, n in doc["hold_outcomes"]}),
+            fallbacks=_pairs(doc["fallbacks"]),
+            hold_outcomes=_pairs(doc["hold_outcomes"]),
+            affinity=_pairs(doc["affinity"]),
             **{name: MappingProxyType(doc[name]) for name in TALLIES_BY_MODEL},
             demand=MappingProxyType({model: Demand(*d) for model, d in doc["demand"].items()}),
         )
@@ -240,6 +248,14 @@ class Snapshotter:
             stalled=MappingProxyType(dict(tallies.stalled)),
             overloaded=MappingProxyType(dict(tallies.overloaded)),
             hold_outcomes=MappingProxyType(dict(tallies.hold_outcomes)),
+            affinity=MappingProxyType(
+                {
+                    (model, outcome): n
+                    for model, counts in tallies.affinity.items()
+                    for outcome, n in zip(AFFINITY_OUTCOMES, counts, strict=True)
+                    if n
+                }
+            ),
             demand=MappingProxyType(demand),
         )
 

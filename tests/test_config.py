@@ -138,7 +138,7 @@ def test_the_readme_configuration_block_says_what_the_code_declares() -> None:
     block = section.split("```toml\n", 1)[1].split("```", 1)[0]
     documented = tomllib.loads(block)
     declared = settings()
-    assert set(documented) - {"replicas", "models"} == set(declared)
+    assert set(documented) - {"replicas", "models", "discovery"} == set(declared)
     comments = {
         m.group(1): (m.group(2) or "").strip()
         for m in re.finditer(r"^(\w+) = [^#\n]*?(?:# (.*))?$", block.split("[[replicas]]")[0], re.M)
@@ -153,8 +153,44 @@ def test_the_readme_configuration_block_says_what_the_code_declares() -> None:
     from router.config import _MODEL_KEYS
 
     assert set(documented["models"]["llama-3.1-8b"]) == _MODEL_KEYS
+    from router.config import _KUBERNETES_KEYS
+
+    assert set(documented["discovery"]["kubernetes"]) == _KUBERNETES_KEYS
 
 
 def test_an_unknown_routing_policy_is_refused_with_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match=r'models\."m"\.routing: unknown policy .nearest. \(known: .least_loaded.\)'):
+    known = r"\(known: 'least_loaded', 'session', 'prefix'\)"
+    with pytest.raises(ConfigError, match=r'models\."m"\.routing: unknown policy .nearest. ' + known):
         parse_config({"models": {"m": {"routing": "nearest"}}}, "<test>", environ={})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("session_header", "X Session", "'X Session' is not a valid header name"),
+        ("session_header", "", "must not be empty|non-empty"),
+        ("prefix_chars", 0, "at least 1"),
+        ("prefix_chars", 10.5, "integer"),
+        ("balance_factor", 0.9, "at least 1"),
+        ("balance_factor", "high", "a number"),
+    ],
+)
+def test_affinity_settings_are_checked(key: str, value: object, problem: str) -> None:
+    with pytest.raises(ConfigError, match=rf'models\."m"\.{key}: .*({problem})'):
+        parse_config({"models": {"m": {"routing": "session", key: value}}}, "<test>", environ={})
+
+
+def test_affinity_settings_are_read() -> None:
+    model_table = {"routing": "prefix", "prefix_chars": 2048, "balance_factor": 1.5, "session_header": "X-Chat"}
+    config = parse_config({"models": {"m": model_table}}, "<test>", environ={})
+    model = config.models["m"]
+    assert (model.routing, model.prefix_chars, model.balance_factor, model.session_header) == (
+        "prefix",
+        2048,
+        1.5,
+        "X-Chat",
+    )
+    assert config.expose_replica_header is False
+    assert parse_config({"expose_replica_header": True}, "<test>", environ={}).expose_replica_header is True
+    with pytest.raises(ConfigError, match="expose_replica_header: must be true or false, got a string"):
+        parse_config({"expose_replica_header": "yes"}, "<test>", environ={})

@@ -335,6 +335,12 @@ class _WatchedSource:
     def initial(self) -> tuple[ReplicaConfig, ...]:
         return (self.first,)
 
+    def ready(self) -> bool:
+        return True
+
+    def register(self, registry: Any) -> None:
+        return
+
     async def run(self, fleet: Fleet) -> None:
         await self.go.wait()
         await fleet.set_replicas((self.first, self.second))

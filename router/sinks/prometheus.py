@@ -156,6 +156,13 @@ class UsageCollector(Collector):
             ["model", "outcome"],
             snapshot.hold_outcomes.items(),
         )
+        yield _tallies(
+            "router_affinity",
+            "Requests of models routed by session or prefix: hit (the key's own replica), "
+            "spill (passed on for load), none (no key: least loaded).",
+            ["model", "outcome"],
+            snapshot.affinity.items(),
+        )
         held = GaugeMetricFamily(
             "router_held_requests", "Requests held now, waiting for a replica of a cold model.", labels=["model"]
         )

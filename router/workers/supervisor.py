@@ -29,7 +29,7 @@ from router.combined import Memory, combine, merged_state
 from router.config import Config, ReplicaConfig
 from router.fleet import FleetUnavailable
 from router.sinks import build_sinks
-from router.sources import build_sources, exclusive_source, initial_set, reload_all
+from router.sources import build_sources, exclusive_source, initial_set, reload_all, sources_ready
 from router.upstream import make_session
 from router.usage import UsageSnapshot, publish
 from router.worker_metrics import METRICS_PATH, MergedCollector, Report, SampleKey, merge, retire
@@ -134,6 +134,8 @@ class Supervisor(Listening):
             self.registry, sink_failures=lambda: self.sink_failures, tick_seconds=lambda: self.last_tick_seconds
         )
         self.registry.register(_WorkerCollector(self))
+        for source in self.sources:
+            source.register(self.registry)
         try:
             for index in range(self.count):
                 paths = Paths(self._runtime, index)
@@ -148,7 +150,8 @@ class Supervisor(Listening):
                 self.sinks.latest,
                 admin_token=config.admin_token,
                 # Ready while any worker serves: one restarting leaves the others.
-                is_ready=lambda: self.ready and any(w.live for w in self.workers),
+                # and not before the sources applied their first set.
+                is_ready=lambda: self.ready and any(w.live for w in self.workers) and sources_ready(self.sources),
                 rates=self.sinks.rates,
                 wall=self._wall,
                 exclusive_source=exclusive_source(self.sources),
