@@ -4,9 +4,11 @@ A round asks every router at once (GET /api/v1/usage, then GET
 /api/v1/replicas, with the admin token) and waits for each at most
 `timeout_seconds`; a router that fails, is slow or answers nonsense is
 counted and logged (once a minute per router) and makes the round
-incomplete. With `servers_from_dns` the name is resolved again before every
-round, so that router pods that come and go are followed; a name that does
-not resolve makes the round incomplete too.
+incomplete, and its last answer stands in for it in the request counts
+(the HPA's metric) until it answers again or leaves. With
+`servers_from_dns` the name is resolved again before every round, so that
+router pods that come and go are followed; a name that does not resolve
+makes the round incomplete too, and the pods it last gave are polled again.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class Poller:
         self._headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
         self._poke = asyncio.Event()
         self._asked: dict[str, float] = {}
+        # Each router's newest answer, carried into the counts of a round it misses.
+        self._last: dict[str, RouterPoll] = {}
+        # The routers the DNS name gave last, polled again when it does not resolve.
+        self._resolved: list[str] = []
         self.servers: dict[str, ServerStats] = {}
         self.rounds = 0
         self.incomplete_rounds = 0
@@ -113,9 +119,15 @@ class Poller:
         began = time.perf_counter()
         servers, unresolved = await self._servers()
         polls: list[RouterPoll | None] = list(await asyncio.gather(*(self._poll(s) for s in servers)))
+        carried = []
+        for server, poll in zip(servers, polls, strict=True):
+            if poll is not None:
+                self._last[server] = poll
+            elif server in self._last:
+                carried.append(self._last[server])
         polls += [None] * unresolved
         now = self._wall()
-        view = build_view(polls, now=now, asked=self._asked)
+        view = build_view(polls, now=now, asked=self._asked, carried=carried)
         self._asked = {
             model: facts.last_asked
             for model, facts in view.models.items()
@@ -145,12 +157,17 @@ class Poller:
             except (OSError, TimeoutError) as exc:
                 unresolved += 1
                 self._failed(name, f"cannot resolve {dns.host}: {exc or type(exc).__name__}")
+                # A name that does not resolve says nothing of the pods: their figures are still worth having.
+                found = self._resolved
             else:
                 self._answered(name)
-                servers += [s for s in found if s not in servers]
-        # Routers that left (a pod gone from the DNS answer) leave the stats too.
+                self._resolved = found
+            servers += [s for s in found if s not in servers]
+        # Routers that left (a pod gone from the DNS answer) leave the stats and the carried answers too.
         for gone in self.servers.keys() - {*servers, *([str(dns)] if dns is not None else [])}:
             del self.servers[gone]
+        for gone in self._last.keys() - set(servers):
+            del self._last[gone]
         return servers, unresolved
 
     async def _poll(self, server: str) -> RouterPoll | None:

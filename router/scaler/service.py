@@ -5,7 +5,8 @@ cannot be used is INVALID_ARGUMENT naming the key, on every method, so that
 a broken ScaledObject shows in KEDA's events rather than as a silent
 default. Before the first round has finished IsActive is true (unknown is
 never idle) and GetMetrics is UNAVAILABLE (no value is known, and 0 is not
-"unknown").
+"unknown"); so it is while no router has ever answered. A router that
+misses a round counts in GetMetrics with its last answer (view.py).
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class ExternalScaler(ExternalScalerServicer):
         view = self.board.view
         if view is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no poll round has finished yet: the value is unknown")
+        if not view.reporting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no router has answered yet: the value is unknown")
         value = view.facts(query.model).requests
         return GetMetricsResponse(
             metricValues=[

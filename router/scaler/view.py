@@ -49,6 +49,17 @@ class RouterPoll:
     # model -> (requests held now, Unix seconds of the last request no replica could serve, or None)
     demand: Mapping[str, tuple[int, float | None]]
 
+    def requests(self) -> dict[str, int]:
+        """Per model, requests in flight on its replicas plus requests held, at this router (none: absent)."""
+        counts: dict[str, int] = {}
+        for _, model, in_flight in self.replicas:
+            if in_flight:
+                counts[model] = counts.get(model, 0) + in_flight
+        for model, (held, _) in self.demand.items():
+            if held:
+                counts[model] = counts.get(model, 0) + held
+        return counts
+
 
 class BadAnswer(ValueError):
     """A router's admin API answered something that is not the usage map or the replica list."""
@@ -118,6 +129,8 @@ class ModelFacts:
     unknown: int = 0
     in_flight: int = 0
     held: int = 0
+    # In flight + held at routers that did not answer this round, as they last answered.
+    carried: int = 0
     # The least proven quiet time over its replicas; None with no replica or with one unknown.
     quiet_for: float | None = None
     # Unix seconds of the newest request for it that found no replica; None if none is known.
@@ -125,8 +138,8 @@ class ModelFacts:
 
     @property
     def requests(self) -> int:
-        """What the HPA sizes the Deployment on: requests in flight plus requests held."""
-        return self.in_flight + self.held
+        """What the HPA sizes the Deployment on: requests in flight plus requests held, carried ones included."""
+        return self.in_flight + self.held + self.carried
 
 
 NO_FACTS = ModelFacts()
@@ -140,16 +153,29 @@ class FleetView:
     models: Mapping[str, ModelFacts] = field(default_factory=lambda: MappingProxyType({}))
     # Router name -> the time of its snapshot in this round (the oldest if two share a name).
     snapshots: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    # Routers whose figures the request counts hold: those that answered, and those carried.
+    reporting: int = 0
 
     def facts(self, model: str) -> ModelFacts:
         return self.models.get(model, NO_FACTS)
 
 
-def build_view(polls: Sequence[RouterPoll | None], *, now: float, asked: Mapping[str, float]) -> FleetView:
+def build_view(
+    polls: Sequence[RouterPoll | None],
+    *,
+    now: float,
+    asked: Mapping[str, float],
+    carried: Sequence[RouterPoll] = (),
+) -> FleetView:
     """Merge one round: `polls` has None for each router that did not answer.
 
     `asked`: the newest `last_asked` per model seen in earlier rounds (a
     router shows it for one tick only; the poller remembers it).
+    `carried`: the last answers of routers that did not answer this round.
+    They count in the requests only (the HPA's metric), since leaving them
+    out would read a missed poll as requests ended and let the HPA shrink
+    a Deployment they are using; they prove nothing quiet, and the round
+    stays incomplete.
     """
     answered = [p for p in polls if p is not None]
     complete = len(answered) == len(polls) and bool(polls)
@@ -161,6 +187,10 @@ def build_view(polls: Sequence[RouterPoll | None], *, now: float, asked: Mapping
     held: dict[str, int] = {}
     last_asked: dict[str, float] = dict(asked)
     snapshots: dict[str, float] = {}
+    stale: dict[str, int] = {}
+    for poll in carried:
+        for model, count in poll.requests().items():
+            stale[model] = stale.get(model, 0) + count
     for poll in answered:
         for rid, model, count in poll.replicas:
             ids.setdefault(model, set()).add(rid)
@@ -175,7 +205,7 @@ def build_view(polls: Sequence[RouterPoll | None], *, now: float, asked: Mapping
         if generated < snapshots.get(poll.router, math.inf):
             snapshots[poll.router] = generated
     models: dict[str, ModelFacts] = {}
-    for model in ids.keys() | held.keys() | last_asked.keys():
+    for model in ids.keys() | held.keys() | last_asked.keys() | stale.keys():
         replica_ids = ids.get(model, ())
         unknown = 0
         least: float | None = None
@@ -191,10 +221,13 @@ def build_view(polls: Sequence[RouterPoll | None], *, now: float, asked: Mapping
             unknown=unknown,
             in_flight=in_flight.get(model, 0),
             held=held.get(model, 0),
+            carried=stale.get(model, 0),
             quiet_for=None if unknown else least,
             last_asked=last_asked.get(model),
         )
-    return FleetView(complete, as_of, MappingProxyType(models), MappingProxyType(snapshots))
+    return FleetView(
+        complete, as_of, MappingProxyType(models), MappingProxyType(snapshots), len(answered) + len(carried)
+    )
 
 
 # What a ScaledObject asks: its trigger's metadata ---------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import orjson
 import pytest
 
@@ -195,6 +196,46 @@ async def test_a_router_answering_nonsense_makes_the_round_incomplete(
     assert not stats.ok and stats.failures >= 1 and problem in (stats.last_error or ""), stats
 
 
+async def test_a_router_that_misses_a_round_counts_in_the_metric_with_its_last_answer(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    """Leaving it out would read a missed poll as its requests ended, and the HPA would shrink the Deployment."""
+    a, b = await canned("router-a"), await canned("router-b")
+    now = time.time()
+    for router, in_flight in ((a, 2), (b, 3)):
+        router.replica("r0", "m", last_used=now, watching_since=now - 7200, in_flight=in_flight)
+    b.usage["demand"] = {"cold": {"held": 4, "oldest_held_since": now, "last_asked": None}}
+    scaler = await start_scaler([a.address, b.address], poll_seconds=3600)
+    assert scaler.poller is not None
+    await scaler.poller.round()
+    stub = keda(scaler)
+    assert (await metric(stub, ref("m")), await metric(stub, ref("cold"))) == (5, 4)
+    b.status = 503
+    view = await scaler.poller.round()
+    assert not view.complete and view.facts("m").carried == 3
+    assert (await metric(stub, ref("m")), await metric(stub, ref("cold"))) == (5, 4)
+    assert await is_active(stub, ref("cold", idleAfter="0"))
+    # Back, with its requests finished: its own figures again.
+    b.status = 200
+    b.replicas[0]["in_flight"] = 0
+    b.usage["demand"] = {}
+    assert (await scaler.poller.round()).complete
+    assert (await metric(stub, ref("m")), await metric(stub, ref("cold"))) == (2, 0)
+
+
+async def test_while_no_router_has_ever_answered_the_metric_is_unavailable_not_zero(
+    start_scaler: StartScaler, keda: Keda, refused_url: Any
+) -> None:
+    scaler = await start_scaler([refused_url().removeprefix("http://")], poll_seconds=3600)
+    assert scaler.poller is not None
+    view = await scaler.poller.round()
+    assert not view.complete and view.reporting == 0
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await metric(keda(scaler), ref("m"))
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no router has answered yet" in (caught.value.details() or "")
+
+
 async def test_a_router_slower_than_the_timeout_makes_the_round_incomplete_in_time(
     start_scaler: StartScaler, canned: Canned
 ) -> None:
@@ -246,10 +287,14 @@ async def test_servers_from_dns_follow_the_pods_each_round_and_a_name_that_does_
     assert not await is_active(keda(scaler), ref("m", idleAfter="60"))
     await scaler.poller.round()
     assert set(scaler.poller.servers) == {"router-admin.ns.svc:9090", b.address, c.address}
+    c.replicas[0]["in_flight"] = 2
     view = await scaler.poller.round()
     assert not view.complete
     assert await is_active(keda(scaler), ref("m", idleAfter="60"))
     assert "cannot resolve router-admin.ns.svc" in (scaler.poller.servers["router-admin.ns.svc:9090"].last_error or "")
+    # The pods the name gave last are polled still: their figures are fresh, though the round is incomplete.
+    assert scaler.poller.servers[c.address].ok
+    assert view.facts("m").in_flight == 2 and view.facts("m").carried == 0
     assert asked == [("router-admin.ns.svc", 9090)] * 3
 
 
