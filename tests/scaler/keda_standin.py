@@ -18,8 +18,8 @@ Deployment with `minReplicaCount: 0`:
 The Deployment's pods are fake replicas (router/fake.py) on free loopback
 ports, a new name for each pod as Kubernetes gives; every change is pushed
 to every router (PUT /api/v1/endpoints: the set the routers have, with this
-model's replicas replaced), which is how replicas reach the routers until
-discovery does it. Each event is one JSON line on standard output:
+model's replicas replaced), which is how replicas reach routers that run
+without Kubernetes discovery. Each event is one JSON line on standard output:
 `{"t": unix_s, "event": ..., ...}`; tests/scaler/test_loop.py runs it.
 """
 

@@ -20,9 +20,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.config import parse_config
+from router.config import load_config, parse_config
 from router.scaler.main import build_parser, settings_from
 from router.scaler.view import parse_metadata
+from tests.kube_api import matches
 
 ROOT = Path(__file__).resolve().parents[2]
 KEDA = ROOT / "deploy" / "keda"
@@ -50,7 +51,7 @@ def test_the_kubernetes_kinds_validate_strictly() -> None:
             continue
         kubernetes_validate.validate(doc, kubernetes_validate.utils.latest_version(), strict=True)
         checked += 1
-    assert checked == 3
+    assert checked == 4
 
 
 def test_every_scaled_object_matches_keda_s_fields() -> None:
@@ -131,3 +132,26 @@ def test_the_readme_s_router_settings_for_the_loop_are_valid_and_point_at_the_sc
     (scaled,) = kind("ScaledObject")
     model = scaled["spec"]["triggers"][0]["metadata"]["model"]
     assert config.models[model].cold_start_seconds > 0
+
+
+def test_routers_with_discovery_find_the_scaled_pods_through_their_service(tmp_path: Path) -> None:
+    """The pods KEDA starts reach the routers with no push: the discovery example's selector finds their Service."""
+    router = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "discovery" / "router.yaml").read_text())
+    (configmap,) = [d for d in router if d and d["kind"] == "ConfigMap"]
+    path = tmp_path / "router.toml"
+    path.write_text(configmap["data"]["router.toml"])
+    discovery = load_config(path, environ={}).discovery
+    assert discovery is not None
+    (scaled,) = kind("ScaledObject")
+    model = scaled["spec"]["triggers"][0]["metadata"]["model"]
+    target = by_name(scaled["spec"]["scaleTargetRef"]["name"], "Deployment")["spec"]["template"]
+    (service,) = [s for s in kind("Service") if s["metadata"]["name"] != "router-scaler"]
+    # Kubernetes copies a Service's labels onto its EndpointSlices: these are what the routers select.
+    labels = service["metadata"]["labels"]
+    assert matches(discovery.selector, labels)
+    assert labels[discovery.model_label] == model
+    assert [p["name"] for p in service["spec"]["ports"]] == [discovery.port]
+    assert service["spec"]["selector"].items() <= target["metadata"]["labels"].items()
+    (container,) = target["spec"]["containers"]
+    assert [p["name"] for p in container["ports"]] == [service["spec"]["ports"][0]["targetPort"]]
+    assert "readinessProbe" in container
