@@ -11,7 +11,7 @@ not answer makes the merge incomplete) and answers per model:
 - `poller.py`    the rounds: every router's usage and replicas, over HTTP
 - `board.py`     the newest view, the wake hints, and the changes streams wait for
 - `service.py`   the gRPC service KEDA calls
-- `http.py`      /healthz, /metrics and POST /wake (the routers' `wake_url`)
+- `http_api.py`  /healthz, /metrics and POST /wake (the routers' `wake_url`)
 - `main.py`      the command: wiring, signals
 
 The generated `externalscaler_pb2*` modules are committed; `make proto`

@@ -3,7 +3,7 @@
 Real aiohttp servers on 127.0.0.1 stand in for the routers here, where a
 test needs a snapshot's exact time or a demand entry a real router shows for
 one tick; the scaler, its gRPC port and its HTTP port are the real ones.
-tests/test_scaler.py holds the same promises against real `router serve`
+tests/scaler/test_service.py holds the same promises against real `router serve`
 processes.
 """
 
