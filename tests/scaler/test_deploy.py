@@ -155,3 +155,15 @@ def test_routers_with_discovery_find_the_scaled_pods_through_their_service(tmp_p
     (container,) = target["spec"]["containers"]
     assert [p["name"] for p in container["ports"]] == [service["spec"]["ports"][0]["targetPort"]]
     assert "readinessProbe" in container
+
+
+def test_prometheus_scrapes_the_scaler_s_http_port() -> None:
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "router-scaler"]
+    (target,) = [t for group in job["static_configs"] for t in group["targets"]]
+    host, port = target.rsplit(":", 1)
+    service = by_name("router-scaler", "Service")
+    assert host.split(".")[0] == service["metadata"]["name"]
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]}["http"] == int(port)
+    # /metrics is the default path: the scaler serves it there.
+    assert job.get("metrics_path", "/metrics") == "/metrics"
