@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint setup clean bench
+.PHONY: demo test lint setup clean bench proto
 
 # Under a lock: `make demo` and `make test` may run at once in a fresh clone.
 $(BIN)/router: pyproject.toml
@@ -29,6 +29,10 @@ bench: setup
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	bench/peers
 	$(BIN)/python bench/run.py
+
+# router scaler's gRPC modules from router/scaler/externalscaler.proto (committed).
+proto: setup
+	PYTHON=$(BIN)/python scripts/gen-proto
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -1,4 +1,4 @@
-"""The `router` command: serve, demo, ctl, bench.
+"""The `router` command: serve, demo, ctl, bench, scaler.
 
 Server modules are imported inside the commands that need them, so that
 `router ctl` starts fast.
@@ -232,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--log-level", default="info")
     sub.add_parser("ctl", help="read and steer running routers (router ctl --help)", add_help=False)
     sub.add_parser("bench", help="load against an OpenAI base URL (router bench --help)", add_help=False)
+    sub.add_parser(
+        "scaler", help="KEDA's external push scaler over every router (router scaler --help)", add_help=False
+    )
     return parser
 
 
@@ -249,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from router.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "scaler":
+        from router.scaler.main import main as scaler_main
+
+        return scaler_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args)

@@ -357,6 +357,9 @@ def settings() -> dict[str, tuple[Any, Setting]]:
 _SETTINGS = settings()
 # The tables beside the settings.
 _TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery"}
+# `router scaler`'s table (router/scaler/settings.py reads and checks it), so
+# that one file may configure both; `router serve` does not read it.
+_OTHER_COMMANDS_TABLES = {"scaler"}
 _REPLICA_KEYS = {"id", "model", "url", "labels"}
 _MODEL_KEYS = {
     "aliases",
@@ -507,7 +510,7 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
     where = _Where(source)
     env = os.environ if environ is None else environ
     for key in raw:
-        if key not in _TOP_KEYS:
+        if key not in _TOP_KEYS and key not in _OTHER_COMMANDS_TABLES:
             raise where.error(key, "unknown key")
     values: dict[str, Any] = {}
     for key, (default, setting) in _SETTINGS.items():

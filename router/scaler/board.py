@@ -1,0 +1,90 @@
+"""The newest round's view, the routers' wake calls, and the changes that streams wait for.
+
+A wake call (a router's `wake_url` pointed at the scaler) says that router
+R holds a request for model M since `since`. R's usage map shows it only
+from its next tick on, so the call itself makes M active at once, until a
+round brings a snapshot of R taken at or after `since` (from then on the
+map tells: held, served and in flight, or gone), or for `WAKE_SECONDS` when
+no such snapshot comes (a router the scaler does not poll; it calls again
+each `wake_cooldown_seconds` while requests stay held).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from router.scaler.view import Decision, FleetView, Query, decide
+
+WAKE_SECONDS = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    router: str
+    # The router's Unix seconds of its oldest held request; None if it did not say.
+    since: float | None
+    # Monotonic time after which the call is forgotten unless a round confirmed it first.
+    until: float
+
+
+class Board:
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.view: FleetView | None = None
+        # Monotonic time the newest view's round ended.
+        self.taken_at: float | None = None
+        self._wakes: dict[str, list[Wake]] = {}
+        self._changed = asyncio.Event()
+        self._closed = asyncio.Event()
+        self.streams = 0
+
+    def publish(self, view: FleetView) -> None:
+        self.view = view
+        self.taken_at = self._clock()
+        now = self.taken_at
+        for model in list(self._wakes):
+            left = [w for w in self._wakes[model] if w.until > now and not _confirmed(w, view)]
+            if left:
+                self._wakes[model] = left
+            else:
+                del self._wakes[model]
+        self._notify()
+
+    def wake(self, model: str, router: str, since: float | None) -> None:
+        self._wakes.setdefault(model, []).append(Wake(router, since, self._clock() + WAKE_SECONDS))
+        self._notify()
+
+    def woken(self, model: str) -> bool:
+        now = self._clock()
+        return any(w.until > now for w in self._wakes.get(model, ()))
+
+    def decide(self, query: Query) -> Decision:
+        return decide(self.view, query, woken=self.woken(query.model))
+
+    async def changes(self) -> AsyncIterator[None]:
+        """Yields at once, then after each new round or wake call, until close(): the caller reads the board."""
+        while not self._closed.is_set():
+            # Taken before the yield, so that a change while the caller works is not missed.
+            changed = self._changed
+            yield
+            await changed.wait()
+
+    def close(self) -> None:
+        """The scaler stops: every stream waiting for a change ends."""
+        self._closed.set()
+        self._notify()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+
+def _confirmed(wake: Wake, view: FleetView) -> bool:
+    taken = view.snapshots.get(wake.router)
+    return wake.since is not None and taken is not None and taken >= wake.since

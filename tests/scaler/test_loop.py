@@ -1,0 +1,161 @@
+"""The whole loop, every part a process of its own: two routers, `router scaler`, and KEDA's stand-in.
+
+quiet -> IsActive false -> scaled to 0 -> a request held -> StreamIsActive
+true -> scaled to 1 -> the replica pushed to the routers -> the held request
+served; then the HPA's part: requests in flight size the Deployment.
+tests/scaler/keda_standin.py is the stand-in, scaling a "Deployment" of fake
+replicas on the scaler's answers as KEDA would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.helpers import free_port
+from tests.scaler.helpers import Routers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Events:
+    """The stand-in's JSON lines as they come."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.seen: list[dict[str, Any]] = []
+        self.task = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.process.stdout is not None
+        async for line in self.process.stdout:
+            self.seen.append(orjson.loads(line))
+
+    async def wait(
+        self, match: Callable[[dict[str, Any]], bool], *, after: float = 0.0, timeout: float = 20.0
+    ) -> dict[str, Any]:
+        """The first event at or after `after` (Unix seconds) that matches."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for event in self.seen:
+                if event["t"] >= after and match(event):
+                    return event
+            assert self.process.returncode is None, f"the stand-in exited: {self.seen}"
+            assert time.monotonic() < deadline, f"no such event: {self.seen}"
+            await asyncio.sleep(0.02)
+
+
+def scaled(to: int) -> Callable[[dict[str, Any]], bool]:
+    return lambda e: e["event"] == "scaled" and e["replicas_to"] == to
+
+
+@contextlib.asynccontextmanager
+async def process(*argv: str, **kwargs: Any) -> AsyncIterator[asyncio.subprocess.Process]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, *argv, cwd=ROOT, **kwargs)
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def wait_healthy(url: str, proc: asyncio.subprocess.Process) -> None:
+    deadline = time.monotonic() + 20
+    async with aiohttp.ClientSession() as session:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(url + "/healthz") as resp:
+                    if resp.status == 200:
+                        return
+            assert proc.returncode is None, "router scaler exited"
+            assert time.monotonic() < deadline, "router scaler did not come up"
+            await asyncio.sleep(0.05)
+
+
+async def ask(client_url: str, *, max_tokens: int, stream: bool = False) -> tuple[int, dict[str, str], float]:
+    """A chat completion for model m, read to its end: status, headers, and when it ended."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "stream": stream}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(client_url + "/v1/chat/completions", json=body) as resp,
+    ):
+        await resp.read()
+        return resp.status, dict(resp.headers), time.time()
+
+
+@pytest.mark.slow
+async def test_keda_s_stand_in_scales_a_model_to_zero_and_back_on_the_scaler_s_answers(routers: Routers) -> None:
+    grpc_port, http_port = free_port(), free_port()
+    # One file configures both: each router's own, with the scaler's [scaler] table (router serve skips it).
+    scaler_table = (
+        f'[scaler]\nservers = {orjson.dumps(routers.admins).decode()}\nlisten = "127.0.0.1:{grpc_port}"\n'
+        f'http_listen = "127.0.0.1:{http_port}"\npoll_seconds = 0.2\n'
+    )
+    routers.write(
+        [],
+        f'wake_url = "http://127.0.0.1:{http_port}/wake"\n[models."m"]\ncold_start_seconds = 30\n{scaler_table}',
+    )
+    await routers.start()
+    a, b = (r.client_url for r in routers.all)
+    scaler_argv = ["-m", "router", "scaler", "--config", str(routers.all[0].path), "--log-level", "warning"]
+    async with process(*scaler_argv) as scaler:
+        await wait_healthy(f"http://127.0.0.1:{http_port}", scaler)
+        standin_argv = [
+            *("-m", "tests.scaler.keda_standin", "--scaler", f"127.0.0.1:{grpc_port}"),
+            *(arg for admin in routers.admins for arg in ("--router-admin", admin)),
+            *("--model", "m", "--idle-after", "2", "--cooldown", "1", "--polling-interval", "0.5"),
+            *("--max-replicas", "3", "--target-in-flight", "2", "--replicas", "1"),
+            *("--tokens", "100", "--token-delay", "0.05"),
+        ]
+        async with process(*standin_argv, stdout=subprocess.PIPE) as standin:
+            events = Events(standin)
+            await events.wait(lambda e: e["event"] == "pushed" and e["replicas"] == ["m-0"])
+            # Active once the routers watch the new pod (before that the model had no replica: inactive).
+            await events.wait(lambda e: e["event"] == "active")
+
+            # Used once through router-a, then quiet: inactive idleAfter later, scaled to 0 a cooldown after that.
+            status, _, used = await ask(a, max_tokens=2)
+            assert status == 200
+            inactive = await events.wait(lambda e: e["event"] == "inactive", after=used)
+            assert inactive["t"] >= used + 2 - 0.3
+            to_zero = await events.wait(scaled(0), after=used)
+            assert to_zero["t"] >= inactive["t"] + 1
+            await events.wait(lambda e: e["event"] == "pushed" and e["replicas"] == [], after=used)
+
+            # A request through router-b is held; the scaler pushes active at once; one replica comes and serves it.
+            asked = time.time()
+            status, headers, _ = await ask(b, max_tokens=2)
+            assert status == 200 and float(headers["X-Router-Held-Seconds"]) > 0
+            active = await events.wait(lambda e: e["event"] == "active", after=asked)
+            assert active["via"] == "StreamIsActive"
+            assert active["t"] - asked < 1.0
+            to_one = await events.wait(scaled(1), after=asked)
+            pushed = await events.wait(lambda e: e["event"] == "pushed" and e["replicas"] == ["m-1"], after=asked)
+            assert active["t"] <= to_one["t"] <= pushed["t"]
+
+            # The HPA's part: five 5-second streams with a target of 2 in flight per replica: three replicas (the max).
+            began = time.time()
+            streams = [asyncio.create_task(ask(a if i % 2 else b, max_tokens=100, stream=True)) for i in range(5)]
+            up = await events.wait(scaled(3), after=began)
+            assert "metric 5 / target 2" in up["why"]
+            await events.wait(lambda e: e["event"] == "pushed" and len(e["replicas"]) == 3, after=began)
+            assert all(status == 200 for status, _, _ in await asyncio.gather(*streams))
+
+            standin.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(standin.wait(), 20) == 0
+            await events.task
+            assert events.seen[-1]["event"] == "stopped"
+        scaler.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(scaler.wait(), 20) == 0

@@ -1,0 +1,449 @@
+"""The scaler's rules on exact figures: routers' admin APIs answering set documents (CannedRouter).
+
+Real aiohttp servers on 127.0.0.1 stand in for the routers here, where a
+test needs a snapshot's exact time or a demand entry a real router shows for
+one tick; the scaler, its gRPC port and its HTTP port are the real ones.
+tests/scaler/test_service.py holds the same promises against real `router serve`
+processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import orjson
+import pytest
+
+from router.config import Address, load_config
+from router.errors import ConfigError
+from router.scaler.main import build_parser, settings_from
+from router.scaler.poller import resolve_servers
+from router.scaler.settings import HELP, ScalerSettings, apply
+from router.scaler.view import decide, parse_metadata
+from tests.helpers import samples
+from tests.scaler.helpers import (
+    Canned,
+    CannedRouter,
+    Keda,
+    StartScaler,
+    is_active,
+    metric,
+    ref,
+)
+
+
+async def post_wake(http_url: str, body: Any, token: str = "") -> tuple[int, dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(http_url + "/wake", data=orjson.dumps(body), headers=headers) as resp,
+    ):
+        doc: dict[str, Any] = await resp.json()
+        return resp.status, doc
+
+
+async def two_quiet_routers(canned: Canned, *, quiet_for: float = 3600.0) -> tuple[CannedRouter, CannedRouter]:
+    """router-a and router-b, both watching r0 (model m), quiet for `quiet_for`."""
+    a, b = await canned("router-a"), await canned("router-b")
+    now = time.time()
+    for router in (a, b):
+        router.replica("r0", "m", last_used=now - quiet_for, watching_since=now - 2 * quiet_for)
+    return a, b
+
+
+async def test_a_wake_call_turns_the_model_active_until_a_snapshot_after_it_shows_the_map(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    a, b = await two_quiet_routers(canned)
+    scaler = await start_scaler([a.address, b.address], poll_seconds=3600)
+    assert scaler.poller is not None
+    await scaler.poller.round()
+    stub = keda(scaler)
+    assert not await is_active(stub, ref("cold"))
+    held_since = time.time()
+    status, _ = await post_wake(
+        scaler.http_url, {"router": "router-b", "model": "cold", "held": 1, "since": held_since}
+    )
+    assert status == 200
+    # At once, before any round.
+    assert await is_active(stub, ref("cold"))
+    # A round whose snapshot of router-b is older than the hold: the call still stands.
+    b.usage["generated_at"] = held_since - 1
+    await scaler.poller.round()
+    assert await is_active(stub, ref("cold"))
+    # router-b's next snapshot shows the request held: the map says so itself.
+    b.usage["generated_at"] = held_since + 0.1
+    b.usage["demand"] = {"cold": {"held": 1, "oldest_held_since": held_since, "last_asked": None}}
+    await scaler.poller.round()
+    assert await is_active(stub, ref("cold"))
+    assert await metric(stub, ref("cold")) == 1
+    # Then served and gone (the replica was taken away again): the map rules, the call is settled.
+    b.usage["demand"] = {}
+    b.usage["generated_at"] = held_since + 0.2
+    await scaler.poller.round()
+    assert not await is_active(stub, ref("cold"))
+
+
+async def test_a_wake_call_from_a_router_not_polled_holds_for_a_minute(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    a, b = await two_quiet_routers(canned)
+    scaler = await start_scaler([a.address, b.address], poll_seconds=3600)
+    assert scaler.poller is not None
+    await post_wake(scaler.http_url, {"router": "router-z", "model": "cold", "held": 2, "since": time.time()})
+    await scaler.poller.round()
+    assert await is_active(keda(scaler), ref("cold"))
+    assert scaler.board.decide(parse_metadata({"model": "cold"})).reason == "a router called to say it holds a request"
+
+
+async def test_wake_calls_need_the_token_and_a_well_formed_body(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    a, b = await two_quiet_routers(canned)
+    scaler = await start_scaler([a.address, b.address], poll_seconds=3600, token="s3cret")
+    assert scaler.poller is not None
+    await scaler.poller.round()
+    body = {"router": "router-a", "model": "cold", "held": 1, "since": time.time()}
+    assert (await post_wake(scaler.http_url, body))[0] == 401
+    assert (await post_wake(scaler.http_url, body, token="wrong"))[0] == 401
+    for bad, problem in [
+        ({"router": "router-a", "held": 1}, "model"),
+        ({"model": "", "held": 1}, "model"),
+        ({"model": "cold", "held": -1}, "held"),
+        ({"model": "cold", "held": "1"}, "held"),
+        ({"model": "cold", "since": "yesterday"}, "since"),
+        ({"model": "cold", "router": 7}, "router"),
+        ([1, 2], "the body"),
+    ]:
+        status, doc = await post_wake(scaler.http_url, bad, token="s3cret")
+        assert status == 400 and problem in doc["error"], (bad, doc)
+    assert not await is_active(keda(scaler), ref("cold"))
+    assert (await post_wake(scaler.http_url, body, token="s3cret"))[0] == 200
+    assert await is_active(keda(scaler), ref("cold"))
+    # held: 0 starts a round and marks nothing.
+    assert (await post_wake(scaler.http_url, {"model": "other", "held": 0}, token="s3cret"))[0] == 200
+    assert not await is_active(keda(scaler), ref("other"))
+    async with aiohttp.ClientSession() as session, session.get(scaler.http_url + "/metrics") as resp:
+        calls = samples(await resp.text(), "router_scaler_wake_calls_total")
+    assert calls == {(("result", "unauthorized"),): 2, (("result", "invalid"),): 7, (("result", "ok"),): 2}
+    # The scaler polls with the same token.
+    assert set(a.authorizations) == {"Bearer s3cret"}
+
+
+async def test_a_replica_one_router_does_not_watch_is_unknown_and_keeps_its_model_active(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    a, b = await two_quiet_routers(canned)
+    now = time.time()
+    a.replica("r1", "m", last_used=now - 3600, watching_since=now - 7200)
+    scaler = await start_scaler([a.address, b.address], poll_seconds=3600)
+    assert scaler.poller is not None
+    view = await scaler.poller.round()
+    assert view.complete and view.facts("m").unknown == 1
+    assert await is_active(keda(scaler), ref("m", idleAfter="60"))
+    b.replica("r1", "m", last_used=None, watching_since=now - 7200)
+    await scaler.poller.round()
+    assert not await is_active(keda(scaler), ref("m", idleAfter="60"))
+
+
+async def test_a_request_nothing_could_serve_keeps_its_model_active_for_idle_after_though_shown_one_tick(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    a, b = await two_quiet_routers(canned)
+    now = time.time()
+    a.usage["demand"] = {"m": {"held": 0, "oldest_held_since": None, "last_asked": now - 10}}
+    scaler = await start_scaler([a.address, b.address], poll_seconds=3600)
+    assert scaler.poller is not None
+    await scaler.poller.round()
+    # Gone from the next snapshot, as a router shows it for one tick only.
+    a.usage["demand"] = {}
+    await scaler.poller.round()
+    assert await is_active(keda(scaler), ref("m", idleAfter="60"))
+    assert not await is_active(keda(scaler), ref("m", idleAfter="5"))
+
+
+@pytest.mark.parametrize(
+    ("status", "usage_body", "problem"),
+    [
+        (503, b'{"error": "no snapshot"}', "answered 503"),
+        (200, b"<html>", "did not answer JSON"),
+        (200, b'{"router": "x", "generated_at": 1}', "last_used is not an object"),
+        (200, b"[]", "/api/v1/usage is not a JSON object"),
+    ],
+)
+async def test_a_router_answering_nonsense_makes_the_round_incomplete(
+    status: int, usage_body: bytes, problem: str, canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    a, b = await two_quiet_routers(canned)
+    b.status, b.usage_body = status, usage_body
+    scaler = await start_scaler([a.address, b.address], poll_seconds=3600)
+    assert scaler.poller is not None
+    view = await scaler.poller.round()
+    assert not view.complete
+    assert await is_active(keda(scaler), ref("m", idleAfter="60"))
+    stats = scaler.poller.servers[b.address]
+    assert not stats.ok and stats.failures >= 1 and problem in (stats.last_error or ""), stats
+
+
+async def test_a_router_that_misses_a_round_counts_in_the_metric_with_its_last_answer(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    """Leaving it out would read a missed poll as its requests ended, and the HPA would shrink the Deployment."""
+    a, b = await canned("router-a"), await canned("router-b")
+    now = time.time()
+    for router, in_flight in ((a, 2), (b, 3)):
+        router.replica("r0", "m", last_used=now, watching_since=now - 7200, in_flight=in_flight)
+    b.usage["demand"] = {"cold": {"held": 4, "oldest_held_since": now, "last_asked": None}}
+    scaler = await start_scaler([a.address, b.address], poll_seconds=3600)
+    assert scaler.poller is not None
+    await scaler.poller.round()
+    stub = keda(scaler)
+    assert (await metric(stub, ref("m")), await metric(stub, ref("cold"))) == (5, 4)
+    b.status = 503
+    view = await scaler.poller.round()
+    assert not view.complete and view.facts("m").carried == 3
+    assert (await metric(stub, ref("m")), await metric(stub, ref("cold"))) == (5, 4)
+    assert await is_active(stub, ref("cold", idleAfter="0"))
+    # Back, with its requests finished: its own figures again.
+    b.status = 200
+    b.replicas[0]["in_flight"] = 0
+    b.usage["demand"] = {}
+    assert (await scaler.poller.round()).complete
+    assert (await metric(stub, ref("m")), await metric(stub, ref("cold"))) == (2, 0)
+
+
+async def test_while_no_router_has_ever_answered_the_metric_is_unavailable_not_zero(
+    start_scaler: StartScaler, keda: Keda, refused_url: Any
+) -> None:
+    scaler = await start_scaler([refused_url().removeprefix("http://")], poll_seconds=3600)
+    assert scaler.poller is not None
+    view = await scaler.poller.round()
+    assert not view.complete and view.reporting == 0
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await metric(keda(scaler), ref("m"))
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no router has answered yet" in (caught.value.details() or "")
+
+
+async def test_a_router_slower_than_the_timeout_makes_the_round_incomplete_in_time(
+    start_scaler: StartScaler, canned: Canned
+) -> None:
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.read()
+        finally:
+            writer.close()
+
+    a, _ = await two_quiet_routers(canned)
+    hung = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = hung.sockets[0].getsockname()[1]
+    scaler = await start_scaler([a.address, f"127.0.0.1:{port}"], poll_seconds=3600, timeout_seconds=0.3)
+    assert scaler.poller is not None
+    began = time.monotonic()
+    view = await scaler.poller.round()
+    assert not view.complete
+    assert time.monotonic() - began < 10
+    assert "no answer within 0.3 s" in (scaler.poller.servers[f"127.0.0.1:{port}"].last_error or "")
+    await scaler.stop()
+    hung.close()
+    await hung.wait_closed()
+
+
+async def test_servers_from_dns_follow_the_pods_each_round_and_a_name_that_does_not_resolve_is_incomplete(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    a, b = await two_quiet_routers(canned)
+    c = await canned("router-c")
+    now = time.time()
+    c.replica("r0", "m", last_used=now - 3600, watching_since=now - 7200)
+    answers: list[list[str] | OSError] = [[a.address, b.address], [b.address, c.address], OSError("NXDOMAIN")]
+    asked: list[tuple[str, int]] = []
+
+    async def resolve(host: str, port: int) -> list[str]:
+        asked.append((host, port))
+        answer = answers.pop(0)
+        if isinstance(answer, OSError):
+            raise answer
+        return answer
+
+    scaler = await start_scaler(
+        [], servers_from_dns=Address("router-admin.ns.svc", 9090), resolve=resolve, poll_seconds=3600
+    )
+    assert scaler.poller is not None
+    # The first round ran at start.
+    await asyncio.sleep(0.5)
+    assert set(scaler.poller.servers) == {"router-admin.ns.svc:9090", a.address, b.address}
+    assert not await is_active(keda(scaler), ref("m", idleAfter="60"))
+    await scaler.poller.round()
+    assert set(scaler.poller.servers) == {"router-admin.ns.svc:9090", b.address, c.address}
+    c.replicas[0]["in_flight"] = 2
+    view = await scaler.poller.round()
+    assert not view.complete
+    assert await is_active(keda(scaler), ref("m", idleAfter="60"))
+    assert "cannot resolve router-admin.ns.svc" in (scaler.poller.servers["router-admin.ns.svc:9090"].last_error or "")
+    # The pods the name gave last are polled still: their figures are fresh, though the round is incomplete.
+    assert scaler.poller.servers[c.address].ok
+    assert view.facts("m").in_flight == 2 and view.facts("m").carried == 0
+    assert asked == [("router-admin.ns.svc", 9090)] * 3
+
+
+async def test_resolving_a_name_gives_every_address_with_the_port() -> None:
+    assert "127.0.0.1:9090" in await resolve_servers("localhost", 9090)
+    assert await resolve_servers("127.0.0.1", 9090) == ["127.0.0.1:9090"]
+    with pytest.raises(OSError):
+        await resolve_servers("name.that.does.not.exist.invalid", 9090)
+
+
+async def test_one_poll_round_over_1000_models_costs_under_100_ms_of_cpu(
+    canned: Canned, start_scaler: StartScaler
+) -> None:
+    """The CPU of one round: both routers' answers read and parsed, merged, every model decided and measured.
+
+    The canned routers serve from this process too, so their part is
+    counted: the figure is an upper bound. The best of three rounds, so that
+    a collection or a neighbour's burst does not decide it.
+    """
+    routers = [await canned("router-a"), await canned("router-b")]
+    now = time.time()
+    for router in routers:
+        for m in range(1000):
+            for r in range(2):
+                router.replica(f"model-{m}-{r}", f"model-{m}", last_used=now - m, watching_since=now - 7200)
+        router.usage["demand"] = {
+            f"model-{m}": {"held": 1, "oldest_held_since": now, "last_asked": now} for m in range(0, 1000, 10)
+        }
+        router.usage_body, router.replicas_body = orjson.dumps(router.usage), orjson.dumps(router.replicas)
+    scaler = await start_scaler([r.address for r in routers], poll_seconds=3600)
+    assert scaler.poller is not None
+    queries = [parse_metadata({"model": f"model-{m}", "idleAfter": "300"}) for m in range(1000)]
+    costs = []
+    for _ in range(3):
+        began = time.process_time()
+        view = await scaler.poller.round()
+        decisions = [scaler.board.decide(q) for q in queries]
+        values = [view.facts(q.model).requests for q in queries]
+        costs.append(time.process_time() - began)
+    assert view.complete and len(view.models) == 1000
+    assert sum(d.active for d in decisions) == 100 + 300 - 30  # held, or used within 300 s (m < 300)
+    assert sum(values) == 200
+    print(f"one round over 1000 models, 4000 replica rows: {min(costs) * 1000:.1f} ms of CPU (best of 3)")
+    assert min(costs) < 0.100, costs
+
+
+# The settings: the [scaler] table and the command line ---------------------------
+
+
+def settings_of(*argv: str, environ: dict[str, str] | None = None) -> Any:
+    return settings_from(build_parser().parse_args(list(argv)), environ or {})
+
+
+def test_flags_win_over_the_file_and_the_token_falls_back_to_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "scaler.toml"
+    path.write_text(
+        '[scaler]\nservers = ["a:9090", "http://b:9090"]\npoll_seconds = 2\nlisten = "0.0.0.0:9091"\n'
+        'servers_from_dns = "router-admin.default.svc.cluster.local:9090"\n'
+    )
+    settings = settings_of("--config", str(path), environ={"ROUTER_ADMIN_TOKEN": "t0k"})
+    assert settings.servers == ("a:9090", "http://b:9090")
+    assert settings.poll_seconds == 2.0 and settings.listen == Address("0.0.0.0", 9091)
+    assert settings.servers_from_dns == Address("router-admin.default.svc.cluster.local", 9090)
+    assert settings.token == "t0k"
+    flagged = settings_of("--config", str(path), "--server", "c:9090", "--poll-seconds", "0.5", "--token", "x")
+    assert (flagged.servers, flagged.poll_seconds, flagged.token) == (("c:9090",), 0.5, "x")
+
+
+def test_a_router_config_file_may_hold_the_scaler_table(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(
+        'listen = "127.0.0.1:8080"\n[scaler]\nservers = ["127.0.0.1:9090"]\n'
+        '[[replicas]]\nid = "r0"\nmodel = "m"\nurl = "http://127.0.0.1:8000"\n'
+    )
+    assert load_config(path, environ={}).replicas[0].id == "r0"
+    assert settings_of("--config", str(path)).servers == ("127.0.0.1:9090",)
+
+
+@pytest.mark.parametrize(
+    ("text", "argv", "message"),
+    [
+        ('[scaler]\nservers = ["a:1"]\npoll_seconds = "often"\n', [], "scaler.poll_seconds: must be a number"),
+        ('[scaler]\nservers = ["a:1"]\ntimeout_seconds = "2"\n', [], "scaler.timeout_seconds: must be a number"),
+        ('[scaler]\nservers = ["a:1"]\npoll_seconds = 0\n', [], "scaler.poll_seconds: must be at least 0.05"),
+        ('[scaler]\nservers = ["a:1"]\nbogus = 1\n', [], "scaler.bogus: unknown key"),
+        ('[scaler]\nservers = ["ftp://a:1"]\n', [], "scaler.servers[0]: must be host:port or an http(s) URL"),
+        ('[scaler]\nservers = "a:1"\n', [], "scaler.servers: must be an array"),
+        ('[scaler]\nservers = ["a:1"]\nlisten = "nowhere"\n', [], "scaler.listen: must be host:port"),
+        ('[scaler]\nservers_from_dns = "svc:0"\n', [], "scaler.servers_from_dns: needs the routers' admin port"),
+        ("[scaler]\n", [], "servers: no router to poll"),
+        ('listen = "127.0.0.1:8080"\n', [], "no [scaler] table"),
+        ("[scaler\n", [], "invalid TOML"),
+        ('[scaler]\nservers = ["a:1"]\n', ["--poll-seconds", "x"], "command line: --poll-seconds: must be a number"),
+        ('[scaler]\nservers = ["a:1"]\n', ["--timeout-seconds", "2s"], "command line: --timeout-seconds: must be a"),
+        ('[scaler]\nservers = ["a:1"]\n', ["--poll-seconds", "nan"], "command line: --poll-seconds: must be at least"),
+        ('[scaler]\nservers = ["a:1"]\n', ["--http-listen", "9091"], "--http-listen: must be host:port"),
+        ('[scaler]\nservers = ["a:1"]\n', ["--http-listen", "127.0.0.1:9091"], "http_listen: must differ from listen"),
+    ],
+)
+def test_a_mistake_is_one_line_naming_the_key(text: str, argv: list[str], message: str, tmp_path: Path) -> None:
+    path = tmp_path / "scaler.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        settings_of("--config", str(path), *argv)
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_command_exits_2_on_a_mistake_and_says_why() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "router", "scaler", "--poll-seconds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("router scaler: command line: servers: no router to poll"), result.stderr
+
+
+def test_a_port_in_use_exits_1_naming_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "router", "scaler", "--server", "127.0.0.1:1", "--listen", f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert result.returncode == 1, result.stderr
+    assert f"router scaler: cannot listen: 127.0.0.1:{port} (gRPC)" in result.stderr
+
+
+def test_no_view_is_active_and_says_why() -> None:
+    decision = decide(None, parse_metadata({"model": "m"}))
+    assert decision.active and decision.reason == "no poll round has finished yet"
+
+
+def test_the_readme_lists_every_scaler_key_with_its_default_and_help() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Scale to zero on Kubernetes", 1)[1]
+    block = section.split("```toml\n[scaler]\n", 1)[1].split("```", 1)[0]
+    documented = tomllib.loads(block)
+    defaults = ScalerSettings()
+    assert set(documented) == set(HELP) == {f.name for f in fields(ScalerSettings)}
+    shown = apply(defaults, documented, "README")
+    assert shown == defaults
+    comments = dict(re.findall(r"^(\w+) = .*?# (.*)$", block, re.M))
+    assert comments == HELP
