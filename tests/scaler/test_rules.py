@@ -40,6 +40,7 @@ from tests.scaler.helpers import (
     is_active,
     metric,
     ref,
+    until,
 )
 
 
@@ -282,9 +283,12 @@ async def test_servers_from_dns_follow_the_pods_each_round_and_a_name_that_does_
     )
     assert scaler.poller is not None
     # The first round ran at start.
-    await asyncio.sleep(0.5)
+    poller = scaler.poller
+    await until(lambda: _true(poller.rounds >= 1))
     assert set(scaler.poller.servers) == {"router-admin.ns.svc:9090", a.address, b.address}
     assert not await is_active(keda(scaler), ref("m", idleAfter="60"))
+    # router-a's pod is gone with its address; router-c's is new.
+    await a.stop()
     await scaler.poller.round()
     assert set(scaler.poller.servers) == {"router-admin.ns.svc:9090", b.address, c.address}
     c.replicas[0]["in_flight"] = 2
@@ -296,6 +300,44 @@ async def test_servers_from_dns_follow_the_pods_each_round_and_a_name_that_does_
     assert scaler.poller.servers[c.address].ok
     assert view.facts("m").in_flight == 2 and view.facts("m").carried == 0
     assert asked == [("router-admin.ns.svc", 9090)] * 3
+
+
+async def test_a_router_gone_from_the_dns_answer_still_counts_while_it_answers(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    """A pod out of the answer for a round (not ready, terminating) may still hold requests: it is not forgotten."""
+    a, b = await two_quiet_routers(canned)
+    a.replicas[0]["in_flight"] = 2
+    answers = [[a.address, b.address], [b.address], [b.address], [b.address]]
+
+    async def resolve(host: str, port: int) -> list[str]:
+        return answers.pop(0)
+
+    scaler = await start_scaler(
+        [], servers_from_dns=Address("router-admin.ns.svc", 9090), resolve=resolve, poll_seconds=3600
+    )
+    assert scaler.poller is not None
+    poller = scaler.poller
+    await until(lambda: _true(poller.rounds >= 1))
+    stub = keda(scaler)
+    assert await is_active(stub, ref("m", idleAfter="60"))
+    # Gone from the answer, still answering: its requests in flight keep the model active.
+    view = await poller.round()
+    assert view.complete and view.facts("m").in_flight == 2
+    assert await is_active(stub, ref("m", idleAfter="60"))
+    assert await metric(stub, ref("m")) == 2
+    # Gone and silent: the pod is gone, and so is what it knew; the rest of the fleet decides.
+    await a.stop()
+    view = await poller.round()
+    assert view.complete and view.facts("m").in_flight == 0
+    assert not await is_active(stub, ref("m", idleAfter="60"))
+    assert a.address not in poller.servers
+    view = await poller.round()
+    assert view.complete and a.address not in poller.servers
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def test_resolving_a_name_gives_every_address_with_the_port() -> None:
