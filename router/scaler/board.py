@@ -7,11 +7,16 @@ round brings a snapshot of R taken at or after `since` (from then on the
 map tells: held, served and in flight, or gone), or for `WAKE_SECONDS` when
 no such snapshot comes (a router the scaler does not poll; it calls again
 each `wake_cooldown_seconds` while requests stay held).
+
+A view older than `stale_after` (rounds that break, a polling task that
+stopped) proves nothing any more: every model is active until a round
+renews it, and streams are woken to say so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -31,8 +36,9 @@ class Wake:
 
 
 class Board:
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, stale_after: float = math.inf) -> None:
         self._clock = clock
+        self._stale_after = stale_after
         self.view: FleetView | None = None
         # Monotonic time the newest view's round ended.
         self.taken_at: float | None = None
@@ -62,15 +68,23 @@ class Board:
         return any(w.until > now for w in self._wakes.get(model, ()))
 
     def decide(self, query: Query) -> Decision:
+        if self.taken_at is not None and (age := self._clock() - self.taken_at) > self._stale_after:
+            return Decision(True, f"the newest finished round is {age:.0f} s old (rounds are failing: see the log)")
         return decide(self.view, query, woken=self.woken(query.model))
 
     async def changes(self) -> AsyncIterator[None]:
         """Yields at once, then after each new round or wake call, until close(): the caller reads the board."""
+        timeout = None if math.isinf(self._stale_after) else self._stale_after
         while not self._closed.is_set():
             # Taken before the yield, so that a change while the caller works is not missed.
             changed = self._changed
             yield
-            await changed.wait()
+            # No change for that long: the view may have gone stale, which is a change too.
+            try:
+                async with asyncio.timeout(timeout):
+                    await changed.wait()
+            except TimeoutError:
+                pass
 
     def close(self) -> None:
         """The scaler stops: every stream waiting for a change ends."""

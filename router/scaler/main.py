@@ -49,7 +49,8 @@ class Scaler:
         self.settings = settings
         self.registry = CollectorRegistry() if registry is None else registry
         self._resolve = resolve
-        self.board = Board()
+        # Past a few rounds' time (each: a pause, a DNS answer and the routers' answers) without a new view.
+        self.board = Board(stale_after=3 * (settings.poll_seconds + 2 * settings.timeout_seconds))
         self.poller: Poller | None = None
         self.grpc_address = ""
         self.http_url = ""

@@ -110,7 +110,7 @@ class Poller:
                 await self.round()
             except Exception:
                 # The root of the polling task: a round that breaks must not end the scaler.
-                # What it leaves is the previous view, which grows no older than this.
+                # What it leaves is the previous view, which the board stops trusting once stale.
                 self.round_failures += 1
                 log.exception("poll round failed")
             try:

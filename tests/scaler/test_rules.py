@@ -37,6 +37,7 @@ from tests.scaler.helpers import (
     CannedRouter,
     Keda,
     StartScaler,
+    Stream,
     is_active,
     metric,
     ref,
@@ -338,6 +339,32 @@ async def test_a_router_gone_from_the_dns_answer_still_counts_while_it_answers(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_view_no_round_renews_turns_every_model_active(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    """Rounds that break keep the last view; past a few rounds' time it proves nothing and unknown is never idle."""
+    a, b = await two_quiet_routers(canned)
+    broken = False
+
+    async def resolve(host: str, port: int) -> list[str]:
+        if broken:
+            raise RuntimeError("the resolver broke")
+        return [a.address, b.address]
+
+    scaler = await start_scaler(
+        [], servers_from_dns=Address("router-admin.ns.svc", 9090), resolve=resolve, timeout_seconds=0.2
+    )
+    assert scaler.poller is not None
+    stream = Stream(keda(scaler), ref("m", idleAfter="60"))
+    await stream.wait_for(False)
+    broken = True
+    await stream.wait_for(True)
+    assert await is_active(keda(scaler), ref("m", idleAfter="60"))
+    assert "s old" in scaler.board.decide(parse_metadata({"model": "m"})).reason
+    assert scaler.poller.round_failures >= 1
+    await stream.close()
 
 
 async def test_resolving_a_name_gives_every_address_with_the_port() -> None:
