@@ -461,6 +461,7 @@ def test_a_router_config_file_may_hold_the_scaler_table(tmp_path: Path) -> None:
         ('[scaler]\nservers = ["a:1"]\n', ["--poll-seconds", "nan"], "command line: --poll-seconds: must be at least"),
         ('[scaler]\nservers = ["a:1"]\n', ["--http-listen", "9091"], "--http-listen: must be host:port"),
         ('[scaler]\nservers = ["a:1"]\n', ["--http-listen", "127.0.0.1:9091"], "http_listen: must differ from listen"),
+        ('[scaler]\nservers = ["a:1"]\n', ["--log-level", "loud"], "command line: --log-level: must be one of"),
     ],
 )
 def test_a_mistake_is_one_line_naming_the_key(text: str, argv: list[str], message: str, tmp_path: Path) -> None:
