@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from router.scaler.view import Decision, FleetView, Query, decide
 
 WAKE_SECONDS = 60.0
+# Wake calls held at once, one per (model, router); POST /wake is open when no token is set.
+MAX_WAKES = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,13 +38,22 @@ class Wake:
 
 
 class Board:
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic, stale_after: float = math.inf) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        stale_after: float = math.inf,
+        max_wakes: int = MAX_WAKES,
+    ) -> None:
         self._clock = clock
         self._stale_after = stale_after
+        self._max_wakes = max_wakes
         self.view: FleetView | None = None
         # Monotonic time the newest view's round ended.
         self.taken_at: float | None = None
-        self._wakes: dict[str, list[Wake]] = {}
+        # model -> router -> its newest call: a router calling again replaces its call.
+        self._wakes: dict[str, dict[str, Wake]] = {}
+        self._wake_count = 0
         self._changed = asyncio.Event()
         self._closed = asyncio.Event()
         self.streams = 0
@@ -52,20 +63,33 @@ class Board:
         self.taken_at = self._clock()
         now = self.taken_at
         for model in list(self._wakes):
-            left = [w for w in self._wakes[model] if w.until > now and not _confirmed(w, view)]
+            left = {r: w for r, w in self._wakes[model].items() if w.until > now and not _confirmed(w, view)}
+            self._wake_count -= len(self._wakes[model]) - len(left)
             if left:
                 self._wakes[model] = left
             else:
                 del self._wakes[model]
         self._notify()
 
-    def wake(self, model: str, router: str, since: float | None) -> None:
-        self._wakes.setdefault(model, []).append(Wake(router, since, self._clock() + WAKE_SECONDS))
+    def wake(self, model: str, router: str, since: float | None) -> bool:
+        """A router holds a request for `model`; False when the board holds as many calls as it may."""
+        calls = self._wakes.get(model, {})
+        if router not in calls:
+            if self._wake_count >= self._max_wakes:
+                return False
+            self._wake_count += 1
+        self._wakes[model] = calls
+        calls[router] = Wake(router, since, self._clock() + WAKE_SECONDS)
         self._notify()
+        return True
 
     def woken(self, model: str) -> bool:
         now = self._clock()
-        return any(w.until > now for w in self._wakes.get(model, ()))
+        return any(w.until > now for w in self._wakes.get(model, {}).values())
+
+    def pending_wakes(self) -> int:
+        """Wake calls held: one per model and router until a round settles it or it expires."""
+        return self._wake_count
 
     def decide(self, query: Query) -> Decision:
         if self.taken_at is not None and (age := self._clock() - self.taken_at) > self._stale_after:

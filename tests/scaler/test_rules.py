@@ -27,10 +27,11 @@ import pytest
 
 from router.config import Address, load_config
 from router.errors import ConfigError
+from router.scaler.board import Board
 from router.scaler.main import build_parser, settings_from
 from router.scaler.poller import resolve_servers
 from router.scaler.settings import HELP, ScalerSettings, apply
-from router.scaler.view import decide, parse_metadata
+from router.scaler.view import FleetView, decide, parse_metadata
 from tests.helpers import samples
 from tests.scaler.helpers import (
     Canned,
@@ -141,6 +142,39 @@ async def test_wake_calls_need_the_token_and_a_well_formed_body(
     assert calls == {(("result", "unauthorized"),): 2, (("result", "invalid"),): 7, (("result", "ok"),): 2}
     # The scaler polls with the same token.
     assert set(a.authorizations) == {"Bearer s3cret"}
+
+
+async def test_a_flood_of_wake_calls_is_one_round_at_a_time_and_one_wake_per_router_and_model(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    a, b = await two_quiet_routers(canned)
+    scaler = await start_scaler([a.address, b.address], poll_seconds=3600)
+    assert scaler.poller is not None
+    poller = scaler.poller
+    await until(lambda: _true(poller.rounds >= 1))
+    polls = len(a.authorizations)
+    body = {"router": "router-a", "model": "cold", "held": 1, "since": time.time()}
+    statuses = await asyncio.gather(*(post_wake(scaler.http_url, body) for _ in range(500)))
+    assert {status for status, _ in statuses} == {200}
+    assert await is_active(keda(scaler), ref("cold"))
+    # Coalesced: a call during a round asks for one more round, not one each.
+    assert len(a.authorizations) - polls < 50
+    assert scaler.board.pending_wakes() == 1
+
+
+def test_the_board_holds_a_bounded_number_of_wake_calls() -> None:
+    """Wake calls naming ever new models (POST /wake is open when no token is set) cannot grow it without end."""
+    now = [0.0]
+    board = Board(clock=lambda: now[0], max_wakes=3)
+    assert all(board.wake(f"m{i}", "router-a", None) for i in range(3))
+    assert board.wake("m0", "router-a", None)
+    assert not board.wake("m3", "router-a", None)
+    assert board.pending_wakes() == 3 and not board.woken("m3")
+    # Forgotten after a minute (at the next round), and room again.
+    now[0] = 61.0
+    board.publish(FleetView(complete=True, as_of=0.0))
+    assert board.pending_wakes() == 0
+    assert board.wake("m3", "router-a", None)
 
 
 async def test_a_replica_one_router_does_not_watch_is_unknown_and_keeps_its_model_active(
