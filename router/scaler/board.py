@@ -26,6 +26,17 @@ from router.scaler.view import Decision, FleetView, Query, decide
 WAKE_SECONDS = 60.0
 # Wake calls held at once, one per (model, router); POST /wake is open when no token is set.
 MAX_WAKES = 10_000
+# ScaledObjects whose last answer is kept for /healthz (KEDA names them; the oldest go first).
+MAX_TOLD = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Told:
+    """What a ScaledObject was last told, and why."""
+
+    model: str
+    active: bool
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +65,8 @@ class Board:
         # model -> router -> its newest call: a router calling again replaces its call.
         self._wakes: dict[str, dict[str, Wake]] = {}
         self._wake_count = 0
+        # "namespace/name" -> its last answer.
+        self.told: dict[str, Told] = {}
         self._changed = asyncio.Event()
         self._closed = asyncio.Event()
         self.streams = 0
@@ -86,6 +99,15 @@ class Board:
     def woken(self, model: str) -> bool:
         now = self._clock()
         return any(w.until > now for w in self._wakes.get(model, {}).values())
+
+    def tell(self, scaled_object: str, query: Query) -> tuple[Decision, bool]:
+        """The decision for a ScaledObject, kept for /healthz; and whether it differs from what it was told last."""
+        decision = self.decide(query)
+        last = self.told.pop(scaled_object, None)
+        if last is None and len(self.told) >= MAX_TOLD:
+            del self.told[next(iter(self.told))]
+        self.told[scaled_object] = Told(query.model, decision.active, decision.reason)
+        return decision, last is None or last.active != decision.active or last.model != query.model
 
     def pending_wakes(self) -> int:
         """Wake calls held: one per model and router until a round settles it or it expires."""

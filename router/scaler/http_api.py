@@ -116,6 +116,10 @@ class HttpApi:
                 "last_complete_merge_age_seconds": None if age is None else round(age, 3),
                 "streams": self.board.streams,
                 "wakes_pending": self.board.pending_wakes(),
+                "scaled_objects": [
+                    {"name": name, "model": told.model, "active": told.active, "reason": told.reason}
+                    for name, told in sorted(self.board.told.items())
+                ],
                 "routers": [
                     {"server": server, "ok": stats.ok, "failures": stats.failures, "last_error": stats.last_error}
                     for server, stats in sorted(poller.servers.items())

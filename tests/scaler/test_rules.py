@@ -193,6 +193,32 @@ async def test_a_replica_one_router_does_not_watch_is_unknown_and_keeps_its_mode
     assert not await is_active(keda(scaler), ref("m", idleAfter="60"))
 
 
+async def test_healthz_says_what_each_scaled_object_was_told_and_why(
+    canned: Canned, start_scaler: StartScaler, keda: Keda, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator can see why a model stays active, and that a ScaledObject names a model no router lists."""
+    a, b = await two_quiet_routers(canned)
+    now = time.time()
+    a.replica("r1", "m", last_used=now - 3600, watching_since=now - 7200)
+    scaler = await start_scaler([a.address, b.address], poll_seconds=3600)
+    assert scaler.poller is not None
+    await scaler.poller.round()
+    stub = keda(scaler)
+    caplog.set_level("INFO", logger="router.scaler")
+    assert await is_active(stub, ref("m", idleAfter="60"))
+    assert not await is_active(stub, ref("llama", idleAfter="60"))
+    async with aiohttp.ClientSession() as session, session.get(scaler.http_url + "/healthz") as resp:
+        told = {so["name"]: so for so in (await resp.json())["scaled_objects"]}
+    assert told["default/so-m"]["model"] == "m" and told["default/so-m"]["active"] is True
+    assert "1 of 2 replicas unknown" in told["default/so-m"]["reason"]
+    assert told["default/so-llama"]["active"] is False
+    assert "no router lists" in told["default/so-llama"]["reason"]
+    assert "scalerMetadata.model" in told["default/so-llama"]["reason"]
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("default/so-m" in line and "active" in line for line in logged), logged
+    assert any("default/so-llama" in line and "inactive" in line for line in logged), logged
+
+
 async def test_a_request_nothing_could_serve_keeps_its_model_active_for_idle_after_though_shown_one_tick(
     canned: Canned, start_scaler: StartScaler, keda: Keda
 ) -> None:
