@@ -93,7 +93,7 @@ class HttpApi:
         registry.register(PollCollector(poller, board))
         self.wake_calls = Counter(
             "router_scaler_wake_calls",
-            "POST /wake calls by result: ok, unauthorized, invalid.",
+            "POST /wake calls by result: ok, unauthorized, invalid, full.",
             ["result"],
             registry=registry,
         )
@@ -115,6 +115,11 @@ class HttpApi:
                 "incomplete_polls": poller.incomplete_rounds,
                 "last_complete_merge_age_seconds": None if age is None else round(age, 3),
                 "streams": self.board.streams,
+                "wakes_pending": self.board.pending_wakes(),
+                "scaled_objects": [
+                    {"name": name, "model": told.model, "active": told.active, "reason": told.reason}
+                    for name, told in sorted(self.board.told.items())
+                ],
                 "routers": [
                     {"server": server, "ok": stats.ok, "failures": stats.failures, "last_error": stats.last_error}
                     for server, stats in sorted(poller.servers.items())
@@ -148,8 +153,9 @@ class HttpApi:
             return self._invalid("held: must be an integer >= 0")
         if since is not None and (isinstance(since, bool) or not isinstance(since, int | float)):
             return self._invalid("since: must be Unix seconds or null")
-        if held > 0:
-            self.board.wake(model, router, None if since is None else float(since))
+        if held > 0 and not self.board.wake(model, router, None if since is None else float(since)):
+            self.wake_calls.labels("full").inc()
+            return _json({"error": "too many wake calls held; the next round settles them"}, 503)
         self.poller.poke()
         self.wake_calls.labels("ok").inc()
         return _json({"status": "ok", "model": model})

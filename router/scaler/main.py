@@ -34,6 +34,7 @@ log = logging.getLogger("router.scaler")
 
 # Streams end at once on stop (the board closes them); unary calls in flight get this long.
 STOP_GRACE_SECONDS = 2.0
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class Scaler:
@@ -49,7 +50,8 @@ class Scaler:
         self.settings = settings
         self.registry = CollectorRegistry() if registry is None else registry
         self._resolve = resolve
-        self.board = Board()
+        # Past a few rounds' time (each: a pause, a DNS answer and the routers' answers) without a new view.
+        self.board = Board(stale_after=3 * (settings.poll_seconds + 2 * settings.timeout_seconds))
         self.poller: Poller | None = None
         self.grpc_address = ""
         self.http_url = ""
@@ -163,6 +165,10 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str] | None = 
         if key in flags:
             flags[key] = _number(str(flags[key]), "--" + key.replace("_", "-"))
     settings = apply(settings, flags, "command line", label=lambda key: "--" + key.replace("_", "-"))
+    if args.log_level.upper() not in LOG_LEVELS:
+        # Checked here, or logging.basicConfig would end the command with a traceback.
+        choices = ", ".join(level.lower() for level in LOG_LEVELS)
+        raise ConfigError(f"command line: --log-level: must be one of {choices}, got {args.log_level!r}")
     return finish(settings, args.config or "command line", environ)
 
 

@@ -9,6 +9,9 @@ incomplete, and its last answer stands in for it in the request counts
 `servers_from_dns` the name is resolved again before every round, so that
 router pods that come and go are followed; a name that does not resolve
 makes the round incomplete too, and the pods it last gave are polled again.
+A pod that leaves the answer (not ready, terminating) may still hold
+requests in flight: it is polled while it answers, and counts as any other;
+once it does not, it is forgotten (the pod is gone, and what it knew with it).
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class Poller:
         self._last: dict[str, RouterPoll] = {}
         # The routers the DNS name gave last, polled again when it does not resolve.
         self._resolved: list[str] = []
+        # Routers the DNS name gave once but no longer: polled while they answer.
+        self._departed: set[str] = set()
         self.servers: dict[str, ServerStats] = {}
         self.rounds = 0
         self.incomplete_rounds = 0
@@ -105,7 +110,7 @@ class Poller:
                 await self.round()
             except Exception:
                 # The root of the polling task: a round that breaks must not end the scaler.
-                # What it leaves is the previous view, which grows no older than this.
+                # What it leaves is the previous view, which the board stops trusting once stale.
                 self.round_failures += 1
                 log.exception("poll round failed")
             try:
@@ -118,9 +123,14 @@ class Poller:
         """One round over every router; the view is published on the board and returned."""
         began = time.perf_counter()
         servers, unresolved = await self._servers()
-        polls: list[RouterPoll | None] = list(await asyncio.gather(*(self._poll(s) for s in servers)))
+        answers = await asyncio.gather(*(self._poll(s, departed=s in self._departed) for s in servers))
+        polls: list[RouterPoll | None] = []
         carried = []
-        for server, poll in zip(servers, polls, strict=True):
+        for server, poll in zip(servers, answers, strict=True):
+            if poll is None and server in self._departed:
+                self._forget(server)
+                continue
+            polls.append(poll)
             if poll is not None:
                 self._last[server] = poll
             elif server in self._last:
@@ -161,16 +171,22 @@ class Poller:
                 found = self._resolved
             else:
                 self._answered(name)
+                self._departed = (self._departed | set(self._resolved)) - set(found)
                 self._resolved = found
             servers += [s for s in found if s not in servers]
-        # Routers that left (a pod gone from the DNS answer) leave the stats and the carried answers too.
-        for gone in self.servers.keys() - {*servers, *([str(dns)] if dns is not None else [])}:
-            del self.servers[gone]
-        for gone in self._last.keys() - set(servers):
-            del self._last[gone]
+            servers += sorted(self._departed - set(servers))
+        self._departed -= set(self.settings.servers)
         return servers, unresolved
 
-    async def _poll(self, server: str) -> RouterPoll | None:
+    def _forget(self, server: str) -> None:
+        """A router gone from the DNS answer that no longer answers: its stats and its last answer go."""
+        self._departed.discard(server)
+        self.servers.pop(server, None)
+        self._last.pop(server, None)
+        log.info("router %s left the DNS answer and no longer answers: forgotten", server)
+
+    async def _poll(self, server: str, *, departed: bool = False) -> RouterPoll | None:
+        """One router's answer, or None; a failure is counted unless the router left the DNS answer."""
         try:
             async with asyncio.timeout(self.settings.timeout_seconds):
                 base = server_url(server)
@@ -178,10 +194,12 @@ class Poller:
                 replicas = await self._get(base + "/api/v1/replicas")
             poll = parse_poll(server, usage, replicas)
         except TimeoutError:
-            self._failed(server, f"no answer within {self.settings.timeout_seconds:g} s")
+            if not departed:
+                self._failed(server, f"no answer within {self.settings.timeout_seconds:g} s")
             return None
         except (PollFailed, BadAnswer) as exc:
-            self._failed(server, str(exc))
+            if not departed:
+                self._failed(server, str(exc))
             return None
         self._answered(server)
         return poll

@@ -58,11 +58,19 @@ class ExternalScaler(ExternalScalerServicer):
     def __init__(self, board: Board) -> None:
         self.board = board
 
+    def _tell(self, name: str, query: Query) -> bool:
+        """The answer for ScaledObject `name`, logged with its reason when it changes."""
+        decision, changed = self.board.tell(name, query)
+        if changed:
+            state = "active" if decision.active else "inactive"
+            log.info("%s (model %s): %s, %s", name, query.model, state, decision.reason)
+        return decision.active
+
     async def IsActive(
         self, request: ScaledObjectRef, context: aio.ServicerContext[object, object]
     ) -> IsActiveResponse:
         query = await _query(request, context)
-        return IsActiveResponse(result=self.board.decide(query).active)
+        return IsActiveResponse(result=self._tell(f"{request.namespace}/{request.name}", query))
 
     async def StreamIsActive(
         self, request: ScaledObjectRef, context: aio.ServicerContext[object, object]
@@ -74,17 +82,10 @@ class ExternalScaler(ExternalScalerServicer):
         self.board.streams += 1
         try:
             async for _ in self.board.changes():
-                decision = self.board.decide(query)
-                if decision.active != sent:
-                    log.info(
-                        "%s (model %s): %s, %s",
-                        name,
-                        query.model,
-                        "active" if decision.active else "inactive",
-                        decision.reason,
-                    )
-                    yield IsActiveResponse(result=decision.active)
-                    sent = decision.active
+                active = self._tell(name, query)
+                if active != sent:
+                    yield IsActiveResponse(result=active)
+                    sent = active
         finally:
             self.board.streams -= 1
 

@@ -305,7 +305,12 @@ def decide(view: FleetView | None, query: Query, *, woken: bool = False) -> Deci
     if facts.quiet_for is not None and facts.quiet_for < query.idle_after:
         return Decision(True, f"quiet for {facts.quiet_for:.1f} s, under idleAfter {query.idle_after:g} s")
     if facts.quiet_for is None:
-        return Decision(False, "no replica and no request for it")
+        # Also what a model name no router knows looks like: say so, for it scales a Deployment to zero.
+        return Decision(
+            False,
+            "no router lists a replica of it or a request for it: scaled to zero, or scalerMetadata.model"
+            " is not the name the routers list (a typo, an alias)",
+        )
     return Decision(False, f"quiet for at least {facts.quiet_for:.1f} s (idleAfter {query.idle_after:g} s)")
 
 

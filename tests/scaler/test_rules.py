@@ -27,19 +27,22 @@ import pytest
 
 from router.config import Address, load_config
 from router.errors import ConfigError
+from router.scaler.board import Board
 from router.scaler.main import build_parser, settings_from
 from router.scaler.poller import resolve_servers
 from router.scaler.settings import HELP, ScalerSettings, apply
-from router.scaler.view import decide, parse_metadata
+from router.scaler.view import FleetView, decide, parse_metadata
 from tests.helpers import samples
 from tests.scaler.helpers import (
     Canned,
     CannedRouter,
     Keda,
     StartScaler,
+    Stream,
     is_active,
     metric,
     ref,
+    until,
 )
 
 
@@ -141,6 +144,39 @@ async def test_wake_calls_need_the_token_and_a_well_formed_body(
     assert set(a.authorizations) == {"Bearer s3cret"}
 
 
+async def test_a_flood_of_wake_calls_is_one_round_at_a_time_and_one_wake_per_router_and_model(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    a, b = await two_quiet_routers(canned)
+    scaler = await start_scaler([a.address, b.address], poll_seconds=3600)
+    assert scaler.poller is not None
+    poller = scaler.poller
+    await until(lambda: _true(poller.rounds >= 1))
+    polls = len(a.authorizations)
+    body = {"router": "router-a", "model": "cold", "held": 1, "since": time.time()}
+    statuses = await asyncio.gather(*(post_wake(scaler.http_url, body) for _ in range(500)))
+    assert {status for status, _ in statuses} == {200}
+    assert await is_active(keda(scaler), ref("cold"))
+    # Coalesced: a call during a round asks for one more round, not one each.
+    assert len(a.authorizations) - polls < 50
+    assert scaler.board.pending_wakes() == 1
+
+
+def test_the_board_holds_a_bounded_number_of_wake_calls() -> None:
+    """Wake calls naming ever new models (POST /wake is open when no token is set) cannot grow it without end."""
+    now = [0.0]
+    board = Board(clock=lambda: now[0], max_wakes=3)
+    assert all(board.wake(f"m{i}", "router-a", None) for i in range(3))
+    assert board.wake("m0", "router-a", None)
+    assert not board.wake("m3", "router-a", None)
+    assert board.pending_wakes() == 3 and not board.woken("m3")
+    # Forgotten after a minute (at the next round), and room again.
+    now[0] = 61.0
+    board.publish(FleetView(complete=True, as_of=0.0))
+    assert board.pending_wakes() == 0
+    assert board.wake("m3", "router-a", None)
+
+
 async def test_a_replica_one_router_does_not_watch_is_unknown_and_keeps_its_model_active(
     canned: Canned, start_scaler: StartScaler, keda: Keda
 ) -> None:
@@ -155,6 +191,32 @@ async def test_a_replica_one_router_does_not_watch_is_unknown_and_keeps_its_mode
     b.replica("r1", "m", last_used=None, watching_since=now - 7200)
     await scaler.poller.round()
     assert not await is_active(keda(scaler), ref("m", idleAfter="60"))
+
+
+async def test_healthz_says_what_each_scaled_object_was_told_and_why(
+    canned: Canned, start_scaler: StartScaler, keda: Keda, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator can see why a model stays active, and that a ScaledObject names a model no router lists."""
+    a, b = await two_quiet_routers(canned)
+    now = time.time()
+    a.replica("r1", "m", last_used=now - 3600, watching_since=now - 7200)
+    scaler = await start_scaler([a.address, b.address], poll_seconds=3600)
+    assert scaler.poller is not None
+    await scaler.poller.round()
+    stub = keda(scaler)
+    caplog.set_level("INFO", logger="router.scaler")
+    assert await is_active(stub, ref("m", idleAfter="60"))
+    assert not await is_active(stub, ref("llama", idleAfter="60"))
+    async with aiohttp.ClientSession() as session, session.get(scaler.http_url + "/healthz") as resp:
+        told = {so["name"]: so for so in (await resp.json())["scaled_objects"]}
+    assert told["default/so-m"]["model"] == "m" and told["default/so-m"]["active"] is True
+    assert "1 of 2 replicas unknown" in told["default/so-m"]["reason"]
+    assert told["default/so-llama"]["active"] is False
+    assert "no router lists" in told["default/so-llama"]["reason"]
+    assert "scalerMetadata.model" in told["default/so-llama"]["reason"]
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("default/so-m" in line and "active" in line for line in logged), logged
+    assert any("default/so-llama" in line and "inactive" in line for line in logged), logged
 
 
 async def test_a_request_nothing_could_serve_keeps_its_model_active_for_idle_after_though_shown_one_tick(
@@ -282,9 +344,12 @@ async def test_servers_from_dns_follow_the_pods_each_round_and_a_name_that_does_
     )
     assert scaler.poller is not None
     # The first round ran at start.
-    await asyncio.sleep(0.5)
+    poller = scaler.poller
+    await until(lambda: _true(poller.rounds >= 1))
     assert set(scaler.poller.servers) == {"router-admin.ns.svc:9090", a.address, b.address}
     assert not await is_active(keda(scaler), ref("m", idleAfter="60"))
+    # router-a's pod is gone with its address; router-c's is new.
+    await a.stop()
     await scaler.poller.round()
     assert set(scaler.poller.servers) == {"router-admin.ns.svc:9090", b.address, c.address}
     c.replicas[0]["in_flight"] = 2
@@ -296,6 +361,70 @@ async def test_servers_from_dns_follow_the_pods_each_round_and_a_name_that_does_
     assert scaler.poller.servers[c.address].ok
     assert view.facts("m").in_flight == 2 and view.facts("m").carried == 0
     assert asked == [("router-admin.ns.svc", 9090)] * 3
+
+
+async def test_a_router_gone_from_the_dns_answer_still_counts_while_it_answers(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    """A pod out of the answer for a round (not ready, terminating) may still hold requests: it is not forgotten."""
+    a, b = await two_quiet_routers(canned)
+    a.replicas[0]["in_flight"] = 2
+    answers = [[a.address, b.address], [b.address], [b.address], [b.address]]
+
+    async def resolve(host: str, port: int) -> list[str]:
+        return answers.pop(0)
+
+    scaler = await start_scaler(
+        [], servers_from_dns=Address("router-admin.ns.svc", 9090), resolve=resolve, poll_seconds=3600
+    )
+    assert scaler.poller is not None
+    poller = scaler.poller
+    await until(lambda: _true(poller.rounds >= 1))
+    stub = keda(scaler)
+    assert await is_active(stub, ref("m", idleAfter="60"))
+    # Gone from the answer, still answering: its requests in flight keep the model active.
+    view = await poller.round()
+    assert view.complete and view.facts("m").in_flight == 2
+    assert await is_active(stub, ref("m", idleAfter="60"))
+    assert await metric(stub, ref("m")) == 2
+    # Gone and silent: the pod is gone, and so is what it knew; the rest of the fleet decides.
+    await a.stop()
+    view = await poller.round()
+    assert view.complete and view.facts("m").in_flight == 0
+    assert not await is_active(stub, ref("m", idleAfter="60"))
+    assert a.address not in poller.servers
+    view = await poller.round()
+    assert view.complete and a.address not in poller.servers
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_a_view_no_round_renews_turns_every_model_active(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    """Rounds that break keep the last view; past a few rounds' time it proves nothing and unknown is never idle."""
+    a, b = await two_quiet_routers(canned)
+    broken = False
+
+    async def resolve(host: str, port: int) -> list[str]:
+        if broken:
+            raise RuntimeError("the resolver broke")
+        return [a.address, b.address]
+
+    scaler = await start_scaler(
+        [], servers_from_dns=Address("router-admin.ns.svc", 9090), resolve=resolve, timeout_seconds=0.2
+    )
+    assert scaler.poller is not None
+    stream = Stream(keda(scaler), ref("m", idleAfter="60"))
+    await stream.wait_for(False)
+    broken = True
+    await stream.wait_for(True)
+    assert await is_active(keda(scaler), ref("m", idleAfter="60"))
+    assert "s old" in scaler.board.decide(parse_metadata({"model": "m"})).reason
+    assert scaler.poller.round_failures >= 1
+    await stream.close()
 
 
 async def test_resolving_a_name_gives_every_address_with_the_port() -> None:
@@ -392,6 +521,7 @@ def test_a_router_config_file_may_hold_the_scaler_table(tmp_path: Path) -> None:
         ('[scaler]\nservers = ["a:1"]\n', ["--poll-seconds", "nan"], "command line: --poll-seconds: must be at least"),
         ('[scaler]\nservers = ["a:1"]\n', ["--http-listen", "9091"], "--http-listen: must be host:port"),
         ('[scaler]\nservers = ["a:1"]\n', ["--http-listen", "127.0.0.1:9091"], "http_listen: must differ from listen"),
+        ('[scaler]\nservers = ["a:1"]\n', ["--log-level", "loud"], "command line: --log-level: must be one of"),
     ],
 )
 def test_a_mistake_is_one_line_naming_the_key(text: str, argv: list[str], message: str, tmp_path: Path) -> None:

@@ -10,19 +10,25 @@ that is a time: a held request turns StreamIsActive true within 1 s.
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import grpc
 import pytest
+from grpc import aio
 
 from router.fake import Behaviour
 from router.scaler.externalscaler_pb2 import GetMetricsRequest, ScaledObjectRef
+from router.scaler.externalscaler_pb2_grpc import ExternalScalerStub
+from router.scaler.main import STOP_GRACE_SECONDS
 from router.scaler.view import metric_name
 from tests.conftest import StartFake
-from tests.helpers import samples
+from tests.helpers import free_port, samples
 from tests.scaler.helpers import (
     Keda,
     Routers,
@@ -34,6 +40,7 @@ from tests.scaler.helpers import (
     until,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
 COLD = '[models."cold"]\ncold_start_seconds = 30\n'
 
@@ -333,6 +340,51 @@ async def test_stream_metric_spec_sends_the_spec_and_stays_open(
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(more, 5)
     assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_streams_that_clients_leave_end_on_the_scaler_and_leave_no_task_behind(
+    start_scaler: StartScaler, keda: Keda, refused_url: Any
+) -> None:
+    scaler = await start_scaler([refused_url().removeprefix("http://")])
+    baseline = len(asyncio.all_tasks())
+    stub = keda(scaler)
+    streams = [Stream(stub, ref(f"m{i % 5}", idleAfter="60")) for i in range(50)]
+    for stream in streams:
+        await stream.wait_for(True)
+    assert scaler.board.streams == 50
+    for stream in streams:
+        await stream.close()
+
+    async def all_ended() -> bool:
+        return scaler.board.streams == 0 and len(asyncio.all_tasks()) <= baseline
+
+    await until(all_ended)
+
+
+async def test_sigterm_ends_the_command_promptly_with_streams_open(refused_url: Any) -> None:
+    grpc_port, http_port = free_port(), free_port()
+    argv = ["--server", refused_url().removeprefix("http://"), "--listen", f"127.0.0.1:{grpc_port}"]
+    argv += ["--http-listen", f"127.0.0.1:{http_port}", "--log-level", "warning"]
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "router", "scaler", *argv, cwd=ROOT)
+    channel = aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+    try:
+        stub = ExternalScalerStub(channel)
+        await channel.channel_ready()
+        stream = Stream(stub, ref("m"))
+        spec = stub.StreamMetricSpec(ref("m"))
+        await stream.wait_for(True, timeout=20)
+        await anext(aiter(spec))
+        proc.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        # Streams end at once; the grace is for unary calls in flight.
+        assert time.monotonic() - began < STOP_GRACE_SECONDS + 5
+        await stream.close()
+    finally:
+        await channel.close(None)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
 
 def test_metric_names_are_valid_and_distinct_per_model() -> None:
