@@ -35,6 +35,9 @@ log = logging.getLogger("router.scaler")
 # A model asked for in vain is remembered this long at most (idleAfter beyond it is unusual).
 ASKED_MEMORY_SECONDS = 86400.0
 _LOG_EVERY_SECONDS = 60.0
+# The most a router's answer may hold: a usage map of 100,000 replicas is about 10 MB.
+# Beyond it the answer is refused, not read on into memory until the timeout.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
 
 Resolve = Callable[[str, int], Awaitable[list[str]]]
 
@@ -207,7 +210,14 @@ class Poller:
     async def _get(self, url: str) -> object:
         try:
             async with self.session.get(url, headers=self._headers) as resp:
-                body = await resp.read()
+                pieces: list[bytes] = []
+                size = 0
+                async for piece in resp.content.iter_chunked(1 << 16):
+                    size += len(piece)
+                    if size > MAX_ANSWER_BYTES:
+                        raise PollFailed(f"GET {url} answered more than {MAX_ANSWER_BYTES} bytes")
+                    pieces.append(piece)
+                body = b"".join(pieces)
                 if resp.status != 200:
                     raise PollFailed(f"GET {url} answered {resp.status}: {body[:200].decode(errors='replace')}")
             return orjson.loads(body)

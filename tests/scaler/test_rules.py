@@ -29,7 +29,7 @@ from router.config import Address, load_config
 from router.errors import ConfigError
 from router.scaler.board import Board
 from router.scaler.main import build_parser, settings_from
-from router.scaler.poller import resolve_servers
+from router.scaler.poller import MAX_ANSWER_BYTES, resolve_servers
 from router.scaler.settings import HELP, ScalerSettings, apply
 from router.scaler.view import FleetView, decide, parse_metadata
 from tests.helpers import samples
@@ -296,6 +296,45 @@ async def test_while_no_router_has_ever_answered_the_metric_is_unavailable_not_z
         await metric(keda(scaler), ref("m"))
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "no router has answered yet" in (caught.value.details() or "")
+
+
+async def test_a_router_answering_without_end_is_refused_at_the_size_bound(
+    start_scaler: StartScaler, canned: Canned
+) -> None:
+    sent = 0
+
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        piece = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+        mine = 0
+        try:
+            # Bounded: twice the limit per connection at most, then it ends (unfinished).
+            while mine < 2 * MAX_ANSWER_BYTES:
+                writer.write(piece)
+                mine += 1 << 20
+                sent = max(sent, mine)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    a, _ = await two_quiet_routers(canned)
+    flood = await asyncio.start_server(endless, "127.0.0.1", 0)
+    port = flood.sockets[0].getsockname()[1]
+    scaler = await start_scaler([a.address, f"127.0.0.1:{port}"], poll_seconds=3600, timeout_seconds=30)
+    assert scaler.poller is not None
+    view = await scaler.poller.round()
+    assert not view.complete
+    assert f"answered more than {MAX_ANSWER_BYTES} bytes" in (
+        scaler.poller.servers[f"127.0.0.1:{port}"].last_error or ""
+    )
+    assert sent < 2 * MAX_ANSWER_BYTES
+    await scaler.stop()
+    flood.close()
+    await flood.wait_closed()
 
 
 async def test_a_router_slower_than_the_timeout_makes_the_round_incomplete_in_time(
