@@ -203,6 +203,8 @@ def _path(where: _Where, key: str, value: object) -> str:
 
 # The label on a model's EndpointSlices (copied there from its Service) that names the model.
 DEFAULT_MODEL_LABEL = "router.llm/model"
+# What [discovery.kubernetes] selector matches: the model Services' EndpointSlices, or the pods.
+SELECTOR_ON = ("endpointslices", "pods")
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +220,9 @@ class KubernetesDiscovery:
     labels_from: tuple[str, ...] = ()
     # None: in a cluster its service account, else $KUBECONFIG, else ~/.kube/config.
     kubeconfig: str | None = None
+    # "pods": `selector` picks pods, whose labels name the model and fill `labels_from`
+    # (the slices of the namespace still say which serve); needs list/watch on pods.
+    selector_on: str = SELECTOR_ON[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -537,7 +542,7 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
 
 
 _DISCOVERY_KEYS = {"kubernetes"}
-_KUBERNETES_KEYS = {"namespace", "selector", "port", "model_label", "labels_from", "kubeconfig"}
+_KUBERNETES_KEYS = {"namespace", "selector", "selector_on", "port", "model_label", "labels_from", "kubeconfig"}
 # RFC 1123 labels (namespaces), IANA service names (named ports), label keys: what the API server accepts.
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -591,6 +596,9 @@ def _discovery(where: _Where, value: object) -> KubernetesDiscovery:
         raise where.error(f"{key}.labels_from", f"must be an array of label keys, got {_type_name(labels_raw)}")
     labels_from = tuple(_label_key(where, f"{key}.labels_from[{i}]", item) for i, item in enumerate(labels_raw))
     kubeconfig = _string(where, f"{key}.kubeconfig", raw["kubeconfig"]) if "kubeconfig" in raw else None
+    selector_on = _string(where, f"{key}.selector_on", raw.get("selector_on", SELECTOR_ON[0]))
+    if selector_on not in SELECTOR_ON:
+        raise where.error(f"{key}.selector_on", f"must be 'endpointslices' or 'pods', got {selector_on!r}")
     return KubernetesDiscovery(
         selector=selector,
         port=port,
@@ -598,6 +606,7 @@ def _discovery(where: _Where, value: object) -> KubernetesDiscovery:
         model_label=_label_key(where, f"{key}.model_label", raw.get("model_label", DEFAULT_MODEL_LABEL)),
         labels_from=labels_from,
         kubeconfig=kubeconfig,
+        selector_on=selector_on,
     )
 
 

@@ -1,24 +1,26 @@
-"""A fake Kubernetes API server for one resource: EndpointSlices (discovery.k8s.io/v1).
+"""A fake Kubernetes API server for two resources: EndpointSlices (discovery.k8s.io/v1) and Pods (v1).
 
 It speaks the protocol as the API reference describes it ("API Concepts":
 efficient detection of changes, resource versions, watch bookmarks):
 
-- `GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices` lists the
-  slices matching `labelSelector`, with the collection's
-  `metadata.resourceVersion`;
+- `GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices` and
+  `GET /api/v1/namespaces/{ns}/pods` list the objects matching
+  `labelSelector` (all of them without one), with the collection's
+  `metadata.resourceVersion`; one revision counter for both, as etcd has;
 - with `watch=true` it streams one JSON object a line (chunked):
   `{"type": "ADDED"|"MODIFIED"|"DELETED"|"BOOKMARK"|"ERROR", "object": ...}`,
-  every change after `resourceVersion`; a slice whose labels stop (start)
-  matching the selector is DELETED (ADDED) for that watch; BOOKMARK events
-  (an object with only `metadata.resourceVersion`) when
-  `allowWatchBookmarks=true`; the stream ends after `timeoutSeconds`;
+  every change of that resource after `resourceVersion`; an object whose
+  labels stop (start) matching the selector is DELETED (ADDED) for that
+  watch; BOOKMARK events (an object with only `metadata.resourceVersion`)
+  when `allowWatchBookmarks=true`; the stream ends after `timeoutSeconds`;
 - a watch from a resourceVersion older than the history kept gets an
   `ERROR` event whose object is a `Status` with code 410 (reason `Expired`),
   as the API server sends it, or, with `gone_as_status`, an HTTP 410.
 
-And it takes faults: close every watch, expire the history (410), change
-state without telling the watches (an event lost while a watch was down),
-go down (connections refused) and come back on the same port.
+And it takes faults: close every watch (or those of one resource), expire
+the history (410), change state without telling the watches (an event lost
+while a watch was down), refuse a resource as RBAC does (403), go down
+(connections refused) and come back on the same port.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +37,27 @@ import orjson
 from aiohttp import web
 
 GROUP_VERSION = "discovery.k8s.io/v1"
-PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+
+
+@dataclass(frozen=True)
+class Resource:
+    kind: str
+    plural: str
+    api_version: str
+    # The API group RBAC names ("" is the core group).
+    group: str
+    path: str
+
+
+ENDPOINT_SLICES = Resource(
+    "EndpointSlice",
+    "endpointslices",
+    GROUP_VERSION,
+    "discovery.k8s.io",
+    "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+)
+PODS = Resource("Pod", "pods", "v1", "", "/api/v1/namespaces/{namespace}/pods")
+RESOURCES = {r.kind: r for r in (ENDPOINT_SLICES, PODS)}
 
 
 @dataclass(frozen=True)
@@ -71,6 +94,17 @@ def endpoint_slice(
             for e in endpoints
         ],
         "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
+    }
+
+
+def pod(name: str, address: str, *, labels: dict[str, str], namespace: str = "default") -> dict[str, Any]:
+    """A running Pod as the API server serves it, with the fields a Pod must have (v1)."""
+    return {
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "spec": {"containers": [{"name": "engine", "image": "vllm/vllm-openai:v0.11.0"}]},
+        "status": {"phase": "Running", "podIP": address, "podIPs": [{"ip": address}]},
     }
 
 
@@ -143,9 +177,14 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
 
 @dataclass(eq=False)
 class _Watch:
+    resource: Resource
     namespace: str
     selector: str
     queue: asyncio.Queue[dict[str, Any] | None]
+
+
+# (revision, resource, type, object before, object after): a change the watches may replay.
+_Change = tuple[int, Resource, str, dict[str, Any] | None, dict[str, Any]]
 
 
 class FakeKubernetesApi:
@@ -153,14 +192,14 @@ class FakeKubernetesApi:
         self.bookmark_seconds = bookmark_seconds
         # etcd's revision: every change bumps it; objects carry the one they were last written at.
         self.revision = 100
-        self.slices: dict[tuple[str, str], dict[str, Any]] = {}
-        # (revision, type, object before, object after) for every change the watches may replay.
-        self.history: list[tuple[int, str, dict[str, Any] | None, dict[str, Any] | None]] = []
+        # (kind, namespace, name) -> the object.
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.history: list[_Change] = []
         # Watches from a resourceVersion below this get 410 Gone.
         self.oldest = self.revision
         self.gone_as_status = False
-        # RBAC without list/watch on endpointslices: every request is 403.
-        self.forbidden = False
+        # RBAC without list/watch on these resources (plural names): every request for them is 403.
+        self.forbidden: set[str] = set()
         self.watches: set[_Watch] = set()
         self.requests: list[str] = []
         # Watch events to send verbatim instead of the live ones (the library check).
@@ -176,7 +215,8 @@ class FakeKubernetesApi:
 
     async def start(self) -> str:
         app = web.Application()
-        app.router.add_get(PATH, self._endpointslices)
+        for resource in RESOURCES.values():
+            app.router.add_get(resource.path, functools.partial(self._serve, resource))
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
@@ -204,32 +244,36 @@ class FakeKubernetesApi:
     # State ---------------------------------------------------------------------
 
     def put(self, obj: dict[str, Any], *, tell: bool = True) -> None:
-        """Create or replace a slice. `tell=False`: the watches never hear of it (an event lost)."""
+        """Create or replace an object (its `kind` says which). `tell=False`: the watches never hear of it."""
         obj = copy.deepcopy(obj)
-        key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
-        before = self.slices.get(key)
+        resource = RESOURCES[obj["kind"]]
+        key = (resource.kind, obj["metadata"]["namespace"], obj["metadata"]["name"])
+        before = self.objects.get(key)
         self.revision += 1
         obj["metadata"]["resourceVersion"] = str(self.revision)
-        obj["metadata"].setdefault("uid", f"uid-{key[1]}")
-        self.slices[key] = obj
-        self._record("MODIFIED" if before is not None else "ADDED", before, obj, tell)
+        obj["metadata"].setdefault("uid", f"uid-{resource.plural}-{key[2]}")
+        self.objects[key] = obj
+        self._record(resource, "MODIFIED" if before is not None else "ADDED", before, obj, tell)
 
-    def delete(self, namespace: str, name: str, *, tell: bool = True) -> None:
-        before = self.slices.pop((namespace, name))
+    def delete(self, namespace: str, name: str, *, kind: str = "EndpointSlice", tell: bool = True) -> None:
+        resource = RESOURCES[kind]
+        before = self.objects.pop((kind, namespace, name))
         self.revision += 1
         gone = copy.deepcopy(before)
         gone["metadata"]["resourceVersion"] = str(self.revision)
-        self._record("DELETED", before, gone, tell)
+        self._record(resource, "DELETED", before, gone, tell)
 
-    def _record(self, kind: str, before: dict[str, Any] | None, after: dict[str, Any], tell: bool) -> None:
+    def _record(
+        self, resource: Resource, kind: str, before: dict[str, Any] | None, after: dict[str, Any], tell: bool
+    ) -> None:
         if not tell:
             # Not in the history either: a watch resumed from an older version
             # will not replay it. Only a list shows it.
             return
-        entry = (self.revision, kind, before, after)
+        entry = (self.revision, resource, kind, before, after)
         self.history.append(entry)
         for watch in list(self.watches):
-            if watch.namespace != after["metadata"]["namespace"]:
+            if watch.resource != resource or watch.namespace != after["metadata"]["namespace"]:
                 continue
             event = self._event_for(watch.selector, entry)
             if event is not None:
@@ -245,13 +289,18 @@ class FakeKubernetesApi:
             )
             watch.queue.put_nowait(None)
 
-    def close_watches(self) -> None:
+    def close_watches(self, kind: str | None = None) -> None:
+        """End the open watches (of one kind of object, or all), as the API server does at its timeout."""
         for watch in list(self.watches):
-            watch.queue.put_nowait(None)
+            if kind is None or watch.resource.kind == kind:
+                watch.queue.put_nowait(None)
+
+    def watching(self, kind: str) -> int:
+        return sum(1 for w in self.watches if w.resource.kind == kind)
 
     @staticmethod
-    def _event_for(selector: str, entry: tuple[int, str, Any, Any]) -> dict[str, Any] | None:
-        _, kind, before, after = entry
+    def _event_for(selector: str, entry: _Change) -> dict[str, Any] | None:
+        _, _, kind, before, after = entry
         was = before is not None and matches(selector, before["metadata"].get("labels", {}))
         now = matches(selector, after["metadata"].get("labels", {}))
         if kind == "DELETED":
@@ -266,16 +315,17 @@ class FakeKubernetesApi:
 
     # HTTP ----------------------------------------------------------------------
 
-    async def _endpointslices(self, request: web.Request) -> web.StreamResponse:
+    async def _serve(self, resource: Resource, request: web.Request) -> web.StreamResponse:
         self.requests.append(request.path_qs)
         namespace = request.match_info["namespace"]
         query = request.query
         selector = query.get("labelSelector", "")
-        if self.forbidden:
+        if resource.plural in self.forbidden:
             verb = "watch" if query.get("watch") in _TRUE else "list"
+            qualified = f"{resource.plural}.{resource.group}" if resource.group else resource.plural
             message = (
-                f'endpointslices.discovery.k8s.io is forbidden: User "system:serviceaccount:{namespace}:router" '
-                f'cannot {verb} resource "endpointslices" in API group "discovery.k8s.io" '
+                f'{qualified} is forbidden: User "system:serviceaccount:{namespace}:router" '
+                f'cannot {verb} resource "{resource.plural}" in API group "{resource.group}" '
                 f'in the namespace "{namespace}"'
             )
             return web.json_response(_status(403, "Forbidden", message), status=403)
@@ -284,22 +334,24 @@ class FakeKubernetesApi:
         except BadSelector as exc:
             return web.json_response(_status(400, "BadRequest", str(exc)), status=400)
         if query.get("watch") in _TRUE:
-            return await self._watch(request, namespace, selector)
+            return await self._watch(request, resource, namespace, selector)
         # A list's items carry no kind and apiVersion; the list does.
         items = [
             {k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
-            for (ns, _), obj in sorted(self.slices.items())
-            if ns == namespace and matches(selector, obj["metadata"].get("labels", {}))
+            for (kind, ns, _), obj in sorted(self.objects.items())
+            if kind == resource.kind and ns == namespace and matches(selector, obj["metadata"].get("labels", {}))
         ]
         body = {
-            "kind": "EndpointSliceList",
-            "apiVersion": GROUP_VERSION,
+            "kind": f"{resource.kind}List",
+            "apiVersion": resource.api_version,
             "metadata": {"resourceVersion": str(self.revision)},
             "items": items,
         }
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
-    async def _watch(self, request: web.Request, namespace: str, selector: str) -> web.StreamResponse:
+    async def _watch(
+        self, request: web.Request, resource: Resource, namespace: str, selector: str
+    ) -> web.StreamResponse:
         query = request.query
         since = int(query.get("resourceVersion") or self.revision)
         bookmarks = query.get("allowWatchBookmarks") in _TRUE
@@ -315,7 +367,7 @@ class FakeKubernetesApi:
                 await response.write(line.rstrip(b"\n") + b"\n")
             await response.write_eof()
             return response
-        watch = _Watch(namespace, selector, asyncio.Queue())
+        watch = _Watch(resource, namespace, selector, asyncio.Queue())
         if since < self.oldest - 1:
             watch.queue.put_nowait(
                 {"type": "ERROR", "object": _status(410, "Expired", f"too old resource version: {since}")}
@@ -323,8 +375,8 @@ class FakeKubernetesApi:
             watch.queue.put_nowait(None)
         else:
             for entry in self.history:
-                after = entry[3]
-                if entry[0] > since and after is not None and after["metadata"]["namespace"] == namespace:
+                revision, changed, _, _, after = entry
+                if revision > since and changed == resource and after["metadata"]["namespace"] == namespace:
                     event = self._event_for(selector, entry)
                     if event is not None:
                         watch.queue.put_nowait(event)
@@ -344,8 +396,8 @@ class FakeKubernetesApi:
                     event = {
                         "type": "BOOKMARK",
                         "object": {
-                            "kind": "EndpointSlice",
-                            "apiVersion": GROUP_VERSION,
+                            "kind": resource.kind,
+                            "apiVersion": resource.api_version,
                             "metadata": {"resourceVersion": str(self.revision)},
                         },
                     }

@@ -14,8 +14,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,35 @@ from prometheus_client import CollectorRegistry
 
 from router.app import RouterServer
 from router.config import KubernetesDiscovery, ReplicaConfig, parse_config
-from router.discovery import ApiAccess, KubernetesSource, Member, SliceView, desired_set, read_slice, resolve_access
+from router.discovery import (
+    ApiAccess,
+    KubernetesSource,
+    Member,
+    SliceView,
+    desired_set,
+    join_pods,
+    parse_slice,
+    read_pod,
+    read_slice,
+    resolve_access,
+)
 from router.errors import ConfigError
 from router.fake import Behaviour, FakeReplica
 from router.pool import ReplicaState
-from tests.helpers import CHAT, Serve, free_port, in_flight, post, post_cut, samples, scrape, wait_for
-from tests.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice
+from tests.helpers import (
+    CHAT,
+    Serve,
+    free_port,
+    get_json,
+    in_flight,
+    post,
+    post_cut,
+    run_ctl,
+    samples,
+    scrape,
+    wait_for,
+)
+from tests.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice, matches, pod
 
 RECORDED = Path(__file__).resolve().parent / "kubernetes"
 SELECTOR = "app.kubernetes.io/part-of=llm-fleet"
@@ -47,7 +70,17 @@ def recorded_watch() -> list[bytes]:
     return (RECORDED / "endpointslice-watch.jsonl").read_bytes().splitlines()
 
 
+def recorded_pods() -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((RECORDED / "pod-list.json").read_text())
+    return doc
+
+
+def recorded_pod_watch() -> list[bytes]:
+    return (RECORDED / "pod-watch.jsonl").read_bytes().splitlines()
+
+
 SETTINGS = KubernetesDiscovery(selector=SELECTOR, port="http", labels_from=("gpu_class",))
+ON_PODS = KubernetesDiscovery(selector=SELECTOR, port="http", labels_from=("gpu_class", "gpus"), selector_on="pods")
 
 
 # EndpointSlices to replicas -------------------------------------------------------
@@ -116,6 +149,78 @@ def test_a_pod_in_two_slices_is_served_from_the_serving_one_then_the_one_the_rou
     assert desired_set(leaving, {"ns/p": old.config})["ns/p"] == new
 
 
+def test_pods_join_their_slices_endpoints_with_the_pods_model_and_labels_first() -> None:
+    """The recorded pods and slices: readiness from the endpoint, model and labels from the pod, else the slice."""
+    slices = {item["metadata"]["name"]: parse_slice(item, ON_PODS, "models") for item in recorded_list()["items"]}
+    pods = {item["metadata"]["name"]: read_pod(item, ON_PODS) for item in recorded_pods()["items"]}
+    views, problems = join_pods(slices, pods, ON_PODS, "models")
+    assert problems == {}
+    members = {m.config.id: m for view in views.values() for m in view.members}
+    got = {rid: (m.config.model, m.config.url, dict(m.config.labels), m.terminating) for rid, m in members.items()}
+    assert got == {
+        "models/vllm-llama-8b-6d5c9b7f4-abcde": (
+            "llama-3.1-8b",
+            "http://10.244.1.17:8000",
+            {"gpu_class": "h100", "gpus": "1"},
+            False,
+        ),
+        "models/vllm-llama-8b-6d5c9b7f4-fghij": (
+            "llama-3.1-8b",
+            "http://10.244.2.31:8000",
+            {"gpu_class": "h100", "gpus": "1"},
+            True,
+        ),
+        "models/vllm-llama-8b-6d5c9b7f4-pqrst": (
+            "llama-3.1-8b",
+            "http://10.244.4.9:8000",
+            {"gpu_class": "h100", "gpus": "1"},
+            False,
+        ),
+        # The qwen pods carry no model label (the slice's names it) and their own gpu_class (l40s, not the slice's l4).
+        "models/vllm-qwen-7b-7c8d9e0f1-uvwxy": (
+            "qwen2.5-7b",
+            "http://[fd00:10:244::1a]:8000",
+            {"gpu_class": "l40s", "gpus": "2"},
+            False,
+        ),
+    }
+    # A pod the selector did not pick is no replica, though its endpoint is ready.
+    del pods["vllm-llama-8b-6d5c9b7f4-abcde"]
+    views, _ = join_pods(slices, pods, ON_PODS, "models")
+    assert "models/vllm-llama-8b-6d5c9b7f4-abcde" not in {m.config.id for v in views.values() for m in v.members}
+    # Pods of another namespace than the router's do not join.
+    assert join_pods(slices, pods, ON_PODS, "other") == ({}, {})
+
+
+def test_a_selected_pod_whose_slices_lack_the_port_or_any_model_label_is_no_replica_and_says_why() -> None:
+    qwen_slice = recorded_list()["items"][1]
+    qwen_pod = recorded_pods()["items"][4]
+    pods = {qwen_pod["metadata"]["name"]: read_pod(qwen_pod, ON_PODS)}
+    grpc = KubernetesDiscovery(selector=SELECTOR, port="grpc", selector_on="pods")
+    views, problems = join_pods({"q": parse_slice(qwen_slice, grpc, "models")}, pods, grpc, "models")
+    assert views == {}
+    assert problems == {"models/vllm-qwen-7b-7c8d9e0f1-uvwxy": "is in EndpointSlice q, which has no port named 'grpc'"}
+    other_label = KubernetesDiscovery(
+        selector=SELECTOR, port="http", model_label="example.com/model", selector_on="pods"
+    )
+    pods = {qwen_pod["metadata"]["name"]: read_pod(qwen_pod, other_label)}
+    views, problems = join_pods({"q": parse_slice(qwen_slice, other_label, "models")}, pods, other_label, "models")
+    assert views == {}
+    assert problems == {
+        "models/vllm-qwen-7b-7c8d9e0f1-uvwxy": "has no label example.com/model naming its model, nor has its "
+        "EndpointSlice q"
+    }
+    # Served through another slice (a second Service with the port): no problem to tell.
+    http = parse_slice(qwen_slice, ON_PODS, "models")
+    views, problems = join_pods(
+        {"q": http, "z-metrics": replace(http, port=None)},
+        {"vllm-qwen-7b-7c8d9e0f1-uvwxy": read_pod(qwen_pod, ON_PODS)},
+        ON_PODS,
+        "models",
+    )
+    assert set(views) == {"q"} and problems == {}
+
+
 # Configuration ---------------------------------------------------------------------
 
 
@@ -142,6 +247,16 @@ def test_a_pod_in_two_slices_is_served_from_the_serving_one_then_the_one_the_rou
             "label key",
         ),
         ({"kubernetes": {"selector": "a=b", "port": 1, "watch": True}}, "discovery.kubernetes.watch", "unknown key"),
+        (
+            {"kubernetes": {"selector": "a=b", "port": 1, "selector_on": "services"}},
+            "discovery.kubernetes.selector_on",
+            "must be 'endpointslices' or 'pods', got 'services'",
+        ),
+        (
+            {"kubernetes": {"selector": "a=b", "port": 1, "selector_on": ["pods"]}},
+            "discovery.kubernetes.selector_on",
+            "must be a string",
+        ),
         ({"consul": {}}, "discovery.consul", "unknown key"),
     ],
 )
@@ -256,6 +371,70 @@ async def test_the_library_reads_the_recorded_responses_as_the_fake_serves_them(
         assert "allowWatchBookmarks=True" in asked and "resourceVersion=48213" in asked and "watch=True" in asked
 
 
+async def test_the_library_reads_the_recorded_pod_responses_as_the_fake_serves_them(
+    kube: FakeKubernetesApi, tmp_path: Path
+) -> None:
+    """kubernetes_asyncio lists and watches the recorded Pods; the router reads the same pods from its models."""
+    from kubernetes_asyncio import client, config, watch
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    recorded = recorded_pods()
+    for item in recorded["items"]:
+        kube.put({"kind": "Pod", "apiVersion": "v1", **item})
+    path = tmp_path / "kubeconfig"
+    path.write_text(kube.kubeconfig())
+    configuration = client.Configuration()
+    await config.load_kube_config(config_file=str(path), client_configuration=configuration, persist_config=False)
+    async with client.ApiClient(configuration) as api_client:
+        api = client.CoreV1Api(api_client)
+        listed = await api.list_namespaced_pod("models", label_selector=SELECTOR)
+        assert listed.metadata.resource_version == str(kube.revision)
+        assert [p.metadata.name for p in listed.items] == [p["metadata"]["name"] for p in recorded["items"]]
+        leaving = listed.items[1]
+        assert leaving.metadata.deletion_timestamp is not None and leaving.spec.containers[0].name == "vllm"
+        assert listed.items[4].metadata.labels["gpus"] == "2"
+        through_library = api_client.sanitize_for_serialization(listed)
+        for raw, parsed in zip(recorded["items"], through_library["items"], strict=True):
+            assert read_pod(parsed, ON_PODS) == read_pod(raw, ON_PODS)
+        # Only the selected pods: the selector is the fake's to apply, as the API server's.
+        none = await api.list_namespaced_pod("models", label_selector="app.kubernetes.io/part-of=other")
+        assert none.items == []
+        # The fake's own pods are pods to the library too (a Pod without containers is not).
+        kube.put(pod("made", "127.0.0.2", labels={"router.llm/model": "m"}, namespace="fleet"))
+        (made,) = (await api.list_namespaced_pod("fleet")).items
+        assert (made.metadata.name, made.status.pod_ip) == ("made", "127.0.0.2")
+
+        kube.replay = recorded_pod_watch()
+        seen = []
+        stream = watch.Watch()
+
+        async def follow() -> None:
+            async for event in stream.stream(
+                api.list_namespaced_pod,
+                "models",
+                label_selector=SELECTOR,
+                resource_version="48213",
+                allow_watch_bookmarks=True,
+                timeout_seconds=5,
+            ):
+                seen.append((event["type"], event["raw_object"]["metadata"]["resourceVersion"]))
+                if event["type"] != "BOOKMARK":
+                    # The library's model of each event's pod: what a drifted fake would fail to build.
+                    assert event["object"].spec.containers[0].image.startswith("vllm/vllm-openai")
+                    assert read_pod(api_client.sanitize_for_serialization(event["object"]), ON_PODS) == read_pod(
+                        event["raw_object"], ON_PODS
+                    )
+
+        with pytest.raises(ApiException) as gone:
+            await follow()
+        await stream.close()
+        assert seen == [("ADDED", "48231"), ("MODIFIED", "48247"), ("BOOKMARK", "48255"), ("DELETED", "48262")]
+        assert gone.value.status == 410
+        asked = kube.requests[-1]
+        assert asked.startswith("/api/v1/namespaces/models/pods?")
+        assert "allowWatchBookmarks=True" in asked and "resourceVersion=48213" in asked and "watch=True" in asked
+
+
 def test_the_fake_writes_no_field_the_recording_does_not_have() -> None:
     """The fake's slices and events have the recorded shape (so it cannot drift from what the library reads)."""
     recorded_slice = {"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1", **recorded_list()["items"][0]}
@@ -275,6 +454,20 @@ def test_the_fake_writes_no_field_the_recording_does_not_have() -> None:
     error = next(e for e in events if e["type"] == "ERROR")
     from tests.kube_api import _status
 
+    assert _paths({"type": "ERROR", "object": _status(410, "Expired", "m")}) == _paths(error)
+    # And its pods, their bookmarks and errors.
+    recorded_pod = {"kind": "Pod", "apiVersion": "v1", **recorded_pods()["items"][0]}
+    made = pod("p", "127.0.0.2", labels={"a": "b"})
+    made["metadata"]["resourceVersion"] = "1"
+    made["metadata"]["uid"] = "u"
+    labels = {p for p in _paths(made) if p.startswith(".metadata.labels.")}
+    assert _paths(made) - labels <= _paths(recorded_pod)
+    pod_events = [orjson.loads(line) for line in recorded_pod_watch()]
+    bookmark = next(e for e in pod_events if e["type"] == "BOOKMARK")
+    assert _paths(
+        {"type": "BOOKMARK", "object": {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}}}
+    ) <= _paths(bookmark)
+    error = next(e for e in pod_events if e["type"] == "ERROR")
     assert _paths({"type": "ERROR", "object": _status(410, "Expired", "m")}) == _paths(error)
 
 
@@ -321,34 +514,50 @@ def model_slice(name: str, model: str, endpoints: Iterable[Endpoint], port: int)
     return endpoint_slice(name, list(endpoints), labels=labels, port=port)
 
 
+StartDiscovery = Callable[..., Awaitable[tuple[RouterServer, KubernetesSource]]]
+
+
 @pytest.fixture
-async def discovery(kube: FakeKubernetesApi, tmp_path: Path) -> AsyncIterator[tuple[RouterServer, KubernetesSource]]:
+async def start_discovery(kube: FakeKubernetesApi, tmp_path: Path) -> AsyncIterator[StartDiscovery]:
+    """A router whose set comes from the fake API server; `keys` go into [discovery.kubernetes]."""
     path = tmp_path / "kubeconfig"
     path.write_text(kube.kubeconfig())
-    raw = {
-        "listen": "127.0.0.1:0",
-        "admin_listen": "127.0.0.1:0",
-        "router_name": "test",
-        "tick_seconds": 0.1,
-        "connect_timeout_seconds": 2.0,
-        "discovery": {"kubernetes": {"selector": SELECTOR, "port": "http", "kubeconfig": str(path)}},
-    }
-    config = parse_config(raw, "<test>", environ={})
-    assert config.discovery is not None
-    source = KubernetesSource(
-        config.discovery,
-        resolve_access(config.discovery, {}),
-        rng=random.Random(7),
-        backoff_first=0.05,
-        backoff_cap=0.5,
-        report_every=1.0,
-        watch_seconds=30.0,
-        min_watch_seconds=0.2,
-    )
-    server = RouterServer(config, registry=CollectorRegistry(), sources=[source])
-    await server.start()
-    yield server, source
-    await server.stop()
+    servers: list[RouterServer] = []
+
+    async def start(watch_seconds: float = 30.0, **keys: Any) -> tuple[RouterServer, KubernetesSource]:
+        raw = {
+            "listen": "127.0.0.1:0",
+            "admin_listen": "127.0.0.1:0",
+            "router_name": "test",
+            "tick_seconds": 0.1,
+            "connect_timeout_seconds": 2.0,
+            "discovery": {"kubernetes": {"selector": SELECTOR, "port": "http", "kubeconfig": str(path), **keys}},
+        }
+        config = parse_config(raw, "<test>", environ={})
+        assert config.discovery is not None
+        source = KubernetesSource(
+            config.discovery,
+            resolve_access(config.discovery, {}),
+            rng=random.Random(7),
+            backoff_first=0.05,
+            backoff_cap=0.5,
+            report_every=1.0,
+            watch_seconds=watch_seconds,
+            min_watch_seconds=0.2,
+        )
+        server = RouterServer(config, registry=CollectorRegistry(), sources=[source])
+        await server.start()
+        servers.append(server)
+        return server, source
+
+    yield start
+    for server in servers:
+        await server.stop()
+
+
+@pytest.fixture
+async def discovery(start_discovery: StartDiscovery) -> tuple[RouterServer, KubernetesSource]:
+    return await start_discovery()
 
 
 def router_set(server: RouterServer) -> dict[str, tuple[str, str]]:
@@ -587,25 +796,22 @@ async def test_a_label_change_moves_a_pod_between_models(
 
 
 async def test_a_forbidden_list_is_logged_with_the_api_servers_reason_and_the_router_stays_unready(
-    kube: FakeKubernetesApi,
-    pods: Pods,
-    discovery: tuple[RouterServer, KubernetesSource],
-    caplog: pytest.LogCaptureFixture,
+    kube: FakeKubernetesApi, pods: Pods, start_discovery: StartDiscovery, caplog: pytest.LogCaptureFixture
 ) -> None:
     """RBAC missing: not ready, the API server's own message in the log; once allowed, the set arrives."""
-    server, source = discovery
     caplog.set_level(logging.WARNING, "router.discovery")
     a = await pods.add("pod-a")
     kube.put(model_slice("llama", "m", [a], pods.port))
-    await kube.stop()
-    kube.forbidden = True
-    await kube.start()
-    await wait_for(lambda: "forbidden" in caplog.text, timeout=10)
+    # Refused from the router's first request on (a server stopped under a request in flight
+    # can hold its connect for seconds).
+    kube.forbidden = {"endpointslices"}
+    server, source = await start_discovery()
+    await wait_for(lambda: "forbidden" in caplog.text)
     assert "HTTP 403: endpointslices.discovery.k8s.io is forbidden" in caplog.text
     assert not source.ready() and router_set(server) == {}
     async with aiohttp.ClientSession() as session, session.get(server.admin_url + "/readyz") as resp:
         assert resp.status == 503
-    kube.forbidden = False
+    kube.forbidden = set()
     await in_sync(server, expect({"a": ("m", a)}, pods.port))
     assert source.ready()
 
@@ -630,13 +836,374 @@ async def test_pushes_are_refused_with_409_and_drains_still_work(
     assert replica is not None and replica.state is ReplicaState.DRAINED
 
 
+# selector_on = "pods": the selector picks pods; the namespace's slices say which serve -------------
+
+
+def fleet_pod(e: Endpoint, model: str | None = "m", **labels: str) -> dict[str, Any]:
+    """The pod behind a fake replica, labelled for discovery (no model label when `model` is None)."""
+    named = {} if model is None else {"router.llm/model": model}
+    return pod(e.pod, e.address, labels={"app.kubernetes.io/part-of": "llm-fleet", **named, **labels})
+
+
+def service_slice(name: str, endpoints: Iterable[Endpoint], port: int, **labels: str) -> dict[str, Any]:
+    """A Service's slice that no selector of the router's matches: in pods mode every slice is read."""
+    return endpoint_slice(name, list(endpoints), labels={"kubernetes.io/service-name": name, **labels}, port=port)
+
+
+def api_says(kube: FakeKubernetesApi) -> dict[str, tuple[str, str]]:
+    """The set by the API server's own objects: ready endpoints of selected pods, the pod's model or the slice's."""
+    out: dict[str, tuple[str, str]] = {}
+    for (kind, namespace, _), obj in sorted(kube.objects.items()):
+        if kind != "EndpointSlice" or namespace != NS:
+            continue
+        port = next((p["port"] for p in obj["ports"] if p["name"] == "http"), None)
+        if port is None:
+            continue
+        for endpoint in obj["endpoints"]:
+            assert not endpoint["conditions"]["terminating"], "api_says knows no terminating endpoints"
+            found = kube.objects.get(("Pod", NS, endpoint["targetRef"]["name"]))
+            if not endpoint["conditions"]["ready"] or found is None:
+                continue
+            labels = found["metadata"]["labels"]
+            if not matches(SELECTOR, labels):
+                continue
+            model = labels.get("router.llm/model") or obj["metadata"]["labels"]["router.llm/model"]
+            out[f"{NS}/{endpoint['targetRef']['name']}"] = (model, f"http://{endpoint['addresses'][0]}:{port}")
+    return out
+
+
+async def caught_up(source: KubernetesSource, plural: str, kube: FakeKubernetesApi) -> None:
+    """Until the source has applied every change of these objects the API server has made so far."""
+    revision = kube.revision
+    await wait_for(lambda: int(source.version_of(plural) or 0) >= revision)
+
+
+@pytest.fixture
+async def pod_discovery(start_discovery: StartDiscovery) -> tuple[RouterServer, KubernetesSource]:
+    return await start_discovery(selector_on="pods", labels_from=["gpu_class", "gpus"])
+
+
+async def test_pods_mode_follows_pods_added_made_unready_and_deleted(
+    kube: FakeKubernetesApi, pods: Pods, pod_discovery: tuple[RouterServer, KubernetesSource]
+) -> None:
+    server, source = pod_discovery
+    a, b, c, other = [await pods.add(n) for n in ("pod-a", "pod-b", "pod-c", "pod-other")]
+    await wait_for(source.ready)
+    for e in (a, b):
+        kube.put(fleet_pod(e))
+    # A pod the selector does not pick, in the same Service: never a replica.
+    kube.put(pod(other.pod, other.address, labels={"app.kubernetes.io/part-of": "something-else"}))
+    kube.put(service_slice("engines", [a, b, other], pods.port))
+    await in_sync(server, expect({"a": ("m", a), "b": ("m", b)}, pods.port))
+    assert router_set(server) == api_says(kube)
+    await settled(server, pods, ["pod-other"], ["m"])
+    # Added.
+    kube.put(fleet_pod(c))
+    kube.put(service_slice("engines", [a, b, c, other], pods.port))
+    await in_sync(server, expect({"a": ("m", a), "b": ("m", b), "c": ("m", c)}, pods.port))
+    # Made unready: its endpoint's conditions decide, as in the default mode.
+    unready = Endpoint(b.pod, b.address, ready=False, serving=False)
+    kube.put(service_slice("engines", [a, unready, c, other], pods.port))
+    await in_sync(server, expect({"a": ("m", a), "c": ("m", c)}, pods.port))
+    await settled(server, pods, ["pod-b", "pod-other"], ["m"])
+    # Deleted: the pod goes before its slice says so, and leaves the set with it.
+    kube.delete(NS, "pod-a", kind="Pod")
+    await in_sync(server, expect({"c": ("m", c)}, pods.port))
+    assert router_set(server) == api_says(kube)
+    await settled(server, pods, ["pod-a", "pod-b", "pod-other"], ["m"])
+    kube.put(service_slice("engines", [unready, c, other], pods.port))
+    await caught_up(source, "endpointslices", kube)
+    assert router_set(server) == api_says(kube) == expect({"c": ("m", c)}, pods.port)
+    assert source.relists["error"] == 0
+
+
+async def test_a_pods_model_label_change_moves_it_keeping_its_id(
+    kube: FakeKubernetesApi, pods: Pods, pod_discovery: tuple[RouterServer, KubernetesSource]
+) -> None:
+    server, _ = pod_discovery
+    a, p, b = await pods.add("pod-a"), await pods.add("pod-p"), await pods.add("pod-b")
+    kube.put(fleet_pod(a, "a"))
+    kube.put(fleet_pod(p, "a"))
+    kube.put(fleet_pod(b, "b"))
+    # One Service for every model, labelled for one of them: in pods mode the pod's label wins.
+    kube.put(service_slice("engines", [a, p, b], pods.port, **{"router.llm/model": "a"}))
+    await in_sync(server, expect({"a": ("a", a), "p": ("a", p), "b": ("b", b)}, pods.port))
+    await traffic(server, ["a", "b"])
+    kube.put(fleet_pod(p, "b"))
+    await in_sync(server, expect({"a": ("a", a), "p": ("b", p), "b": ("b", b)}, pods.port))
+    assert router_set(server) == api_says(kube)
+    pods.fakes["pod-p"].seen.clear()
+    await traffic(server, ["a"], n=8)
+    assert pods.fakes["pod-p"].seen == [], "model a's requests still reach the pod that moved to b"
+    await traffic(server, ["b"], n=8)
+    assert pods.fakes["pod-p"].seen, "the moved pod got none of model b's requests"
+    assert all(orjson.loads(s.body)["model"] == "b" for s in pods.fakes["pod-p"].seen)
+    await settled(server, pods, [], ["a", "b"])
+
+
+async def test_a_pod_that_stops_matching_the_selector_leaves_at_once(
+    kube: FakeKubernetesApi, pods: Pods, pod_discovery: tuple[RouterServer, KubernetesSource]
+) -> None:
+    """Its endpoint is still ready in the slice; the pod watch's DELETED alone takes it out."""
+    server, _ = pod_discovery
+    a, p = await pods.add("pod-a"), await pods.add("pod-p")
+    kube.put(fleet_pod(a))
+    kube.put(fleet_pod(p))
+    kube.put(service_slice("engines", [a, p], pods.port))
+    await in_sync(server, expect({"a": ("m", a), "p": ("m", p)}, pods.port))
+    kube.put(pod(p.pod, p.address, labels={"app.kubernetes.io/part-of": "retired", "router.llm/model": "m"}))
+    await in_sync(server, expect({"a": ("m", a)}, pods.port))
+    assert ("EndpointSlice", NS, "engines") in kube.objects and kube.objects["EndpointSlice", NS, "engines"][
+        "endpoints"
+    ][1]["conditions"]["ready"]
+    assert router_set(server) == api_says(kube)
+    await settled(server, pods, ["pod-p"], ["m"])
+    # Matching again: back, under the same id.
+    kube.put(fleet_pod(p))
+    await in_sync(server, expect({"a": ("m", a), "p": ("m", p)}, pods.port))
+
+
+@pytest.mark.parametrize("order", ["pod-first", "slice-first"])
+async def test_a_pod_event_before_or_after_its_slice_event_ends_in_the_same_set(
+    kube: FakeKubernetesApi, pods: Pods, pod_discovery: tuple[RouterServer, KubernetesSource], order: str
+) -> None:
+    server, source = pod_discovery
+    a, n = await pods.add("pod-a"), await pods.add("pod-n")
+    kube.put(fleet_pod(a))
+    kube.put(service_slice("engines", [a], pods.port))
+    before = expect({"a": ("m", a)}, pods.port)
+    await in_sync(server, before)
+    # Arriving: the first event alone makes no replica (a pod in no slice, an endpoint of no selected pod).
+    if order == "pod-first":
+        kube.put(fleet_pod(n))
+        await caught_up(source, "pods", kube)
+    else:
+        kube.put(service_slice("engines", [a, n], pods.port))
+        await caught_up(source, "endpointslices", kube)
+    assert router_set(server) == before
+    if order == "pod-first":
+        kube.put(service_slice("engines", [a, n], pods.port))
+    else:
+        kube.put(fleet_pod(n))
+    both = expect({"a": ("m", a), "n": ("m", n)}, pods.port)
+    await in_sync(server, both)
+    assert router_set(server) == api_says(kube)
+    await traffic(server, ["m"], n=8)
+    assert pods.seen()["pod-n"] > 0
+    # Leaving: either event alone takes it out.
+    if order == "pod-first":
+        kube.delete(NS, "pod-n", kind="Pod")
+        await caught_up(source, "pods", kube)
+    else:
+        kube.put(service_slice("engines", [a], pods.port))
+        await caught_up(source, "endpointslices", kube)
+    assert router_set(server) == before
+    await settled(server, pods, ["pod-n"], ["m"])
+    if order == "pod-first":
+        kube.put(service_slice("engines", [a], pods.port))
+    else:
+        kube.delete(NS, "pod-n", kind="Pod")
+    await caught_up(source, "pods", kube)
+    await caught_up(source, "endpointslices", kube)
+    assert router_set(server) == api_says(kube) == before
+
+
+async def test_labels_from_read_the_pods_labels_then_the_slices_into_replicas_and_ctl_status(
+    kube: FakeKubernetesApi, pods: Pods, pod_discovery: tuple[RouterServer, KubernetesSource]
+) -> None:
+    server, _ = pod_discovery
+    a, b = await pods.add("pod-a"), await pods.add("pod-b")
+    kube.put(fleet_pod(a, gpu_class="h100", gpus="2"))
+    # No model and no gpu_class on this pod: both come from its Service's slice.
+    kube.put(fleet_pod(b, None, gpus="1"))
+    kube.put(service_slice("engines", [a, b], pods.port, **{"router.llm/model": "m", "gpu_class": "l4"}))
+    await in_sync(server, expect({"a": ("m", a), "b": ("m", b)}, pods.port))
+    assert router_set(server) == api_says(kube)
+    replicas = {r["id"]: r["labels"] for r in await get_json(server.admin_url + "/api/v1/replicas")}
+    assert replicas == {
+        f"{NS}/pod-a": {"gpu_class": "h100", "gpus": "2"},
+        f"{NS}/pod-b": {"gpu_class": "l4", "gpus": "1"},
+    }
+    code, out = await asyncio.to_thread(run_ctl, "status", "--server", server.admin_url, "--json")
+    assert code == 0
+    assert {g["gpu_class"]: g["total"] for g in json.loads(out)["gpus"]} == {"h100": 2, "l4": 1}
+    code, out = await asyncio.to_thread(run_ctl, "status", "--server", server.admin_url)
+    assert code == 0
+    assert any(line.split()[:2] == ["h100", "2"] for line in out.splitlines()), out
+    # A label changed on the pod changes the replica's labels in place.
+    kube.put(fleet_pod(a, gpu_class="h200", gpus="2"))
+
+    def gpu_class_of_a() -> object:
+        replica = server.pool.get(f"{NS}/pod-a")
+        return None if replica is None else replica.config.labels.get("gpu_class")
+
+    await wait_for(lambda: gpu_class_of_a() == "h200")
+    await settled(server, pods, [], ["m"])
+
+
+async def test_a_selected_pod_no_slice_serves_is_warned_of_once_and_joins_when_one_does(
+    kube: FakeKubernetesApi,
+    pods: Pods,
+    pod_discovery: tuple[RouterServer, KubernetesSource],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server, source = pod_discovery
+    caplog.set_level(logging.WARNING, "router.discovery")
+    a = await pods.add("pod-a")
+    kube.put(fleet_pod(a))
+    # Only a metrics Service holds it so far: no port named "http".
+    kube.put(endpoint_slice("metrics", [a], labels={}, port=9100, port_name="metrics"))
+    await caught_up(source, "endpointslices", kube)
+    await caught_up(source, "pods", kube)
+    warning = "Pod default/pod-a is in EndpointSlice metrics, which has no port named 'http'; it is not a replica"
+    await wait_for(lambda: warning in caplog.text)
+    assert router_set(server) == {}
+    kube.put(fleet_pod(a, gpu_class="h100"))
+    await caught_up(source, "pods", kube)
+    assert caplog.text.count(warning) == 1
+    kube.put(service_slice("engines", [a], pods.port))
+    await in_sync(server, expect({"a": ("m", a)}, pods.port))
+    assert router_set(server) == api_says(kube)
+    await settled(server, pods, [], ["m"])
+
+
+async def test_the_pod_watch_closed_again_and_again_during_a_churn(
+    kube: FakeKubernetesApi, pods: Pods, start_discovery: StartDiscovery
+) -> None:
+    """Pods join, leave, change model and stop matching while every pod watch is closed twice a second."""
+    # Slice watches that outlast the test: only the pod watch is cut, and only it relists.
+    server, source = await start_discovery(selector_on="pods", watch_seconds=300.0)
+    endpoints = [await pods.add(f"pod-{i:02d}") for i in range(60)]
+    await wait_for(source.ready)
+
+    async def close_pod_watches() -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            kube.close_watches("Pod")
+
+    closer = asyncio.ensure_future(close_pod_watches())
+    rng = random.Random(1717)
+    in_slice: dict[str, Endpoint] = {}
+    try:
+        for step in range(30):
+            for e in endpoints[step * 2 : step * 2 + 2]:
+                kube.put(fleet_pod(e, rng.choice(["a", "b"])))
+                in_slice[e.pod] = e
+            for name in rng.sample(sorted(in_slice), k=min(3, len(in_slice))):
+                e = in_slice[name]
+                change = rng.randrange(5)
+                if change == 0:
+                    kube.put(fleet_pod(e, rng.choice(["a", "b"])))
+                elif change == 1:
+                    kube.put(pod(e.pod, e.address, labels={"app.kubernetes.io/part-of": "elsewhere"}))
+                elif change == 2 and ("Pod", NS, name) in kube.objects:
+                    kube.delete(NS, name, kind="Pod")
+                elif change == 3:
+                    in_slice[name] = Endpoint(name, e.address, ready=not e.ready, serving=not e.ready)
+                else:
+                    kube.put(fleet_pod(e, rng.choice(["a", "b"])))
+            for shard in range(2):
+                members = [e for e in in_slice.values() if int(e.pod[-2:]) % 2 == shard]
+                kube.put(service_slice(f"engines-{shard}", members, pods.port))
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.2)  # more closes with the churn over
+    finally:
+        closer.cancel()
+    wanted = api_says(kube)
+    assert wanted, "the churn left no replica to check"
+    await in_sync(server, wanted)
+    by_kind = source.relists_of()
+    assert by_kind["pods"]["watch_ended"] >= 2
+    assert by_kind["endpointslices"]["watch_ended"] == 0
+    removed = [e.pod for e in endpoints if f"{NS}/{e.pod}" not in wanted]
+    await settled(server, pods, removed, sorted({model for model, _ in wanted.values()}))
+
+
+async def test_api_server_down_in_pods_mode_keeps_the_set_and_the_gauge_grows(
+    kube: FakeKubernetesApi,
+    pods: Pods,
+    pod_discovery: tuple[RouterServer, KubernetesSource],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server, source = pod_discovery
+    a, b = await pods.add("pod-a"), await pods.add("pod-b")
+    for e in (a, b):
+        kube.put(fleet_pod(e))
+    kube.put(service_slice("engines", [a, b], pods.port))
+    wanted = expect({"a": ("m", a), "b": ("m", b)}, pods.port)
+    await in_sync(server, wanted)
+    caplog.set_level(logging.WARNING, "router.discovery")
+    await kube.stop()
+    down_since = time.monotonic()
+    stale: list[float] = []
+    while time.monotonic() - down_since < 3:
+        await traffic(server, ["m"], n=2)
+        assert router_set(server) == wanted
+        async with aiohttp.ClientSession() as session, session.get(server.admin_url + "/readyz") as r:
+            assert r.status == 200
+        stale.append(samples(await scrape(server), "router_discovery_stale_seconds")[()])
+        await asyncio.sleep(0.3)
+    assert stale[-1] >= 2.0 and stale == sorted(stale)
+    assert "cannot read Pods from the Kubernetes API" in caplog.text
+    assert "cannot read EndpointSlices from the Kubernetes API" in caplog.text
+    relists = samples(await scrape(server), "router_discovery_relists_total")
+    assert relists[("reason", "error"), ("resource", "pods")] >= 1
+    assert relists[("reason", "error"), ("resource", "endpointslices")] >= 1
+    # Back, with a pod deleted meanwhile that no watch will tell of.
+    kube.delete(NS, "pod-b", kind="Pod", tell=False)
+    await kube.start()
+    await in_sync(server, expect({"a": ("m", a)}, pods.port))
+    assert router_set(server) == api_says(kube)
+    await wait_for(lambda: source.stale_seconds() == 0.0)
+    await settled(server, pods, ["pod-b"], ["m"])
+
+
+async def test_pods_unreadable_alone_hold_readiness_then_make_the_set_stale(
+    kube: FakeKubernetesApi, pods: Pods, start_discovery: StartDiscovery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RBAC without pods: not ready, the API server's reason logged; revoked later: one gauge, the set kept."""
+    caplog.set_level(logging.WARNING, "router.discovery")
+    a, b = await pods.add("pod-a"), await pods.add("pod-b")
+    for e in (a, b):
+        kube.put(fleet_pod(e))
+    kube.put(service_slice("engines", [a, b], pods.port))
+    # The Role of the default mode only: the slices are readable, the pods not.
+    kube.forbidden = {"pods"}
+    server, source = await start_discovery(selector_on="pods")
+    await wait_for(lambda: "pods is forbidden" in caplog.text, timeout=10)
+    await caught_up(source, "endpointslices", kube)
+    assert 'HTTP 403: pods is forbidden: User "system:serviceaccount:default:router" cannot list' in caplog.text
+    assert not source.ready() and router_set(server) == {}
+    async with aiohttp.ClientSession() as session, session.get(server.admin_url + "/readyz") as resp:
+        assert resp.status == 503
+    kube.forbidden = set()
+    wanted = expect({"a": ("m", a), "b": ("m", b)}, pods.port)
+    await in_sync(server, wanted)
+    await wait_for(source.ready)
+    assert samples(await scrape(server), "router_discovery_stale_seconds") == {(): 0.0}
+    # Pods revoked while the slices stay readable: stale, and the last known pods kept.
+    kube.forbidden = {"pods"}
+    kube.close_watches("Pod")
+    await wait_for(lambda: source.stale_seconds() > 1.0)
+    assert router_set(server) == wanted
+    await traffic(server, ["m"])
+    # The slices are still read: a pod made unready leaves.
+    kube.put(service_slice("engines", [a, Endpoint(b.pod, b.address, ready=False, serving=False)], pods.port))
+    await in_sync(server, expect({"a": ("m", a)}, pods.port))
+    assert source.stale_seconds() > 1.0
+    await settled(server, pods, ["pod-b"], ["m"])
+    kube.forbidden = set()
+    await wait_for(lambda: source.stale_seconds() == 0.0, timeout=10)
+    assert router_set(server) == api_says(kube)
+
+
 # A real `router serve`, one process or a supervisor and its workers --------------------------
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize(("workers", "selector_on"), [(1, "endpointslices"), (2, "endpointslices"), (2, "pods")])
 async def test_router_serve_discovers_through_a_plain_http_kubeconfig_and_waits_for_the_first_list(
-    serve: Serve, pods: Pods, tmp_path: Path, workers: int
+    serve: Serve, pods: Pods, tmp_path: Path, workers: int, selector_on: str
 ) -> None:
     """Not ready before the API answers; then the set, 409 on pushes, the gauge; with --workers one watch only."""
     kube = FakeKubernetesApi(bookmark_seconds=0.2)
@@ -644,10 +1211,20 @@ async def test_router_serve_discovers_through_a_plain_http_kubeconfig_and_waits_
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(kube.kubeconfig())
     a, b = await pods.add("pod-a"), await pods.add("pod-b")
-    kube.put(model_slice("llama", "m", [a, b], pods.port))
+
+    def engines(*endpoints: Endpoint) -> dict[str, Any]:
+        if selector_on == "pods":
+            return service_slice("llama", endpoints, pods.port, **{"router.llm/model": "m"})
+        return model_slice("llama", "m", endpoints, pods.port)
+
+    if selector_on == "pods":
+        kube.put(fleet_pod(a))
+        kube.put(fleet_pod(b))
+    kube.put(engines(a, b))
     serve.write(
         [],
-        f'[discovery.kubernetes]\nselector = "{SELECTOR}"\nport = "http"\nkubeconfig = "{kubeconfig}"\n',
+        f'[discovery.kubernetes]\nselector = "{SELECTOR}"\nselector_on = "{selector_on}"\nport = "http"\n'
+        f'kubeconfig = "{kubeconfig}"\n',
     )
     api_up_at: list[float] = []
 
@@ -671,7 +1248,7 @@ async def test_router_serve_discovers_through_a_plain_http_kubeconfig_and_waits_
                 assert resp.status == 409
                 assert "Kubernetes discovery" in (await resp.json())["error"]["message"]
             # A pod leaves: every worker stops using it.
-            kube.put(model_slice("llama", "m", [a], pods.port))
+            kube.put(engines(a))
             deadline = time.monotonic() + 15
             while True:
                 async with session.get(serve.admin_url + "/api/v1/endpoints") as resp:
@@ -687,10 +1264,12 @@ async def test_router_serve_discovers_through_a_plain_http_kubeconfig_and_waits_
             async with session.get(serve.admin_url + "/metrics") as resp:
                 text = await resp.text()
         assert samples(text, "router_discovery_stale_seconds") == {(): 0.0}
-        # Discovery runs once: in the supervisor, never in a worker.
-        assert len(kube.watches) == 1
+        # Discovery runs once: in the supervisor, never in a worker. In pods mode: one watch of each.
+        kinds = ["EndpointSlice", "Pod"] if selector_on == "pods" else ["EndpointSlice"]
+        assert {kind: kube.watching(kind) for kind in kinds} == dict.fromkeys(kinds, 1)
+        assert len(kube.watches) == len(kinds)
         lists = [r for r in kube.requests if "watch=" not in r]
-        assert len(lists) == 1, lists
+        assert len(lists) == len(kinds), lists
     finally:
         later.cancel()
         await kube.stop()
