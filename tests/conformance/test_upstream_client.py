@@ -28,27 +28,9 @@ from router.client import (
     Response,
     UpstreamIdle,
 )
-from tests.helpers import HEAD, OK, Answer, RawServer, StartRaw, fixed
+from tests.helpers import HEAD, OK, RawServer, StartRaw, fixed
 
 MakeClient = Callable[..., Client]
-
-
-# tests/test_client.py's fixture, again: imported, a fixture would shadow its own import.
-@pytest.fixture
-async def raw_server() -> AsyncIterator[StartRaw]:
-    servers: list[RawServer] = []
-
-    async def start(answer: Answer) -> RawServer:
-        raw = RawServer(answer)
-        raw.server = await asyncio.start_server(raw.handle, "127.0.0.1", 0)
-        servers.append(raw)
-        return raw
-
-    yield start
-    for raw in servers:
-        assert raw.server is not None
-        raw.server.close()
-        await raw.server.wait_closed()
 
 
 @pytest.fixture
