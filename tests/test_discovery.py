@@ -315,21 +315,57 @@ def _paths(value: Any, prefix: str = "") -> set[str]:
     return set()
 
 
-async def test_the_library_reads_the_recorded_responses_as_the_fake_serves_them(
-    kube: FakeKubernetesApi, tmp_path: Path
-) -> None:
-    """kubernetes_asyncio lists and watches the recorded documents; the router reads the same replicas either way."""
-    from kubernetes_asyncio import client, config, watch
-    from kubernetes_asyncio.client.exceptions import ApiException
+async def library_configuration(kube: FakeKubernetesApi, tmp_path: Path) -> Any:
+    """kubernetes_asyncio's configuration from a kubeconfig naming the fake (plain HTTP)."""
+    from kubernetes_asyncio import client, config
 
-    recorded = recorded_list()
-    for item in recorded["items"]:
-        kube.put({"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1", **item})
     path = tmp_path / "kubeconfig"
     path.write_text(kube.kubeconfig())
     configuration = client.Configuration()
     await config.load_kube_config(config_file=str(path), client_configuration=configuration, persist_config=False)
-    async with client.ApiClient(configuration) as api_client:
+    return configuration
+
+
+async def follow_recorded_watch(
+    list_function: Callable[..., Any], check: Callable[[dict[str, Any]], None]
+) -> tuple[list[tuple[str, str]], Any]:
+    """Watch the replayed recording through the library to its 410: (type, resourceVersion) of each
+    event, and the ApiException it ends in; `check` sees every event but bookmarks."""
+    from kubernetes_asyncio import watch
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    seen = []
+    stream = watch.Watch()
+
+    async def follow() -> None:
+        async for event in stream.stream(
+            list_function,
+            "models",
+            label_selector=SELECTOR,
+            resource_version="48213",
+            allow_watch_bookmarks=True,
+            timeout_seconds=5,
+        ):
+            seen.append((event["type"], event["raw_object"]["metadata"]["resourceVersion"]))
+            if event["type"] != "BOOKMARK":
+                check(event)
+
+    with pytest.raises(ApiException) as gone:
+        await follow()
+    await stream.close()
+    return seen, gone.value
+
+
+async def test_the_library_reads_the_recorded_responses_as_the_fake_serves_them(
+    kube: FakeKubernetesApi, tmp_path: Path
+) -> None:
+    """kubernetes_asyncio lists and watches the recorded documents; the router reads the same replicas either way."""
+    from kubernetes_asyncio import client
+
+    recorded = recorded_list()
+    for item in recorded["items"]:
+        kube.put({"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1", **item})
+    async with client.ApiClient(await library_configuration(kube, tmp_path)) as api_client:
         api = client.DiscoveryV1Api(api_client)
         listed = await api.list_namespaced_endpoint_slice("models", label_selector=SELECTOR)
         assert listed.metadata.resource_version == str(kube.revision)
@@ -346,27 +382,13 @@ async def test_the_library_reads_the_recorded_responses_as_the_fake_serves_them(
             assert read_slice(parsed, SETTINGS, "models") == read_slice(raw, SETTINGS, "models")
 
         kube.replay = recorded_watch()
-        seen = []
-        stream = watch.Watch()
 
-        async def follow() -> None:
-            async for event in stream.stream(
-                api.list_namespaced_endpoint_slice,
-                "models",
-                label_selector=SELECTOR,
-                resource_version="48213",
-                allow_watch_bookmarks=True,
-                timeout_seconds=5,
-            ):
-                seen.append((event["type"], event["raw_object"]["metadata"]["resourceVersion"]))
-                if event["type"] != "BOOKMARK":
-                    assert event["object"].metadata.name == "llama-8b-x7kq2"
+        def check(event: dict[str, Any]) -> None:
+            assert event["object"].metadata.name == "llama-8b-x7kq2"
 
-        with pytest.raises(ApiException) as gone:
-            await follow()
-        await stream.close()
+        seen, gone = await follow_recorded_watch(api.list_namespaced_endpoint_slice, check)
         assert seen == [("ADDED", "48230"), ("MODIFIED", "48244"), ("BOOKMARK", "48251"), ("DELETED", "48259")]
-        assert gone.value.status == 410
+        assert gone.status == 410
         asked = kube.requests[-1]
         assert "allowWatchBookmarks=True" in asked and "resourceVersion=48213" in asked and "watch=True" in asked
 
@@ -375,17 +397,12 @@ async def test_the_library_reads_the_recorded_pod_responses_as_the_fake_serves_t
     kube: FakeKubernetesApi, tmp_path: Path
 ) -> None:
     """kubernetes_asyncio lists and watches the recorded Pods; the router reads the same pods from its models."""
-    from kubernetes_asyncio import client, config, watch
-    from kubernetes_asyncio.client.exceptions import ApiException
+    from kubernetes_asyncio import client
 
     recorded = recorded_pods()
     for item in recorded["items"]:
         kube.put({"kind": "Pod", "apiVersion": "v1", **item})
-    path = tmp_path / "kubeconfig"
-    path.write_text(kube.kubeconfig())
-    configuration = client.Configuration()
-    await config.load_kube_config(config_file=str(path), client_configuration=configuration, persist_config=False)
-    async with client.ApiClient(configuration) as api_client:
+    async with client.ApiClient(await library_configuration(kube, tmp_path)) as api_client:
         api = client.CoreV1Api(api_client)
         listed = await api.list_namespaced_pod("models", label_selector=SELECTOR)
         assert listed.metadata.resource_version == str(kube.revision)
@@ -405,31 +422,17 @@ async def test_the_library_reads_the_recorded_pod_responses_as_the_fake_serves_t
         assert (made.metadata.name, made.status.pod_ip) == ("made", "127.0.0.2")
 
         kube.replay = recorded_pod_watch()
-        seen = []
-        stream = watch.Watch()
 
-        async def follow() -> None:
-            async for event in stream.stream(
-                api.list_namespaced_pod,
-                "models",
-                label_selector=SELECTOR,
-                resource_version="48213",
-                allow_watch_bookmarks=True,
-                timeout_seconds=5,
-            ):
-                seen.append((event["type"], event["raw_object"]["metadata"]["resourceVersion"]))
-                if event["type"] != "BOOKMARK":
-                    # The library's model of each event's pod: what a drifted fake would fail to build.
-                    assert event["object"].spec.containers[0].image.startswith("vllm/vllm-openai")
-                    assert read_pod(api_client.sanitize_for_serialization(event["object"]), ON_PODS) == read_pod(
-                        event["raw_object"], ON_PODS
-                    )
+        def check(event: dict[str, Any]) -> None:
+            # The library's model of each event's pod: what a drifted fake would fail to build.
+            assert event["object"].spec.containers[0].image.startswith("vllm/vllm-openai")
+            assert read_pod(api_client.sanitize_for_serialization(event["object"]), ON_PODS) == read_pod(
+                event["raw_object"], ON_PODS
+            )
 
-        with pytest.raises(ApiException) as gone:
-            await follow()
-        await stream.close()
+        seen, gone = await follow_recorded_watch(api.list_namespaced_pod, check)
         assert seen == [("ADDED", "48231"), ("MODIFIED", "48247"), ("BOOKMARK", "48255"), ("DELETED", "48262")]
-        assert gone.value.status == 410
+        assert gone.status == 410
         asked = kube.requests[-1]
         assert asked.startswith("/api/v1/namespaces/models/pods?")
         assert "allowWatchBookmarks=True" in asked and "resourceVersion=48213" in asked and "watch=True" in asked
