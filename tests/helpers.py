@@ -174,10 +174,13 @@ class RawServer:
     server: asyncio.Server | None = None
 
     @property
-    def origin(self) -> Origin:
+    def address(self) -> str:
         assert self.server is not None
-        port = self.server.sockets[0].getsockname()[1]
-        return Origin.parse(f"http://127.0.0.1:{port}")
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    @property
+    def origin(self) -> Origin:
+        return Origin.parse(f"http://{self.address}")
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1

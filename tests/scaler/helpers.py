@@ -86,6 +86,11 @@ async def metric(stub: ExternalScalerAsyncStub, request: ScaledObjectRef) -> flo
     return value.metricValueFloat
 
 
+async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+    """A router (for raw_server) that reads the request and answers nothing until the scaler leaves."""
+    await reader.read()
+
+
 async def until(check: Callable[[], Awaitable[bool]], timeout: float = 15.0) -> float:
     """Polls `check` until it is true; the time.time() at which it was; AssertionError past `timeout`."""
     deadline = time.monotonic() + timeout

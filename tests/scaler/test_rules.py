@@ -32,7 +32,7 @@ from router.scaler.main import build_parser, settings_from
 from router.scaler.poller import MAX_ANSWER_BYTES, resolve_servers
 from router.scaler.settings import HELP, ScalerSettings, apply
 from router.scaler.view import FleetView, decide, parse_metadata
-from tests.helpers import samples
+from tests.helpers import StartRaw, samples
 from tests.scaler.helpers import (
     Canned,
     CannedRouter,
@@ -41,6 +41,7 @@ from tests.scaler.helpers import (
     Stream,
     is_active,
     metric,
+    never_answer,
     ref,
     until,
 )
@@ -299,13 +300,12 @@ async def test_while_no_router_has_ever_answered_the_metric_is_unavailable_not_z
 
 
 async def test_a_router_answering_without_end_is_refused_at_the_size_bound(
-    start_scaler: StartScaler, canned: Canned
+    start_scaler: StartScaler, canned: Canned, raw_server: StartRaw
 ) -> None:
     sent = 0
 
-    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         nonlocal sent
-        await reader.readuntil(b"\r\n\r\n")
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
         piece = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
         mine = 0
@@ -322,43 +322,29 @@ async def test_a_router_answering_without_end_is_refused_at_the_size_bound(
             writer.close()
 
     a, _ = await two_quiet_routers(canned)
-    flood = await asyncio.start_server(endless, "127.0.0.1", 0)
-    port = flood.sockets[0].getsockname()[1]
-    scaler = await start_scaler([a.address, f"127.0.0.1:{port}"], poll_seconds=3600, timeout_seconds=30)
+    flood = await raw_server(endless)
+    scaler = await start_scaler([a.address, flood.address], poll_seconds=3600, timeout_seconds=30)
     assert scaler.poller is not None
     view = await scaler.poller.round()
     assert not view.complete
-    assert f"answered more than {MAX_ANSWER_BYTES} bytes" in (
-        scaler.poller.servers[f"127.0.0.1:{port}"].last_error or ""
-    )
+    assert f"answered more than {MAX_ANSWER_BYTES} bytes" in (scaler.poller.servers[flood.address].last_error or "")
     assert sent < 2 * MAX_ANSWER_BYTES
     await scaler.stop()
-    flood.close()
-    await flood.wait_closed()
 
 
 async def test_a_router_slower_than_the_timeout_makes_the_round_incomplete_in_time(
-    start_scaler: StartScaler, canned: Canned
+    start_scaler: StartScaler, canned: Canned, raw_server: StartRaw
 ) -> None:
-    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await reader.read()
-        finally:
-            writer.close()
-
     a, _ = await two_quiet_routers(canned)
-    hung = await asyncio.start_server(never_answer, "127.0.0.1", 0)
-    port = hung.sockets[0].getsockname()[1]
-    scaler = await start_scaler([a.address, f"127.0.0.1:{port}"], poll_seconds=3600, timeout_seconds=0.3)
+    hung = await raw_server(never_answer)
+    scaler = await start_scaler([a.address, hung.address], poll_seconds=3600, timeout_seconds=0.3)
     assert scaler.poller is not None
     began = time.monotonic()
     view = await scaler.poller.round()
     assert not view.complete
     assert time.monotonic() - began < 10
-    assert "no answer within 0.3 s" in (scaler.poller.servers[f"127.0.0.1:{port}"].last_error or "")
+    assert "no answer within 0.3 s" in (scaler.poller.servers[hung.address].last_error or "")
     await scaler.stop()
-    hung.close()
-    await hung.wait_closed()
 
 
 async def test_servers_from_dns_follow_the_pods_each_round_and_a_name_that_does_not_resolve_is_incomplete(

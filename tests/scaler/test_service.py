@@ -28,7 +28,7 @@ from router.scaler.externalscaler_pb2_grpc import ExternalScalerStub
 from router.scaler.main import STOP_GRACE_SECONDS
 from router.scaler.view import metric_name
 from tests.conftest import StartFake
-from tests.helpers import free_port, samples
+from tests.helpers import StartRaw, free_port, samples
 from tests.scaler.helpers import (
     Keda,
     Routers,
@@ -36,6 +36,7 @@ from tests.scaler.helpers import (
     Stream,
     is_active,
     metric,
+    never_answer,
     ref,
     until,
 )
@@ -298,18 +299,11 @@ async def test_keda_s_own_keys_in_the_metadata_pass(start_scaler: StartScaler, k
 
 
 async def test_before_any_round_is_active_and_the_metric_is_unavailable_not_zero(
-    start_scaler: StartScaler, keda: Keda
+    start_scaler: StartScaler, keda: Keda, raw_server: StartRaw
 ) -> None:
     # A router that never answers: the first round cannot finish within the test.
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await reader.read()
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(silent, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    scaler = await start_scaler([f"127.0.0.1:{port}"], timeout_seconds=30)
+    silent = await raw_server(never_answer)
+    scaler = await start_scaler([silent.address], timeout_seconds=30)
     stub = keda(scaler)
     assert await is_active(stub, ref("m"))
     with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -319,8 +313,6 @@ async def test_before_any_round_is_active_and_the_metric_is_unavailable_not_zero
     assert "router_scaler_last_complete_merge_age_seconds" not in await scaler_metrics(scaler.http_url)
     assert (await healthz(scaler.http_url))["last_complete_merge_age_seconds"] is None
     await scaler.stop()
-    server.close()
-    await server.wait_closed()
 
 
 async def test_stream_metric_spec_sends_the_spec_and_stays_open(
