@@ -72,7 +72,7 @@ class Entry:
                 "client": self.client,
                 "method": self.method,
                 "path": self.path,
-                "model": self.model,
+                "model": _clipped(self.model),
                 "served_model": self.served_model,
                 "replica": self.replica,
                 "status": self.status,
@@ -85,6 +85,17 @@ class Entry:
                 "outcome": self.outcome,
             }
         )
+
+
+# The name a client asked for is its own text, up to the body's size: a line
+# keeps enough of it to recognise, so that one request cannot write a megabyte.
+MAX_LOGGED_NAME = 256
+
+
+def _clipped(name: str | None) -> str | None:
+    if name is None or len(name) <= MAX_LOGGED_NAME:
+        return name
+    return f"{name[:MAX_LOGGED_NAME]}... ({len(name)} characters)"
 
 
 class AccessLog:

@@ -23,6 +23,18 @@ tree into response bodies, in one place.
 
 from __future__ import annotations
 
+# What a message quotes of a name the client sent: enough to recognise it,
+# never the megabyte a client may send as a model name or a response id.
+QUOTED_CHARS = 256
+
+
+def quoted(value: object) -> str:
+    """`value` in quotes for an error message, cut to QUOTED_CHARS characters."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) > QUOTED_CHARS:
+        return f"'{text[:QUOTED_CHARS]}...' ({len(text)} characters)"
+    return f"'{text}'"
+
 
 class RouterError(Exception):
     """Base of everything the router raises on purpose."""

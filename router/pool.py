@@ -31,8 +31,19 @@ log = logging.getLogger("router.pool")
 # Demand for model names that nobody serves comes from clients and is unbounded;
 # past this many distinct names the rest are tallied under one label value.
 MAX_UNSERVED_NAMES = 100
+# ... and so is each name's size: a name is kept (a label, a tally, a row of
+# `ctl status`) only when it could name a model: printable and at most this
+# many bytes. Hugging Face repo ids stop at 96 characters; a local path may
+# run longer, and 256 bytes covers both. Entries times bytes bounds the tally.
+MAX_NAME_BYTES = 256
 _STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
 OTHER_MODELS = "__other__"
+
+
+def keepable_name(name: str) -> bool:
+    """Whether a name a client sent may be kept and shown: printable, at most MAX_NAME_BYTES in UTF-8."""
+    # isprintable() first: it refuses lone surrogates, which cannot be encoded.
+    return len(name) <= MAX_NAME_BYTES and name.isprintable() and len(name.encode()) <= MAX_NAME_BYTES
 
 
 class ReplicaState(enum.Enum):
@@ -170,7 +181,7 @@ class Tallies:
         self.hold_outcomes[key] = self.hold_outcomes.get(key, 0) + 1
 
     def unserved_request(self, model: str) -> None:
-        if model not in self.unserved and len(self.unserved) >= MAX_UNSERVED_NAMES:
+        if model not in self.unserved and (len(self.unserved) >= MAX_UNSERVED_NAMES or not keepable_name(model)):
             model = OTHER_MODELS
         self.unserved[model] = self.unserved.get(model, 0) + 1
 

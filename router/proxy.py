@@ -35,9 +35,10 @@ from router.errors import (
     Unauthorized,
     UpstreamResetError,
     UpstreamTimeout,
+    quoted,
 )
 from router.forward import DataPathMetrics, Failed, Forwarder
-from router.pool import HoldEnded, HoldTicket, Pool, Replica
+from router.pool import MAX_NAME_BYTES, HoldEnded, HoldTicket, Pool, Replica
 from router.server import Reply, Request, Writer
 from router.upstream import REQUEST_ID, HeaderFilter
 from router.wake import Waker
@@ -296,7 +297,9 @@ class Proxy:
                 # Known is declared, or served now or at any time since start:
                 # a model scaled to zero is unavailable (503), not unknown (404).
                 self.pool.tallies.unserved_request(model)
-                raise ModelNotFound(f"The model '{requested}' does not exist or no replica serves it.", param="model")
+                raise ModelNotFound(
+                    f"The model {quoted(requested)} does not exist or no replica serves it.", param="model"
+                )
             pinned: Replica | None = None
             if request.path == "/v1/responses" and (previous := obj.get("previous_response_id")) is not None:
                 pinned = self._maker_of(previous)
@@ -348,15 +351,15 @@ class Proxy:
         replica_id = self.responses.get(response_id) if isinstance(response_id, str) else None
         if replica_id is None:
             raise ResponseNotFound(
-                f"No response '{response_id}' was made through this router (or it is no longer remembered).",
+                f"No response {quoted(response_id)} was made through this router (or it is no longer remembered).",
                 param="previous_response_id",
             )
         self.responses.move_to_end(response_id)  # type: ignore[arg-type]
         replica = self.pool.acquire_this(replica_id)
         if replica is None:
             raise ResponseNotFound(
-                f"The replica that made response '{response_id}' ({replica_id}) is gone or takes no new requests; "
-                "the response is lost with it.",
+                f"The replica that made response {quoted(response_id)} ({replica_id}) is gone "
+                "or takes no new requests; the response is lost with it.",
                 param="previous_response_id",
             )
         return replica
@@ -366,7 +369,9 @@ class Proxy:
 
         def seen(first_bytes: bytes) -> None:
             ident = response_id(first_bytes)
-            if ident is None:
+            if ident is None or len(ident) > MAX_NAME_BYTES:
+                # The memory is bounded in entries; an id past any engine's
+                # (vLLM's are 37 characters) would unbound it in bytes.
                 return
             responses = self.responses
             responses[ident] = replica.id
@@ -389,7 +394,7 @@ class Proxy:
         try:
             self.keys.check(request)
             if name not in self._catalog():
-                raise ModelNotFound(f"The model '{name}' does not exist or no replica serves it.", param="model")
+                raise ModelNotFound(f"The model {quoted(name)} does not exist or no replica serves it.", param="model")
         except ClientFacingError as exc:
             return error_response(exc)
         return Reply(200, orjson.dumps(self._model_doc(name)), [JSON])
