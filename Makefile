@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint setup clean bench proto
+.PHONY: demo test lint setup clean bench proto soak
 
 # Under a lock: `make demo` and `make test` may run at once in a fresh clone.
 $(BIN)/router: pyproject.toml
@@ -29,6 +29,11 @@ bench: setup
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	bench/peers
 	$(BIN)/python bench/run.py
+
+# 30 minutes of mixed load with replicas killed and hostile clients; checks that
+# nothing grows or leaks (docs/performance.md). CI runs its 2-minute version.
+soak: setup
+	$(BIN)/python bench/soak.py
 
 # router scaler's gRPC modules from router/scaler/externalscaler.proto (committed).
 proto: setup

@@ -153,6 +153,20 @@ class FakeReplica:
             await self._runner.cleanup()
             self._runner = None
 
+    async def kill(self) -> None:
+        """Stop as a killed engine does: every connection reset at once, nothing finished, the port refusing."""
+        runner = self._runner
+        if runner is None:
+            return
+        if runner.server is not None:
+            for handler in list(runner.server.connections):
+                transport = handler.transport
+                if transport is not None:
+                    transport.abort()
+        # With no connection left, the runner's graceful shutdown has nothing to wait for.
+        await runner.cleanup()
+        self._runner = None
+
     # Handlers -------------------------------------------------------------------
 
     async def _health(self, request: web.Request) -> web.Response:
