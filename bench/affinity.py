@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/affinity.py [--sessions 200] [--turns 8] [--json]
 
-Four fake replicas (router.fake, one process each) keep a prefix cache as
+Four fake replicas (router.tools.fake, one process each) keep a prefix cache as
 vLLM does: the prompt in blocks of 64 characters, an LRU of `--cache-blocks`
 blocks per replica, a block found only after the blocks before it; the part
 of a prompt not found costs prefill time before the first token, and the
@@ -196,7 +196,7 @@ def run_policy(policy: str, args: argparse.Namespace, tmp: Path) -> Results:
                     [
                         sys.executable,
                         "-m",
-                        "router.fake",
+                        "router.tools.fake",
                         "--port",
                         str(fake_port),
                         "--model",

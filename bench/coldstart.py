@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.compare import free_port, rss_mb, tree, wait_http  # noqa: E402
-from router.fake import FakeReplica  # noqa: E402
+from router.tools.fake import FakeReplica  # noqa: E402
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
 
@@ -132,7 +132,7 @@ async def many_held(tmp: Path, count: int) -> dict[str, Any]:
             await asyncio.sleep(0.2)
         holding = rss_mb(tree(router.pid))
         fake = subprocess.Popen(
-            [sys.executable, "-m", "router.fake", "--port", str(fake_port), "--model", "m", "--processes", "2"],
+            [sys.executable, "-m", "router.tools.fake", "--port", str(fake_port), "--model", "m", "--processes", "2"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

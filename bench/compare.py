@@ -782,7 +782,17 @@ def main() -> int:
         log = tmp / "processes.log"
         fake = subprocess.Popen(
             [
-                *(sys.executable, "-m", "router.fake", "--port", str(fake_port), "--model", "fast", "--tokens", "64"),
+                *(
+                    sys.executable,
+                    "-m",
+                    "router.tools.fake",
+                    "--port",
+                    str(fake_port),
+                    "--model",
+                    "fast",
+                    "--tokens",
+                    "64",
+                ),
                 *("--paced", "slow=0.02:0.05", "--paced", "sleepy=3:3", "--processes", str(args.fake_processes)),
                 *("--tokenizer-path", str(tmp / "tokenizer.json")),
             ],

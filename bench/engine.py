@@ -25,7 +25,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.compare import cpu_seconds, free_port, wait_http
-from tests.test_engine import ENGINE_MODEL, ENGINE_PYTHON, engine_argv
+from tests.engine.test_engine import ENGINE_MODEL, ENGINE_PYTHON, engine_argv
 
 TOKEN_EVENT = re.compile(rb'"finish_reason":\s*null')
 

@@ -168,7 +168,7 @@ def main() -> int:
         fake_port = free_port()
         fake_url = f"http://127.0.0.1:{fake_port}"
         fake = subprocess.Popen(
-            [sys.executable, "-m", "router.fake", "--port", str(fake_port), "--model", "fast", "--tokens", "64"],
+            [sys.executable, "-m", "router.tools.fake", "--port", str(fake_port), "--model", "fast", "--tokens", "64"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

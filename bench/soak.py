@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.compare import free_port, wait_http  # noqa: E402
-from router.fake import Behaviour, FakeReplica  # noqa: E402
+from router.tools.fake import Behaviour, FakeReplica  # noqa: E402
 
 KEEPALIVE = 2.0  # the router's upstream_keepalive_seconds
 HEADER_TIMEOUT = 2.0

@@ -15,11 +15,11 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from router.config import ReplicaConfig
-from router.pool import Pool
-from router.sinks.latest import LatestSink
-from router.sinks.prometheus import PrometheusSink, UsageCollector
-from router.usage import Ticker
+from router.control.sinks.latest import LatestSink
+from router.control.sinks.prometheus import PrometheusSink, UsageCollector
+from router.core.config import ReplicaConfig
+from router.core.pool import Pool
+from router.core.usage import Ticker
 
 SIZES = (4, 400, 4000)
 

@@ -1,3 +1,3 @@
-from router.cli import entry
+from router.run.cli import entry
 
 entry()

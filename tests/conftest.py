@@ -12,9 +12,9 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from router.app import RouterServer
-from router.config import parse_config
-from router.fake import Behaviour, FakeReplica
+from router.core.config import parse_config
+from router.run.app import RouterServer
+from router.tools.fake import Behaviour, FakeReplica
 
 # Raw HTTP servers standing in for replicas, for the upstream client's tests.
 from tests.helpers import Serve, free_port, raw_server  # noqa: F401

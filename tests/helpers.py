@@ -24,9 +24,9 @@ import pytest
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from router import ctl
-from router.app import RouterServer
-from router.origin import Origin
+from router.core.origin import Origin
+from router.run.app import RouterServer
+from router.tools import ctl
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -13,8 +13,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.cli import build_parser
-from router.config import load_config
+from router.core.config import load_config
+from router.run.cli import build_parser
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.helpers import scrape
 

@@ -8,9 +8,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from router.cli import build_parser
-from router.config import load_config
-from tests.kube_api import matches
+from router.core.config import load_config
+from router.run.cli import build_parser
+from tests.control.kube_api import matches
 from tests.test_deploy import documents
 
 DISCOVERY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes" / "discovery"

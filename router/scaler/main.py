@@ -22,7 +22,7 @@ from aiohttp import web
 from grpc import aio
 from prometheus_client import CollectorRegistry
 
-from router.errors import ConfigError
+from router.core.errors import ConfigError
 from router.scaler.board import Board
 from router.scaler.externalscaler_pb2_grpc import add_ExternalScalerServicer_to_server
 from router.scaler.http_api import HttpApi

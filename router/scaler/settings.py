@@ -24,12 +24,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from router.config import Address, parse_address, replicas_where
-from router.errors import ConfigError
+from router.core.config import Address, parse_address, replicas_where
+from router.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    # The `file: key: problem` builder of router.config, reused so that both read alike.
-    from router.config import _Where
+    # The `file: key: problem` builder of router.core.config, reused so that both read alike.
+    from router.core.config import _Where
 
 SECTION = "scaler"
 

@@ -15,7 +15,7 @@ Deployment with `minReplicaCount: 0`:
 - between 1 and N, as the HPA: GetMetricSpec once, GetMetrics every
   `pollingInterval`, and size to ceil(value / target) within [1, max].
 
-The Deployment's pods are fake replicas (router/fake.py) on free loopback
+The Deployment's pods are fake replicas (router/tools/fake.py) on free loopback
 ports, a new name for each pod as Kubernetes gives; every change is pushed
 to every router (PUT /api/v1/endpoints: the set the routers have, with this
 model's replicas replaced), which is how replicas reach routers that run
@@ -39,9 +39,9 @@ import grpc
 import orjson
 from grpc import aio
 
-from router.fake import Behaviour, FakeReplica
 from router.scaler.externalscaler_pb2 import GetMetricsRequest, ScaledObjectRef
 from router.scaler.externalscaler_pb2_grpc import ExternalScalerStub
+from router.tools.fake import Behaviour, FakeReplica
 
 if TYPE_CHECKING:
     from router.scaler.externalscaler_pb2_grpc import ExternalScalerAsyncStub

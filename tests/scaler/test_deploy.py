@@ -20,10 +20,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.config import load_config, parse_config
+from router.core.config import load_config, parse_config
 from router.scaler.main import build_parser, settings_from
 from router.scaler.view import parse_metadata
-from tests.kube_api import matches
+from tests.control.kube_api import matches
 
 ROOT = Path(__file__).resolve().parents[2]
 KEDA = ROOT / "deploy" / "keda"

@@ -25,8 +25,8 @@ import grpc
 import orjson
 import pytest
 
-from router.config import Address, load_config
-from router.errors import ConfigError
+from router.core.config import Address, load_config
+from router.core.errors import ConfigError
 from router.scaler.board import Board
 from router.scaler.main import build_parser, settings_from
 from router.scaler.poller import MAX_ANSWER_BYTES, resolve_servers

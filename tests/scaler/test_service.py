@@ -22,11 +22,11 @@ import grpc
 import pytest
 from grpc import aio
 
-from router.fake import Behaviour
 from router.scaler.externalscaler_pb2 import GetMetricsRequest, ScaledObjectRef
 from router.scaler.externalscaler_pb2_grpc import ExternalScalerStub
 from router.scaler.main import STOP_GRACE_SECONDS
 from router.scaler.view import metric_name
+from router.tools.fake import Behaviour
 from tests.conftest import StartFake
 from tests.helpers import StartRaw, free_port, samples
 from tests.scaler.helpers import (

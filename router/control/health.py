@@ -1,0 +1,62 @@
+"""Active health checks: GET a path of every replica on an interval.
+
+Passive ejection learns from client requests; this learns without them. A
+2xx brings an ejected replica back before its ejection time is up; anything
+else, or no answer within the timeout, ejects a ready replica (within the
+pool's limits: never more than half of a model, never the last) before a
+client meets it. llama.cpp has no /health: use `/v1/models` there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from router.core.pool import Pool, Replica, ReplicaState
+
+log = logging.getLogger("router.control.health")
+
+
+class HealthChecker:
+    def __init__(
+        self, pool: Pool, session: aiohttp.ClientSession, *, path: str, interval: float, timeout: float
+    ) -> None:
+        self.pool = pool
+        self.session = session
+        self.path = path
+        self.interval = interval
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self.checks = 0
+        self.failures = 0
+
+    async def check(self, replica: Replica) -> bool:
+        try:
+            async with self.session.get(replica.base_url + self.path, timeout=self._timeout) as resp:
+                await resp.read()
+                return 200 <= resp.status < 300
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+    async def check_all(self) -> None:
+        replicas = [r for r in self.pool if not r.removed]
+        results = await asyncio.gather(*(self.check(r) for r in replicas))
+        for replica, healthy in zip(replicas, results, strict=True):
+            self.checks += 1
+            if healthy:
+                if replica.state is ReplicaState.EJECTED:
+                    self.pool.readmit(replica, "health check passed")
+                self.pool.record_success(replica)
+            else:
+                self.failures += 1
+                self.pool.try_eject(replica, f"health check GET {self.path} failed")
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.check_all()
+            except Exception:
+                # The root of a background task: log, and check again next time.
+                log.exception("health check round failed")

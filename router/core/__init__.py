@@ -1,0 +1,1 @@
+"""The core: config, the replica pool, picking, usage snapshots. No HTTP, no asyncio streams."""

@@ -1,0 +1,639 @@
+"""Load and validate the router's TOML configuration into frozen dataclasses.
+
+Every mistake becomes a `ConfigError` whose message names the file, the key
+and what is wrong, so that an operator can fix it from one line of output.
+The replica-set validation is shared with the admin API's endpoint pushes,
+which must reject exactly what the config file would reject.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+import re
+import socket
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+from urllib.parse import urlsplit
+
+from router.core.errors import ConfigError
+from router.core.picking import DEFAULT_POLICY, POLICIES
+
+LabelValue = str | int | float | bool
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        if ":" in self.host:
+            return f"[{self.host}]:{self.port}"
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    id: str
+    model: str
+    url: str
+    labels: Mapping[str, LabelValue] = field(default_factory=lambda: MappingProxyType({}))
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "model": self.model, "url": self.url, "labels": dict(self.labels)}
+
+
+class _Where:
+    """Builds the `file: key: problem` prefix of every message."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def error(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {key}: {problem}")
+
+
+def _type_name(value: object) -> str:
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "a table",
+    }.get(type(value), type(value).__name__)
+
+
+def _string(where: _Where, key: str, value: object, *, empty_ok: bool = False) -> str:
+    if not isinstance(value, str):
+        raise where.error(key, f"must be a string, got {_type_name(value)}")
+    if not empty_ok and not value.strip():
+        raise where.error(key, "must not be empty")
+    if any(ch in value for ch in "\r\n\x00"):
+        raise where.error(key, "must not contain CR, LF or NUL")
+    return value
+
+
+def _boolean(where: _Where, key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise where.error(key, f"must be true or false, got {_type_name(value)}")
+    return value
+
+
+def _number(where: _Where, key: str, value: object, *, minimum: float, integer: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        kind = "an integer" if integer else "a number"
+        raise where.error(key, f"must be {kind}, got {_type_name(value)}")
+    if integer and not isinstance(value, int):
+        raise where.error(key, f"must be an integer, got {value!r}")
+    if not math.isfinite(value) or value < minimum:
+        raise where.error(key, f"must be at least {minimum:g}, got {value!r}")
+    return value
+
+
+def parse_address(where: _Where, key: str, value: object) -> Address:
+    text = _string(where, key, value)
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise where.error(key, f"must be host:port, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise where.error(key, f"port must be 0-65535, got {port_text!r}")
+    return Address(host, int(port_text))
+
+
+def check_url(where: _Where, key: str, value: object) -> str:
+    """A replica base URL: http(s), a host, no credentials, no query or fragment.
+
+    The proxy appends the client's `/v1/...` path to it, so anything that could
+    redirect a request elsewhere (userinfo, a query, a fragment) is refused.
+    """
+    text = _string(where, key, value)
+    if any(ch.isspace() for ch in text):
+        raise where.error(key, f"must not contain whitespace, got {text!r}")
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        raise where.error(key, f"is not a valid URL ({exc}): {text!r}") from exc
+    if parts.scheme not in ("http", "https"):
+        raise where.error(key, f"must start with http:// or https://, got {text!r}")
+    if not parts.hostname:
+        raise where.error(key, f"has no host: {text!r}")
+    if parts.username is not None or parts.password is not None:
+        raise where.error(key, "must not carry credentials (user:password@)")
+    if parts.query or parts.fragment or text.endswith(("?", "#")):
+        raise where.error(key, f"must not have a query or fragment: {text!r}")
+    del port  # parsed only so that a bad port is reported here
+    return text.rstrip("/")
+
+
+def _replica_url(where: _Where, key: str, value: object) -> str:
+    url = check_url(where, key, value)
+    # The client's path (/v1/chat/completions) is appended to the base URL:
+    # one ending in /v1 would send every request to /v1/v1/... and get 404s.
+    if urlsplit(url).path.rstrip("/").endswith("/v1"):
+        raise where.error(
+            key,
+            f"ends in /v1: give the base URL without it (the router appends the client's /v1/... path), got {url!r}",
+        )
+    return url
+
+
+def _string_list(where: _Where, key: str, value: object) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise where.error(key, f"must be an array of strings, got {_type_name(value)}")
+    return tuple(_string(where, f"{key}[{i}]", item) for i, item in enumerate(value))
+
+
+def _optional_url(where: _Where, key: str, value: object) -> str:
+    text = _string(where, key, value, empty_ok=True)
+    return check_url(where, key, text) if text else ""
+
+
+def _paths(where: _Where, key: str, value: object) -> tuple[str, ...]:
+    paths = _string_list(where, key, value)
+    for i, path in enumerate(paths):
+        _path(where, f"{key}[{i}]", path)
+    return paths
+
+
+def _optional_path(where: _Where, key: str, value: object) -> str:
+    text = _string(where, key, value, empty_ok=True)
+    if "\x00" in text:
+        raise where.error(key, "must not contain NUL")
+    return text
+
+
+# The POST paths routed by the model they name: what vLLM and SGLang serve.
+ROUTED_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/rerank",
+    "/rerank",
+    "/v2/rerank",
+    "/v1/score",
+    "/score",
+    "/pooling",
+    "/classify",
+    "/tokenize",
+    "/detokenize",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v1/audio/speech",
+    "/v1/images/generations",
+)
+
+
+def _path(where: _Where, key: str, value: object) -> str:
+    path = _string(where, key, value)
+    if not path.startswith("/") or "?" in path or "#" in path or " " in path:
+        raise where.error(key, f"must be a path starting with /, got {path!r}")
+    return path
+
+
+# The label on a model's EndpointSlices (copied there from its Service) that names the model.
+DEFAULT_MODEL_LABEL = "router.llm/model"
+# What [discovery.kubernetes] selector matches: the model Services' EndpointSlices, or the pods.
+SELECTOR_ON = ("endpointslices", "pods")
+
+
+@dataclass(frozen=True, slots=True)
+class KubernetesDiscovery:
+    """[discovery.kubernetes]: the replica set from the EndpointSlices that `selector` matches."""
+
+    selector: str
+    # A port name of the EndpointSlices, or a number.
+    port: str | int
+    # None: the pod's own namespace in a cluster, else the kubeconfig context's.
+    namespace: str | None = None
+    model_label: str = DEFAULT_MODEL_LABEL
+    labels_from: tuple[str, ...] = ()
+    # None: in a cluster its service account, else $KUBECONFIG, else ~/.kube/config.
+    kubeconfig: str | None = None
+    # "pods": `selector` picks pods, whose labels name the model and fill `labels_from`
+    # (the slices of the namespace still say which serve); needs list/watch on pods.
+    selector_on: str = SELECTOR_ON[0]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    aliases: tuple[str, ...] = ()
+    fallbacks: tuple[str, ...] = ()
+    # The picking policy (router.core.picking.POLICIES) for this model's replicas.
+    routing: str = DEFAULT_POLICY
+    # routing = "session": the header that names the session (then the body's
+    # `user`, then `previous_response_id`); "prefix": how much of the prompt
+    # makes the key. Both: no replica above ceil(balance_factor x mean in flight).
+    session_header: str = "X-Session-Id"
+    prefix_chars: int = 1024
+    balance_factor: float = 1.25
+    # Scale from zero: how long a request may be held waiting for a replica
+    # that answers (0: a prompt 503 as before), and how many at once.
+    cold_start_seconds: float = 0.0
+    max_held: int = 100
+
+
+# Each setting is declared once, as a field of Config below: its type and
+# default, and in its metadata how it is read from TOML (bounds included)
+# and the line of help that the README's configuration block carries
+# (tests/core/test_config.py holds the two together). The keys a config file may
+# hold, their validation and their defaults all derive from these fields,
+# so a new setting is one line.
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    # (where, key, raw value) -> the value; raises ConfigError naming the key.
+    parse: Callable[[_Where, str, object], Any]
+    help: str
+    # The value when the key is absent or empty, if not the default (the host name, an env var).
+    fallback: Callable[[Mapping[str, str]], Any] | None = None
+
+
+def _setting(default: Any, parse: Callable[[_Where, str, object], Any], help_: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"setting": Setting(parse, help_, **kw)})
+
+
+def _seconds(default: float, help_: str, *, minimum: float = 0.001) -> Any:
+    return _setting(default, lambda w, k, v: _number(w, k, v, minimum=minimum), help_)
+
+
+def _count(default: int, help_: str, *, minimum: int = 0) -> Any:
+    return _setting(default, lambda w, k, v: int(_number(w, k, v, minimum=minimum, integer=True)), help_)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    # _setting() returns a dataclasses.field; Address is frozen.
+    listen: Address = _setting(Address("127.0.0.1", 8080), parse_address, "client port")  # noqa: RUF009
+    admin_listen: Address = _setting(Address("127.0.0.1", 9090), parse_address, "admin API and /metrics")  # noqa: RUF009
+    router_name: str = _setting(
+        "",
+        _string,
+        "names this router in the usage map (default: hostname)",
+        fallback=lambda env: socket.gethostname() or "router",
+    )
+    tick_seconds: float = _seconds(5.0, "usage snapshot period; may be fractional", minimum=0.01)
+    admin_token: str = _setting(
+        "",
+        lambda w, k, v: _string(w, k, v, empty_ok=True),
+        "or env ROUTER_ADMIN_TOKEN; required on mutating admin calls when set",
+        fallback=lambda env: env.get("ROUTER_ADMIN_TOKEN", ""),
+    )
+    api_keys: tuple[str, ...] = _setting(
+        (), _string_list, "client keys (Authorization: Bearer ...); empty = no client auth"
+    )
+    max_body_bytes: int = _count(32 * 1024 * 1024, "larger request bodies get 413", minimum=1)
+    usage_push_url: str = _setting("", _optional_url, "optional: POST the usage map here each tick")
+    # A replica that does not accept within this is treated as down and the request retried.
+    connect_timeout_seconds: float = _seconds(5.0, "TCP connect to a replica")
+    # Generous: a busy engine queues requests before its first token. Never applied to a body.
+    first_byte_timeout_seconds: float = _seconds(
+        300.0, "request sent -> response head; 504 after it (never cuts a stream)"
+    )
+    # Below the replicas' own (vLLM/uvicorn: 5 s), so that a reused connection is rarely a dead one.
+    upstream_keepalive_seconds: float = _seconds(
+        2.0, "idle upstream connections closed before the replicas' 5 s", minimum=0.0
+    )
+    # So that a slow reader holds neither memory nor a replica.
+    write_stall_timeout_seconds: float = _seconds(30.0, "a client that reads nothing of an answer this long is cut off")
+    header_timeout_seconds: float = _seconds(
+        10.0, "every request head must arrive whole within this of its first byte (slowloris)"
+    )
+    # So that a body that stops arriving holds no buffer forever.
+    body_timeout_seconds: float = _seconds(
+        60.0, "a request body must arrive whole within this of its head; 408 after it"
+    )
+    # 100 slow 32 MiB uploads must not take 3 GB.
+    max_buffered_body_bytes: int = _count(
+        1 << 30, "request bodies held by all connections together; new ones beyond it get 503", minimum=1
+    )
+    # No answer hangs forever; a stream then ends with an error event.
+    upstream_idle_timeout_seconds: float = _seconds(
+        300.0, "a replica silent this long after its response head is cut off"
+    )
+    max_attempts: int = _count(3, "upstream attempts per model for one request", minimum=1)
+    max_in_flight_per_replica: int = _count(0, "concurrency limits, 0 = none; beyond them requests queue ...")
+    max_in_flight: int = _count(0, "")
+    queue_timeout_seconds: float = _seconds(5.0, "... this long at most, then get 503 server_overloaded", minimum=0.0)
+    shutdown_grace_seconds: float = _seconds(30.0, "SIGTERM: how long requests in flight may finish", minimum=0.0)
+    ejection_failures: int = _count(5, "failures in a row that eject a replica", minimum=1)
+    ejection_base_seconds: float = _seconds(10.0, "first ejection; doubles in a row, up to ejection_max_seconds")
+    ejection_max_seconds: float = _seconds(300.0, "")
+    # A 2xx readmits an ejected replica early; anything else, or no answer, ejects a ready one.
+    health_check_interval_seconds: float = _seconds(0.0, "active checks of every replica; 0 = off", minimum=0.0)
+    health_check_path: str = _setting("/health", _path, 'a 2xx is healthy ("/v1/models" for llama.cpp)')
+    health_check_timeout_seconds: float = _seconds(2.0, "")
+    routed_paths: tuple[str, ...] = _setting(ROUTED_PATHS, _paths, "POST paths routed by the model their body names")
+    remembered_responses: int = _count(100_000, "response ids kept with the replica that made them (/v1/responses)")
+    # Replica ids are internal: only an operator who wants them in answers turns this on.
+    expose_replica_header: bool = _setting(False, _boolean, "X-Router-Replica: the replica that answered")
+    access_log: str = _setting(
+        "", _optional_path, 'off; "-" for stdout, or a file (reopened on SIGHUP): one JSON line a request'
+    )
+    # Scale from zero: told when a model's first request is held, so that it can start a replica.
+    wake_url: str = _setting(
+        "", _optional_url, 'optional: POST {"router", "model", "held", "since"} here when a request is held'
+    )
+    wake_cooldown_seconds: float = _seconds(10.0, "at most one wake call per model this often while requests stay held")
+    replicas: tuple[ReplicaConfig, ...] = ()
+    models: Mapping[str, ModelConfig] = field(default_factory=lambda: MappingProxyType({}))
+    # [discovery.kubernetes]: the replica set comes from the Kubernetes API instead of [[replicas]].
+    discovery: KubernetesDiscovery | None = None
+    source: str = "<defaults>"
+
+
+def settings() -> dict[str, tuple[Any, Setting]]:
+    """Every top-level scalar setting: its default and how it is read, in declaration order."""
+    return {f.name: (f.default, f.metadata["setting"]) for f in fields(Config) if "setting" in f.metadata}
+
+
+_SETTINGS = settings()
+# The tables beside the settings.
+_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery"}
+# `router scaler`'s table (router/scaler/settings.py reads and checks it), so
+# that one file may configure both; `router serve` does not read it.
+_OTHER_COMMANDS_TABLES = {"scaler"}
+_REPLICA_KEYS = {"id", "model", "url", "labels"}
+_MODEL_KEYS = {
+    "aliases",
+    "fallbacks",
+    "routing",
+    "session_header",
+    "prefix_chars",
+    "balance_factor",
+    "cold_start_seconds",
+    "max_held",
+}
+
+# A header name (RFC 9110 5.1: a token).
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# Headers the router itself frames, consumes or sets: never a session's name.
+_OWN_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "expect",
+        "upgrade",
+        "authorization",
+        "x-request-id",
+        "te",
+        "trailer",
+        "keep-alive",
+    }
+)
+
+
+def _labels(where: _Where, key: str, value: object) -> Mapping[str, LabelValue]:
+    if not isinstance(value, dict):
+        raise where.error(key, f"must be a table, got {_type_name(value)}")
+    out: dict[str, LabelValue] = {}
+    for name, item in value.items():
+        if not isinstance(item, str | int | float | bool):
+            raise where.error(f"{key}.{name}", f"must be a string, number or boolean, got {_type_name(item)}")
+        out[name] = item
+    # The labels `router ctl status` reads: a wrong one would drop the replica's GPUs silently.
+    if "gpus" in out:
+        gpus = out["gpus"]
+        if isinstance(gpus, str) and gpus.isdigit():
+            gpus = int(gpus)
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise where.error(f"{key}.gpus", f"must be a positive integer (the GPUs the replica holds), got {gpus!r}")
+        out["gpus"] = gpus
+    if "gpu_class" in out and (not isinstance(out["gpu_class"], str) or not out["gpu_class"]):
+        raise where.error(f"{key}.gpu_class", f"must be a non-empty string, got {out['gpu_class']!r}")
+    return MappingProxyType(out)
+
+
+def _table(where: _Where, key: str, value: object, allowed: set[str]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise where.error(key, f"must be a table, got {_type_name(value)}")
+    for name in value:
+        if name not in allowed:
+            raise where.error(f"{key}.{name}", "unknown key")
+    return value
+
+
+def parse_replicas(where: _Where, key: str, value: object) -> tuple[ReplicaConfig, ...]:
+    """Validate a whole replica set (config file or endpoint push)."""
+    if not isinstance(value, list):
+        raise where.error(key, f"must be an array of tables, got {_type_name(value)}")
+    seen: dict[str, int] = {}
+    out: list[ReplicaConfig] = []
+    for index, raw in enumerate(value):
+        item_key = f"{key}[{index}]"
+        _table(where, item_key, raw, _REPLICA_KEYS)
+        for name in ("id", "model", "url"):
+            if name not in raw:
+                raise where.error(f"{item_key}.{name}", "is required")
+        replica_id = _string(where, f"{item_key}.id", raw["id"])
+        if replica_id in seen:
+            raise where.error(f"{item_key}.id", f"duplicate replica id {replica_id!r} (also {key}[{seen[replica_id]}])")
+        seen[replica_id] = index
+        out.append(
+            ReplicaConfig(
+                id=replica_id,
+                model=_string(where, f"{item_key}.model", raw["model"]),
+                url=_replica_url(where, f"{item_key}.url", raw["url"]),
+                labels=_labels(where, f"{item_key}.labels", raw.get("labels", {})),
+            )
+        )
+    return tuple(out)
+
+
+def _models(where: _Where, value: object, replicas: tuple[ReplicaConfig, ...]) -> Mapping[str, ModelConfig]:
+    if not isinstance(value, dict):
+        raise where.error("models", f"must be a table, got {_type_name(value)}")
+    served = {r.model for r in replicas}
+    declared = set(value) | served
+    alias_owner: dict[str, str] = {}
+    out: dict[str, ModelConfig] = {}
+    for name, raw in value.items():
+        key = f'models."{name}"'
+        _table(where, key, raw, _MODEL_KEYS)
+        aliases = _string_list(where, f"{key}.aliases", raw.get("aliases", []))
+        fallbacks = _string_list(where, f"{key}.fallbacks", raw.get("fallbacks", []))
+        routing = _string(where, f"{key}.routing", raw.get("routing", DEFAULT_POLICY))
+        cold_start = _number(where, f"{key}.cold_start_seconds", raw.get("cold_start_seconds", 0.0), minimum=0.0)
+        max_held = int(_number(where, f"{key}.max_held", raw.get("max_held", 100), minimum=1, integer=True))
+        if routing not in POLICIES:
+            known = ", ".join(repr(name) for name in POLICIES)
+            raise where.error(f"{key}.routing", f"unknown policy {routing!r} (known: {known})")
+        session_header = _string(where, f"{key}.session_header", raw.get("session_header", "X-Session-Id"))
+        if not _TOKEN.fullmatch(session_header):
+            raise where.error(f"{key}.session_header", f"{session_header!r} is not a valid header name")
+        if session_header.lower() in _OWN_HEADERS:
+            raise where.error(
+                f"{key}.session_header", f"{session_header!r} is a header the router reads or sets itself"
+            )
+        prefix_chars = _number(where, f"{key}.prefix_chars", raw.get("prefix_chars", 1024), minimum=1, integer=True)
+        balance_factor = _number(where, f"{key}.balance_factor", raw.get("balance_factor", 1.25), minimum=1.0)
+        for i, alias in enumerate(aliases):
+            if alias in declared:
+                raise where.error(f"{key}.aliases[{i}]", f"alias {alias!r} shadows the model of that name")
+            if alias in alias_owner:
+                raise where.error(
+                    f"{key}.aliases[{i}]", f"alias {alias!r} is already an alias of {alias_owner[alias]!r}"
+                )
+            alias_owner[alias] = name
+        for i, target in enumerate(fallbacks):
+            if target == name:
+                raise where.error(f"{key}.fallbacks[{i}]", "a model cannot fall back to itself")
+            if target not in declared:
+                raise where.error(
+                    f"{key}.fallbacks[{i}]",
+                    f"fallback to {target!r}, a model that no replica serves and no [models] table declares",
+                )
+        out[name] = ModelConfig(
+            name=name,
+            aliases=aliases,
+            fallbacks=fallbacks,
+            routing=routing,
+            session_header=session_header,
+            prefix_chars=int(prefix_chars),
+            balance_factor=float(balance_factor),
+            cold_start_seconds=float(cold_start),
+            max_held=max_held,
+        )
+    return MappingProxyType(out)
+
+
+def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str] | None = None) -> Config:
+    where = _Where(source)
+    env = os.environ if environ is None else environ
+    for key in raw:
+        if key not in _TOP_KEYS and key not in _OTHER_COMMANDS_TABLES:
+            raise where.error(key, "unknown key")
+    values: dict[str, Any] = {}
+    for key, (default, setting) in _SETTINGS.items():
+        value = setting.parse(where, key, raw[key]) if key in raw else default
+        if setting.fallback is not None and not value:
+            value = setting.fallback(env)
+        values[key] = value
+    listen, admin = values["listen"], values["admin_listen"]
+    wildcards = ("0.0.0.0", "::", "")
+    if (
+        listen.port
+        and listen.port == admin.port
+        and (listen.host == admin.host or listen.host in wildcards or admin.host in wildcards)
+    ):
+        raise where.error(
+            "admin_listen", f"must differ from listen ({listen}): the client port and the admin API need two"
+        )
+    replicas = parse_replicas(where, "replicas", raw.get("replicas", []))
+    models = _models(where, raw.get("models", {}), replicas)
+    discovery = _discovery(where, raw["discovery"]) if "discovery" in raw else None
+    if discovery is not None and replicas:
+        raise where.error("replicas", "cannot be used with [discovery.kubernetes], which owns the whole replica set")
+    return Config(**values, replicas=replicas, models=models, discovery=discovery, source=source)
+
+
+_DISCOVERY_KEYS = {"kubernetes"}
+_KUBERNETES_KEYS = {"namespace", "selector", "selector_on", "port", "model_label", "labels_from", "kubeconfig"}
+# RFC 1123 labels (namespaces), IANA service names (named ports), label keys: what the API server accepts.
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def _label_key(where: _Where, key: str, value: object) -> str:
+    text = _string(where, key, value)
+    prefix, _, name = text.rpartition("/")
+    if (
+        not _LABEL_NAME.fullmatch(name)
+        or len(name) > 63
+        or ("/" in text and (not _LABEL_PREFIX.fullmatch(prefix) or len(prefix) > 253))
+    ):
+        raise where.error(key, f"is not a Kubernetes label key (like 'router.llm/model' or 'gpu_class'): {text!r}")
+    return text
+
+
+def _discovery(where: _Where, value: object) -> KubernetesDiscovery:
+    table = _table(where, "discovery", value, _DISCOVERY_KEYS)
+    if "kubernetes" not in table:
+        raise where.error("discovery.kubernetes", "is required in [discovery] (the only kind of discovery)")
+    key = "discovery.kubernetes"
+    raw = _table(where, key, table["kubernetes"], _KUBERNETES_KEYS)
+    for name in ("selector", "port"):
+        if name not in raw:
+            raise where.error(f"{key}.{name}", "is required")
+    selector = _string(where, f"{key}.selector", raw["selector"])
+    port_raw = raw["port"]
+    port: str | int
+    if isinstance(port_raw, str):
+        port = _string(where, f"{key}.port", port_raw)
+        if not _PORT_NAME.fullmatch(port) or len(port) > 15:
+            raise where.error(
+                f"{key}.port", f"must be a port number or a port name of the EndpointSlices, got {port!r}"
+            )
+    elif isinstance(port_raw, int) and not isinstance(port_raw, bool):
+        if not 1 <= port_raw <= 65535:
+            raise where.error(f"{key}.port", f"must be 1-65535, got {port_raw}")
+        port = port_raw
+    else:
+        raise where.error(f"{key}.port", f"must be a port number or name, got {_type_name(port_raw)}")
+    namespace = None
+    if "namespace" in raw:
+        namespace = _string(where, f"{key}.namespace", raw["namespace"])
+        if not _DNS_LABEL.fullmatch(namespace) or len(namespace) > 63:
+            raise where.error(f"{key}.namespace", f"is not a namespace name: {namespace!r}")
+    labels_raw = raw.get("labels_from", [])
+    if not isinstance(labels_raw, list):
+        raise where.error(f"{key}.labels_from", f"must be an array of label keys, got {_type_name(labels_raw)}")
+    labels_from = tuple(_label_key(where, f"{key}.labels_from[{i}]", item) for i, item in enumerate(labels_raw))
+    kubeconfig = _string(where, f"{key}.kubeconfig", raw["kubeconfig"]) if "kubeconfig" in raw else None
+    selector_on = _string(where, f"{key}.selector_on", raw.get("selector_on", SELECTOR_ON[0]))
+    if selector_on not in SELECTOR_ON:
+        raise where.error(f"{key}.selector_on", f"must be 'endpointslices' or 'pods', got {selector_on!r}")
+    return KubernetesDiscovery(
+        selector=selector,
+        port=port,
+        namespace=namespace,
+        model_label=_label_key(where, f"{key}.model_label", raw.get("model_label", DEFAULT_MODEL_LABEL)),
+        labels_from=labels_from,
+        kubeconfig=kubeconfig,
+        selector_on=selector_on,
+    )
+
+
+def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
+    source = str(path)
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: not UTF-8 text: {exc}") from exc
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
+    return parse_config(raw, source, environ)
+
+
+def replicas_where(source: str) -> _Where:
+    """The message prefix for a replica set that does not come from a file."""
+    return _Where(source)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

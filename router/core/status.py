@@ -1,0 +1,202 @@
+"""The fleet summary an operator reads first (GET /api/v1/status, router ctl status).
+
+Derived from one usage snapshot, the same one the other views read, and
+by the same rule as `router ctl idle` (UsageSnapshot.quiet_for: the proven
+quiet bound), so that it cannot disagree with them. A replica is idle for
+the window when no request reached it for that long, stamp or no stamp;
+unknown when that cannot be proven (watched for less than the window);
+an ejected one is neither busy nor idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from router.core.usage import ReplicaUsage, UsageSnapshot
+
+BAR_WIDTH = 20
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    model: str
+    ready: int
+    total: int
+    ejected: int
+    draining: int
+    in_flight: int
+    requests_per_second: float
+    # "yes": a request within the idle window; "no": every replica known quiet
+    # for longer; "unknown": neither can be said.
+    asked: str
+
+
+@dataclass(frozen=True, slots=True)
+class GpuClassStatus:
+    gpu_class: str
+    total: int
+    busy: int
+    idle: int
+    unknown: int
+    ejected: int
+    bar: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unasked:
+    id: str
+    model: str
+    gpu_class: str
+    gpus: int
+    quiet_for_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class HeldFor:
+    """A model with requests held for it now: scaled to zero, or its replicas still loading."""
+
+    model: str
+    held: int
+    # How long the oldest held request has waited, as of the snapshot.
+    oldest_waited_seconds: float | None
+    replicas: int
+
+
+@dataclass(frozen=True, slots=True)
+class FleetStatus:
+    router: str
+    generated_at: float
+    watching_since: float
+    idle_for_seconds: float
+    models: tuple[ModelStatus, ...]
+    gpus: tuple[GpuClassStatus, ...]
+    unasked: tuple[Unasked, ...]
+    unserved: Mapping[str, int]
+    held: tuple[HeldFor, ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["unserved"] = dict(self.unserved)
+        return doc
+
+
+def gpus_of(replica: ReplicaUsage) -> int:
+    """The `gpus` label (checked as a positive integer where the replica set is read); 0 without one."""
+    value = replica.labels.get("gpus", 0)
+    if isinstance(value, str) and value.isdigit():
+        # Kubernetes labels are strings (discovery's labels_from).
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return 0
+    return int(value)
+
+
+def usage_class(
+    replica: ReplicaUsage, quiet_for: float | None, now: float, idle_for: float, wanted: Container[str] = ()
+) -> str:
+    """busy, idle, unknown or ejected: how a replica counts in the summary.
+
+    `quiet_for` is the proven quiet bound (UsageSnapshot.quiet_for); `wanted`
+    the models with requests held for them, whose replicas are never idle.
+    """
+    if replica.state == "ejected":
+        return "ejected"
+    if replica.in_flight > 0 or replica.model in wanted:
+        return "busy"
+    if quiet_for is not None and quiet_for >= idle_for:
+        return "idle"
+    if replica.last_used is not None and now - replica.last_used < idle_for:
+        return "busy"
+    # Watched for less than the window, and nothing seen meanwhile.
+    return "unknown"
+
+
+def bar(busy: int, idle: int, unknown: int, ejected: int, width: int = BAR_WIDTH) -> str:
+    """'#' busy, '.' idle, '?' unknown, 'x' ejected, in proportion."""
+    total = busy + idle + unknown + ejected
+    if total == 0:
+        return "[" + " " * width + "]"
+    counts = [busy, idle, unknown, ejected]
+    cells = [round(c * width / total) for c in counts]
+    # Rounding must neither hide a non-zero part nor overflow the bar.
+    for i, c in enumerate(counts):
+        if c and not cells[i]:
+            cells[i] = 1
+    while sum(cells) > width:
+        cells[cells.index(max(cells))] -= 1
+    while sum(cells) < width:
+        cells[cells.index(max(cells))] += 1
+    return "[" + "".join(ch * n for ch, n in zip("#.?x", cells, strict=True)) + "]"
+
+
+def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates: Mapping[str, float]) -> FleetStatus:
+    by_model: dict[str, list[ReplicaUsage]] = {}
+    for r in snapshot.replicas:
+        by_model.setdefault(r.model, []).append(r)
+    quiet = snapshot.quiet_for()
+    wanted = {model for model, d in snapshot.demand.items() if d.held > 0}
+
+    def kind_of(r: ReplicaUsage) -> str:
+        return usage_class(r, quiet.get(r.id), now, idle_for, wanted)
+
+    models = []
+    for model, replicas in sorted(by_model.items()):
+        classes = [kind_of(r) for r in replicas]
+        if "busy" in classes:
+            asked = "yes"
+        elif classes and all(c == "idle" for c in classes):
+            asked = "no"
+        else:
+            asked = "unknown"
+        models.append(
+            ModelStatus(
+                model=model,
+                ready=sum(1 for r in replicas if r.state == "ready"),
+                total=len(replicas),
+                ejected=sum(1 for r in replicas if r.state == "ejected"),
+                draining=sum(1 for r in replicas if r.state in ("draining", "drained")),
+                in_flight=sum(r.in_flight for r in replicas),
+                requests_per_second=round(rates.get(model, 0.0), 3),
+                asked=asked,
+            )
+        )
+    per_class: dict[str, dict[str, int]] = {}
+    unasked = []
+    for r in snapshot.replicas:
+        gpu_class = str(r.labels.get("gpu_class", "-"))
+        held = gpus_of(r)
+        kind = kind_of(r)
+        tally = per_class.setdefault(gpu_class, {"busy": 0, "idle": 0, "unknown": 0, "ejected": 0})
+        tally[kind] += held
+        if kind == "idle":
+            quiet_for = quiet.get(r.id)
+            assert quiet_for is not None
+            unasked.append(Unasked(r.id, r.model, gpu_class, held, round(quiet_for, 1)))
+    gpus = tuple(
+        GpuClassStatus(
+            gpu_class=c, total=sum(t.values()), bar=bar(t["busy"], t["idle"], t["unknown"], t["ejected"]), **t
+        )
+        for c, t in sorted(per_class.items())
+    )
+    return FleetStatus(
+        router=snapshot.router,
+        generated_at=snapshot.generated_at,
+        watching_since=snapshot.started_at,
+        idle_for_seconds=idle_for,
+        models=tuple(models),
+        gpus=gpus,
+        unasked=tuple(sorted(unasked, key=lambda u: -u.quiet_for_seconds)),
+        unserved=dict(sorted(snapshot.unserved.items())),
+        held=tuple(
+            HeldFor(
+                model,
+                d.held,
+                None if d.oldest_held_since is None else round(max(0.0, now - d.oldest_held_since), 1),
+                len(by_model.get(model, ())),
+            )
+            for model, d in sorted(snapshot.demand.items())
+            if d.held > 0
+        ),
+    )

@@ -1,0 +1,66 @@
+"""OpenAI-shaped answers: every error the router makes, and a replica's errors reshaped.
+
+Every error a client can get from the router is `{"error": {"message",
+"type", "param", "code"}}`, made here and nowhere else; a replica's error
+that lacks that shape gets it, keeping the replica's status and words.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from router.core.errors import ClientFacingError
+from router.http.server import Reply
+
+JSON = (b"Content-Type", b"application/json")
+
+
+def error_body(status: int, message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def error_response(exc: ClientFacingError) -> Reply:
+    headers = [JSON]
+    if exc.retry_after is not None:
+        headers.append((b"Retry-After", b"%d" % exc.retry_after))
+    return Reply(exc.status, error_body(exc.status, exc.message, exc.type, exc.code, exc.param), headers)
+
+
+def server_error(status: int, message: str, *, code: str | None = None) -> Reply:
+    """The server's own answers (unparsable request, body too large, handler failure)."""
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    return Reply(status, error_body(status, message, type_, code), [JSON])
+
+
+def openai_shaped(body: bytes, status: int) -> bytes | None:
+    """None if `body` already is an OpenAI error; else the body wrapped into one."""
+    text = body.decode("utf-8", "replace").strip()
+    message = text
+    try:
+        parsed = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return None
+        for key in ("message", "detail", "error"):
+            value = parsed.get(key)
+            if isinstance(value, str) and value:
+                message = value
+                break
+    if not message:
+        message = f"The replica answered {status} with an empty body."
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    return error_body(status, message[:4096], type_, None)
+
+
+def replica_answer(status: int, reason: bytes, data: bytes, headers: list[tuple[bytes, bytes]]) -> Reply:
+    """A replica's whole answer for the client; an error gets OpenAI's shape if it lacks it."""
+    if status >= 400:
+        wrapped = openai_shaped(data, status)
+        if wrapped is not None:
+            data = wrapped
+            headers = [h for h in headers if h[0].lower() != b"content-type"]
+            headers.append(JSON)
+    return Reply(status, data, headers, reason)

@@ -1,0 +1,350 @@
+"""One attempt: a request to one replica, its answer classified and passed to the client.
+
+`Forwarder.attempt()` frames the request for the replica, sends it, and
+either answers the client through its Writer (a whole answer, or a stream
+passed through as it arrives) and returns None, or returns a `Failed`: what
+went wrong, whether another attempt may follow (nothing reached the client
+and the replica did not take the request), and the replica's own answer to
+give if none does. Every replica counter it touches changes through the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from prometheus_client import CollectorRegistry, Histogram
+
+from router.core.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResetError,
+    UpstreamTimeout,
+)
+from router.core.pool import Pool, Replica
+from router.gateway.answers import error_body, error_response, replica_answer
+from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
+from router.http.headers import RESPONSE_HEADERS
+from router.http.server import Reply, Request, Writer, WriteStalled
+
+log = logging.getLogger("router.gateway.proxy")
+
+# A replica answering these is busy or broken, not saying no to the request:
+# another replica may well serve it.
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+# These say the replica is unwell. A 500 is left out on purpose: engines answer
+# some invalid requests with 500 (llama.cpp, an unknown role), and one client's
+# bad requests must not eject healthy replicas.
+UNHEALTHY_STATUSES = frozenset({502, 503, 504})
+# Answers that never have a body, whatever the request asked for.
+_NO_BODY = frozenset({204, 304})
+# A small answer is read whole and written in one piece (and an error answer
+# given OpenAI's shape); a larger one passes through as it arrives, and an
+# error answer larger than this is not an error message: 502. Either way no
+# answer is held whole in memory past this.
+WHOLE_ANSWER_BYTES = 1 << 20
+
+
+@dataclass(slots=True)
+class Failed:
+    """An attempt that sent nothing to the client: what the client would get."""
+
+    error: UpstreamError
+    # Another replica may be tried: nothing reached the client, and the
+    # replica did not take the request (or said it was busy).
+    retryable: bool
+    # The replica's own answer (status, headers, body) when it gave one.
+    answer: Reply | None = None
+
+    @property
+    def connect_failure(self) -> bool:
+        return isinstance(self.error, UpstreamConnectError)
+
+    @property
+    def loading(self) -> bool:
+        """What an engine still loading its model answers: a refused connection, or 503."""
+        return isinstance(self.error, UpstreamConnectError) or (self.answer is not None and self.answer.status == 503)
+
+    def reply(self) -> Reply:
+        return self.answer or error_response(self.error)
+
+
+def _remembering(write: Callable[[bytes], bool], remember: Callable[[bytes], None]) -> Callable[[bytes], bool]:
+    """A stream's sink that hands its first bytes to `remember` (up to its first whole event), then only writes."""
+    first = bytearray()
+    done = False
+
+    def sink(chunk: bytes) -> bool:
+        nonlocal done
+        if not done:
+            first.extend(chunk)
+            if first.find(b"\n\n") >= 0 or len(first) > 65536:
+                done = True
+                remember(bytes(first))
+        return write(chunk)
+
+    return sink
+
+
+def _is_sse(resp: Response) -> bool:
+    return (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
+
+
+class DataPathMetrics:
+    """Histograms observed per request; their children are bound once per model."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.duration = Histogram(
+            "router_request_duration_seconds",
+            "Inference requests from arrival to the last byte sent, by model.",
+            ["model"],
+            registry=registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+        )
+        self.first_byte = Histogram(
+            "router_time_to_first_byte_seconds",
+            "From arrival to the replica's response head, by model.",
+            ["model"],
+            registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.held = Histogram(
+            "router_held_seconds",
+            "How long requests held for a cold model waited before a replica answered, by model.",
+            ["model"],
+            registry=registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+        )
+        self._duration: dict[str, Any] = {}
+        self._first_byte: dict[str, Any] = {}
+
+    def observe_duration(self, model: str, seconds: float) -> None:
+        child = self._duration.get(model)
+        if child is None:
+            child = self._duration[model] = self.duration.labels(model)
+        child.observe(seconds)
+
+    def observe_held(self, model: str, seconds: float) -> None:
+        self.held.labels(model).observe(seconds)
+
+    def observe_first_byte(self, model: str, seconds: float) -> None:
+        child = self._first_byte.get(model)
+        if child is None:
+            child = self._first_byte[model] = self.first_byte.labels(model)
+        child.observe(seconds)
+
+
+class Forwarder:
+    def __init__(
+        self,
+        pool: Pool,
+        client: Client,
+        metrics: DataPathMetrics,
+        *,
+        first_byte_timeout: float,
+        write_stall_timeout: float,
+        expose_replica: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.client = client
+        self.metrics = metrics
+        self._first_byte_timeout = first_byte_timeout
+        self._write_stall_timeout = write_stall_timeout
+        # X-Router-Replica on the answers replicas give (config expose_replica_header).
+        self._expose_replica = expose_replica
+
+    async def attempt(
+        self,
+        request: Request,
+        writer: Writer,
+        replica: Replica,
+        body: bytes,
+        headers: bytes,
+        model: str,
+        stream: bool,
+        extra: list[tuple[bytes, bytes]] | None = None,
+        remember: Callable[[bytes], None] | None = None,
+    ) -> Failed | None:
+        """Send to `replica`; None once the client was answered, else what failed.
+
+        `extra`: headers of the router's own added to the answer (X-Router-Held-Seconds).
+        `remember`: given the answer's first bytes (a /v1/responses answer: its id).
+        """
+        origin = replica.origin
+        method = request.method
+        head = b"".join(
+            (
+                b"POST " if method == "POST" else method.encode("ascii") + b" ",
+                origin.prefix,
+                request.target,
+                b" HTTP/1.1\r\nHost: ",
+                origin.host_header,
+                b"\r\nX-Request-Id: ",
+                request.request_id,
+                b"\r\n",
+                headers,
+                b"Content-Length: %d\r\n\r\n" % len(body) if body or method == "POST" else b"\r\n",
+            )
+        )
+        began = time.perf_counter()
+        try:
+            # The connect timeout is the client's own; the first-byte deadline
+            # runs from the request going out.
+            resp = await self.client.request(origin, head, body, self._first_byte_timeout)
+        except HeadTimeout:
+            timeout = self._first_byte_timeout
+            return self._failed(
+                replica, UpstreamTimeout(f"Replica {replica.id} sent no response within {timeout:g} s."), False
+            )
+        except ConnectFailed as exc:
+            return self._failed(replica, UpstreamConnectError(f"Cannot connect to replica {replica.id}: {exc}"), True)
+        except ConnectionBroken as exc:
+            # The replica took the request and ended the connection, or answered
+            # part of it: it may have acted on it (a paid generation, a prompt
+            # that crashes it), so it is never sent again, here or elsewhere.
+            # (A reused connection that the replica closed as the request went
+            # out is the one case the client itself tries again, once.)
+            reset = UpstreamResetError(f"Replica {replica.id} failed before its answer: {exc}")
+            return self._failed(replica, reset, False)
+        entry = writer.entry
+        try:
+            ttfb = time.perf_counter() - began
+            self.metrics.observe_first_byte(model, ttfb)
+            if entry is not None:
+                entry.ttfb_seconds = ttfb
+            status = resp.status
+            self.pool.count_response(replica, status)
+            if status in RETRY_STATUSES:
+                return await self._refused(replica, resp)
+            if status in UNHEALTHY_STATUSES:
+                self.pool.record_failure(replica)
+            else:
+                self.pool.record_success(replica)
+            out_headers = RESPONSE_HEADERS.kept(resp.headers)
+            if extra:
+                out_headers += extra
+            if self._expose_replica:
+                # Percent-encoded: an id is any string, a header value is not.
+                out_headers.append((b"X-Router-Replica", quote(replica.id, safe="/:@-._~").encode()))
+            # Passed through as it arrives: a stream, or anything without a length.
+            # A replica's error answer is read whole, to give it OpenAI's shape.
+            length = resp.content_length
+            if (
+                status < 400
+                and status not in _NO_BODY
+                and (stream or length is None or length > WHOLE_ANSWER_BYTES or _is_sse(resp))
+            ):
+                await self._stream(writer, replica, resp, out_headers, remember)
+                return None
+            try:
+                data = await resp.read(WHOLE_ANSWER_BYTES)
+            except UpstreamIdle as exc:
+                error: UpstreamError = UpstreamTimeout(f"Replica {replica.id} stopped sending its answer: {exc}")
+                return self._failed(replica, error, False)
+            except ConnectionBroken as exc:
+                error = UpstreamResetError(f"Replica {replica.id} broke off its answer: {exc}")
+                return self._failed(replica, error, False)
+            if status < 400:
+                if remember is not None:
+                    remember(data)
+                writer.answer(Reply(status, data, out_headers, resp.reason_bytes))
+            else:
+                writer.answer(replica_answer(status, resp.reason_bytes, data, out_headers))
+            return None
+        finally:
+            # Back to the pool after a complete answer; closed if the answer
+            # was cut short, so a half-read stream never lingers.
+            resp.release()
+
+    async def _refused(self, replica: Replica, resp: Response) -> Failed:
+        """A 429/502/503/504: keep the answer for the client in case no one else serves."""
+        status = resp.status
+        if status in UNHEALTHY_STATUSES:
+            self.pool.record_failure(replica)
+        try:
+            data = await resp.read(WHOLE_ANSWER_BYTES)
+        except ConnectionBroken:
+            data = b""
+        answer = replica_answer(status, resp.reason_bytes, data, RESPONSE_HEADERS.kept(resp.headers))
+        self.pool.count_failure(replica, "status")
+        return Failed(UpstreamError(f"Replica {replica.id} answered {status}."), retryable=True, answer=answer)
+
+    async def _stream(
+        self,
+        writer: Writer,
+        replica: Replica,
+        resp: Response,
+        headers: list[tuple[bytes, bytes]],
+        remember: Callable[[bytes], None] | None = None,
+    ) -> None:
+        """Pass the body through as it arrives, each piece written in the replica's callback.
+
+        Nothing runs per chunk but the write and a buffer check: when the
+        client stops taking bytes, the replica's connection stops being read
+        (TCP pushes back to the replica) and this task waits on the drain,
+        which the server cuts off after write_stall_timeout_seconds.
+        """
+        last = b"\n\n"
+        write: Callable[[bytes], bool] = writer.write
+
+        def sink(chunk: bytes) -> bool:
+            nonlocal last
+            last = chunk
+            return write(chunk)
+
+        try:
+            # A known length passes through as a length, the writer holding the
+            # body to it (an event stream's length is not kept: it may end in an
+            # error event of the router's own).
+            length = resp.content_length
+            if length is not None and _is_sse(resp):
+                length = None
+            writer.start(resp.status, resp.reason_bytes, headers, length=length)
+            write = writer.body_sink()
+            if remember is not None:
+                write = _remembering(write, remember)
+            try:
+                await resp.pipe(sink, writer.drain)
+            except ConnectionBroken as exc:
+                # Bytes already reached the client: no retry, and the answer
+                # must look broken, never complete: an SSE stream gets an
+                # error event the SDKs raise, then the connection closes
+                # without the last-chunk; any other body just closes.
+                self.pool.count_failure(replica, "reset")
+                self.pool.record_failure(replica)
+                log.warning("replica %s broke off an answer: %s", replica.id, exc)
+                if writer.entry is not None:
+                    writer.entry.outcome = "timeout" if isinstance(exc, UpstreamIdle) else "upstream_reset"
+                if _is_sse(resp):
+                    event = b"data: " + error_body(
+                        502, f"Replica {replica.id} broke off the stream: {exc}", "server_error", "upstream_error"
+                    )
+                    # Close a half-sent event first, so that the error is an event of its own.
+                    prefix = b"" if last.endswith(b"\n\n") else b"\n\n"
+                    writer.abort(prefix + event + b"\n\n")
+                else:
+                    writer.abort()
+                return
+            writer.end()
+        except WriteStalled:
+            if writer.entry is not None:
+                writer.entry.outcome = "stalled"
+            self.pool.tallies.client_stalled(replica.model)
+            log.warning(
+                "cut off a client that read nothing of its %s stream for %gs", replica.model, self._write_stall_timeout
+            )
+        except ConnectionError:
+            # The client went away. Nothing more to send; release() in the
+            # caller closes the half-read upstream connection at once.
+            if writer.entry is not None:
+                writer.entry.outcome = "client_gone"
+            writer.close_after()
+
+    def _failed(self, replica: Replica, error: UpstreamError, retryable: bool) -> Failed:
+        self.pool.count_failure(replica, error.reason)
+        self.pool.record_failure(replica)
+        return Failed(error, retryable)

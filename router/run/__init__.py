@@ -1,0 +1,1 @@
+"""Wiring: the app, --workers, the command line, logging."""

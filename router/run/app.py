@@ -1,0 +1,384 @@
+"""Wiring: the pool, the proxy, the admin API, the usage tick and its sinks.
+
+`RouterServer` owns both listeners and their lifecycle; `serve()` runs one
+until SIGTERM/SIGINT and shuts it down gracefully: /readyz turns 503 at
+once, the client port stops accepting, requests in flight get up to
+`shutdown_grace_seconds` to finish, the final usage snapshot is pushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import orjson
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from router.control.admin import Admin
+from router.control.fleet import LocalFleet
+from router.control.health import HealthChecker
+from router.control.sinks import Sinks, build_sinks
+from router.control.sinks.latest import LatestSink
+from router.control.sinks.push import PushSink
+from router.control.sources import (
+    ReplicaSource,
+    build_sources,
+    exclusive_source,
+    initial_set,
+    reload_all,
+    sources_ready,
+)
+from router.core.config import Config
+from router.core.picking import Routing
+from router.core.pool import EjectionPolicy, Limits, Pool
+from router.core.usage import Ticker
+from router.gateway.access_log import AccessLog
+from router.gateway.answers import server_error
+from router.gateway.forward import DataPathMetrics
+from router.gateway.proxy import Proxy
+from router.gateway.wake import Waker
+from router.http.client import Client
+from router.http.protocol_errors import ProtocolErrorCollector
+from router.http.server import Server as ClientServer
+from router.run.session import make_session
+from router.run.worker_metrics import METRICS_PATH, report
+
+log = logging.getLogger("router")
+
+# On a worker's private socket only: its whole snapshot, for the supervisor.
+SNAPSHOT_PATH = "/internal/v1/snapshot"
+
+
+class Listening:
+    """Where a router listens, once started: its client and admin addresses."""
+
+    client_address: tuple[str, int] | None = None
+    admin_address: tuple[str, int] | None = None
+
+    @property
+    def client_url(self) -> str:
+        assert self.client_address is not None, "start() first"
+        return http_url(self.client_address)
+
+    @property
+    def admin_url(self) -> str:
+        assert self.admin_address is not None, "start() first"
+        return http_url(self.admin_address)
+
+
+class RouterServer(Listening):
+    def __init__(
+        self,
+        config: Config,
+        *,
+        registry: CollectorRegistry | None = None,
+        wall: Callable[[], float] = time.time,
+        mono: Callable[[], float] = time.monotonic,
+        worker_socket: str | None = None,
+        config_path: str | None = None,
+        sources: list[ReplicaSource] | None = None,
+    ) -> None:
+        """`worker_socket`: run as one worker of `router serve --workers N` (workers.py):
+        the client port is shared (SO_REUSEPORT), the admin API listens on that
+        private Unix socket for the supervisor, and the supervisor, not this
+        process, ticks, pushes and exports usage, and runs the replica-set
+        sources. `config_path`: the file SIGHUP reads the replicas from.
+        `sources`: where the replica set comes from (default: what `config` names)."""
+        self.config = config
+        self.worker_socket = worker_socket
+        self.sources = sources if sources is not None else build_sources(config, config_path)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.started_at = wall()
+        self.pool = Pool(
+            initial_set(self.sources),
+            clock=mono,
+            ejection=EjectionPolicy(
+                config.ejection_failures, config.ejection_base_seconds, config.ejection_max_seconds
+            ),
+            limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
+            routing={name: Routing(model.routing, model.balance_factor) for name, model in config.models.items()},
+        )
+        self.sinks = Sinks()
+        self._wall = wall
+        self._mono = mono
+        self.fleet: LocalFleet | None = None
+        self.ticker: Ticker | None = None
+        self.proxy: Proxy | None = None
+        self.ready = False
+        self._client_server: ClientServer | None = None
+        self._admin_runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._client_listener: asyncio.Server | None = None
+        self.health: HealthChecker | None = None
+        self.client_address: tuple[str, int] | None = None
+        self.admin_address: tuple[str, int] | None = None
+
+    async def start(self, before_clients: Callable[[], None] | None = None) -> None:
+        """Listen on both ports; `before_clients` runs once the admin API is up."""
+        config = self.config
+        worker_socket = self.worker_socket
+        session = make_session(config)
+        self._session = session
+        # A worker's usage is ticked, exported and pushed by its supervisor.
+        self.sinks = sinks = build_sinks(config, session if worker_socket is None else None)
+        self.ticker = ticker = Ticker(
+            self.pool,
+            sinks.all,
+            router=config.router_name,
+            started_at=self.started_at,
+            tick_seconds=config.tick_seconds,
+            wall=self._wall,
+            mono=self._mono,
+        )
+        if worker_socket is None:
+            sinks.register(
+                self.registry,
+                sink_failures=lambda: ticker.sink_failures,
+                tick_seconds=lambda: ticker.last_tick_seconds,
+            )
+            for source in self.sources:
+                source.register(self.registry)
+        metrics = DataPathMetrics(self.registry)
+        self.upstream = Client(
+            connect_timeout=config.connect_timeout_seconds,
+            keepalive_seconds=config.upstream_keepalive_seconds,
+            idle_timeout=config.upstream_idle_timeout_seconds,
+        )
+        self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
+        if config.wake_url:
+            pool, wall, mono = self.pool, self._wall, self._mono
+
+            def held_now(model: str) -> tuple[int, float | None]:
+                oldest = pool.oldest_held(model)
+                return pool.held(model), None if oldest is None else wall() - (mono() - oldest)
+
+            proxy.waker = Waker(
+                session,
+                config.wake_url,
+                router=config.router_name,
+                cooldown=config.wake_cooldown_seconds,
+                token=config.admin_token,
+                registry=self.registry,
+                held_now=held_now,
+            )
+
+        # The client port's own HTTP/1.1 server (server.py): the request
+        # path stays in one protocol object, with no framework per request.
+        if config.access_log:
+            proxy.access_log = AccessLog(config.access_log)
+        self._client_server = client = ClientServer(
+            # With no access log, the handler keeps nothing per request for it.
+            proxy.dispatch_logged if proxy.access_log is not None else proxy.dispatch,
+            max_body_bytes=config.max_body_bytes,
+            header_timeout=config.header_timeout_seconds,
+            body_timeout=config.body_timeout_seconds,
+            write_stall_timeout=config.write_stall_timeout_seconds,
+            max_buffered_body_bytes=config.max_buffered_body_bytes,
+            # Read in the server's own pass over each head, not searched for per request.
+            captured=[m.session_header.encode() for m in config.models.values() if m.routing == "session"],
+            error=server_error,
+            log_exception=log.exception,
+        )
+        self.registry.register(ProtocolErrorCollector(client.protocol_errors, self.upstream.protocol_errors))
+
+        self.fleet = fleet = LocalFleet(self.pool, self.registry, ticker.snapshot)
+        admin = Admin(
+            fleet,
+            sinks.latest,
+            admin_token=config.admin_token,
+            # The sources run here unless a supervisor runs them: the first set must be in before ready.
+            is_ready=(lambda: self.ready and sources_ready(self.sources))
+            if worker_socket is None
+            else lambda: self.ready,
+            rates=sinks.rates,
+            wall=self._wall,
+            exclusive_source=exclusive_source(self.sources) if worker_socket is None else None,
+        )
+        # The first snapshot exists before anyone can ask for it.
+        ticker.tick()
+        admin_app = admin.app()
+        if worker_socket is not None:
+            admin_app.router.add_get(SNAPSHOT_PATH, self._snapshot_json)
+            admin_app.router.add_get(METRICS_PATH, self._metrics_json)
+        self._admin_runner = web.AppRunner(admin_app, access_log=None, shutdown_timeout=1.0)
+        await self._admin_runner.setup()
+        try:
+            admin_site: web.BaseSite
+            if worker_socket is not None:
+                admin_site = web.UnixSite(self._admin_runner, worker_socket)
+            else:
+                admin_site = web.TCPSite(self._admin_runner, config.admin_listen.host, config.admin_listen.port)
+            # The admin API first: a worker takes the supervisor's pushes from
+            # here on, so its pool is current before the first client arrives.
+            await admin_site.start()
+            if before_clients is not None:
+                before_clients()
+            self._client_listener = await asyncio.get_running_loop().create_server(
+                client,
+                config.listen.host,
+                config.listen.port,
+                reuse_address=True,
+                reuse_port=worker_socket is not None,
+                backlog=1024,
+            )
+        except OSError:
+            if self._client_listener is not None:
+                self._client_listener.close()
+            await self._admin_runner.cleanup()
+            await session.close()
+            await self.upstream.close()
+            raise
+        assert self._client_listener is not None
+        host, port = self._client_listener.sockets[0].getsockname()[:2]
+        self.client_address = (str(host), int(port))
+        self.admin_address = _bound(self._admin_runner) if worker_socket is None else ("", 0)
+        loop = asyncio.get_running_loop()
+        self._tasks = []
+        if worker_socket is None:
+            self._tasks.append(loop.create_task(ticker.run()))
+            self._tasks += [loop.create_task(source.run(fleet)) for source in self.sources]
+        if config.health_check_interval_seconds > 0:
+            self.health = HealthChecker(
+                self.pool,
+                session,
+                path=config.health_check_path,
+                interval=config.health_check_interval_seconds,
+                timeout=config.health_check_timeout_seconds,
+            )
+            self._tasks.append(loop.create_task(self.health.run()))
+        self.ready = True
+
+    async def stop(self) -> None:
+        """Graceful: not ready, stop accepting, let requests finish, final push."""
+        self.ready = False
+        # Held requests would wait for a replica this router will never send
+        # them to: they get their 503 now, not at the end of the grace.
+        ended = self.pool.end_holds()
+        if ended:
+            log.info("shutting down: %d held requests answered 503 model_cold", ended)
+        if self._client_listener is not None:
+            # Stop accepting at once; those connected finish within the grace.
+            self._client_listener.close()
+            self._client_listener = None
+        if self._client_server is not None:
+            # Idle connections close now; requests in flight get the grace.
+            await self._client_server.shutdown(self.config.shutdown_grace_seconds)
+            self._client_server = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self.proxy is not None and self.proxy.waker is not None:
+            await self.proxy.waker.close()
+        if self.proxy is not None and self.proxy.access_log is not None:
+            self.proxy.access_log.close()
+        if self.ticker is not None:
+            final = self.ticker.tick()
+            if self.sinks.push is not None:
+                await self.sinks.push.flush(final)
+                await self.sinks.push.close()
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
+            self._admin_runner = None
+        await self._session.close()
+        await self.upstream.close()
+
+    async def _snapshot_json(self, request: web.Request) -> web.Response:
+        assert self.ticker is not None
+        body = orjson.dumps(self.ticker.snapshot().to_json())
+        return web.Response(body=body, content_type="application/json")
+
+    async def _metrics_json(self, request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps(report(self.registry)), content_type="application/json")
+
+    async def reload(self) -> bool:
+        """SIGHUP: every source reads its replica set again (the config file's [[replicas]]); the access log reopens."""
+        self.reopen_logs()
+        assert self.fleet is not None, "start() first"
+        return await reload_all(self.sources, self.fleet)
+
+    def reopen_logs(self) -> None:
+        """After logrotate moved the access log away: what is gathered goes to the old file, then a new one."""
+        if self.proxy is not None and self.proxy.access_log is not None:
+            self.proxy.access_log.reopen()
+
+    @property
+    def push(self) -> PushSink | None:
+        return self.sinks.push
+
+    @property
+    def latest(self) -> LatestSink:
+        return self.sinks.latest
+
+
+def _bound(runner: web.AppRunner) -> tuple[str, int]:
+    host, port = runner.addresses[0][:2]
+    return str(host), int(port)
+
+
+def http_url(address: tuple[str, int]) -> str:
+    host, port = address
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+_Running = TypeVar("_Running", bound="Listening")
+
+
+async def run_until_signalled(
+    server: _Running,
+    *,
+    stop_server: Callable[[], Awaitable[None]],
+    grace_seconds: float,
+    on_hup: Callable[[], Coroutine[Any, Any, object]] | None,
+    on_ready: Callable[[_Running], None] | None,
+    listening: str,
+) -> None:
+    """Run a started router until SIGTERM or SIGINT, then stop it; SIGHUP calls `on_hup`."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[object]] = set()
+
+    def hup() -> None:
+        assert on_hup is not None
+        # One reload after another's end is fine; each is a task of its own.
+        task = loop.create_task(on_hup())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    if on_hup is not None:
+        loop.add_signal_handler(signal.SIGHUP, hup)
+    log.info("router listening on %s (clients%s) and %s (admin)", server.client_url, listening, server.admin_url)
+    if on_ready is not None:
+        on_ready(server)
+    try:
+        await stop.wait()
+        log.info("shutting down: finishing requests in flight (up to %gs)", grace_seconds)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        await stop_server()
+
+
+async def serve(
+    config: Config, *, on_ready: Callable[[RouterServer], None] | None = None, config_path: str | None = None
+) -> None:
+    """Run until SIGTERM or SIGINT, then shut down gracefully; SIGHUP reloads the replicas."""
+    server = RouterServer(config, config_path=config_path)
+    await server.start()
+    await run_until_signalled(
+        server,
+        stop_server=server.stop,
+        grace_seconds=config.shutdown_grace_seconds,
+        on_hup=server.reload if config_path is not None else None,
+        on_ready=on_ready,
+        listening="",
+    )

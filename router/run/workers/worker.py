@@ -1,0 +1,105 @@
+"""One worker of `router serve --workers N`: a whole router on the shared port, steered by its supervisor."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from types import MappingProxyType
+
+import orjson
+import uvloop
+
+from router.core.config import Config, load_config
+from router.core.errors import ConfigError
+from router.run.app import RouterServer
+from router.run.logs import install as install_request_ids
+from router.run.workers.state import Paths, load_state
+
+log = logging.getLogger("router.run.workers")
+
+
+def for_worker(config: Config, port: int, workers: int) -> Config:
+    """A worker's view of the config: the shared port, its share of the limits,
+    no admin token (its socket is private) and no push (the supervisor pushes)."""
+
+    def share(limit: int) -> int:
+        return max(1, limit // workers) if limit > 0 else 0
+
+    return replace(
+        config,
+        listen=replace(config.listen, port=port),
+        admin_token="",
+        usage_push_url="",
+        max_in_flight_per_replica=share(config.max_in_flight_per_replica),
+        max_in_flight=share(config.max_in_flight),
+        # The buffered-body cap bounds the router's memory: the workers' shares add up to it.
+        max_buffered_body_bytes=share(config.max_buffered_body_bytes),
+        # Held requests per model too: each worker holds its share.
+        models=MappingProxyType(
+            {name: replace(model, max_held=share(model.max_held)) for name, model in config.models.items()}
+        ),
+    )
+
+
+def worker_main(argv: Sequence[str]) -> int:
+    """`router _worker ...`: one worker, started by the supervisor only."""
+    parser = argparse.ArgumentParser(prog="router _worker")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--runtime", required=True)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s worker-{args.index} %(name)s: %(message)s",
+    )
+    for handler in logging.getLogger().handlers:
+        install_request_ids(handler)
+    try:
+        config = for_worker(load_config(args.config), args.port, args.workers)
+    except ConfigError as exc:
+        print(f"router worker {args.index}: {exc}", file=sys.stderr)
+        return 2
+    uvloop.run(_run_worker(config, Path(args.runtime), args.index))
+    return 0
+
+
+async def _run_worker(config: Config, runtime: Path, index: int) -> None:
+    paths = Paths(runtime, index)
+    server = RouterServer(config, worker_socket=str(paths.socket))
+    await server.start(before_clients=lambda: load_state(server, paths.state))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # The supervisor passes SIGHUP on: the replica set comes from it, the access log is this worker's.
+    loop.add_signal_handler(signal.SIGHUP, server.reopen_logs)
+    parent = os.getppid()
+
+    async def orphaned() -> None:
+        # A supervisor killed outright takes its workers with it.
+        while os.getppid() == parent:  # noqa: ASYNC110 (no event tells of a parent's death)
+            await asyncio.sleep(1.0)
+        log.error("the supervisor is gone; stopping")
+        stop.set()
+
+    watch = loop.create_task(orphaned())
+    try:
+        await stop.wait()
+    finally:
+        watch.cancel()
+        await server.stop()
+        if server.ticker is not None and server.ticker.latest is not None:
+            # The last word on this worker's usage, for the supervisor's final push.
+            partial = paths.final.with_suffix(".partial")
+            partial.write_bytes(orjson.dumps(server.ticker.latest.to_json()))
+            partial.rename(paths.final)

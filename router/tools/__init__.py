@@ -1,0 +1,1 @@
+"""Tools beside the server: router ctl, router bench, the fake replica."""

@@ -1,0 +1,373 @@
+"""`router ctl`: read and steer running routers through their admin API.
+
+Imports only the standard library and the core, so that it starts fast and
+runs where the server's dependencies are not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from router.core.usage import RouterReport, merge_reports
+
+DEFAULT_SERVER = "127.0.0.1:9090"
+
+
+class CtlError(Exception):
+    """A problem to report in one line, exit status 1."""
+
+
+def base_url(server: str) -> str:
+    server = server.strip().rstrip("/")
+    if not server:
+        raise CtlError("--server must not be empty")
+    if "://" not in server:
+        return "http://" + server
+    if not server.startswith(("http://", "https://")):
+        raise CtlError(f"--server must be host:port or an http(s) URL, got {server!r}")
+    return server
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '30m', '1h30m', '2d' into seconds."""
+    text = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.fullmatch(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", text)
+    if not text or parts is None:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 90s, 30m, 1h30m)")
+    days, hours, minutes, seconds = (float(p) if p else 0.0 for p in parts.groups())
+    return days * 86400 + hours * 3600 + minutes * 60 + seconds
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s" if s < 600 else f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells)
+
+
+class Client:
+    def __init__(self, server: str, *, token: str = "", timeout: float = 5.0) -> None:
+        self.base = base_url(server)
+        self.server = server
+        self.token = token
+        self.timeout = timeout
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.base + path, data=data, method=method)  # noqa: S310 (base_url allows http(s) only)
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as resp:  # noqa: S310 (as above)
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            raise CtlError(f"{self.server}: {method} {path} answered {exc.code}: {_error_message(exc)}") from exc
+        except (urllib.error.URLError, OSError, TimeoutError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise CtlError(f"{self.server}: cannot reach the admin API: {reason}") from exc
+        except ValueError as exc:
+            raise CtlError(f"{self.server}: {path} did not answer JSON: {exc}") from exc
+
+
+def _error_message(exc: urllib.error.HTTPError) -> str:
+    try:
+        doc = json.loads(exc.read())
+        return str(doc["error"]["message"])
+    except (ValueError, KeyError, TypeError, OSError):
+        return exc.reason or "error"
+
+
+def _emit(args: argparse.Namespace, doc: Any, text: str) -> None:
+    print(json.dumps(doc, indent=2) if args.json else text)
+
+
+def cmd_replicas(args: argparse.Namespace) -> int:
+    rows = Client(args.server[0], token=args.token).call("GET", "/api/v1/replicas")
+    text = table(
+        ["ID", "MODEL", "STATE", "IN-FLIGHT", "REQUESTS", "IDLE", "QUIET-FOR", "URL"],
+        [
+            [
+                r["id"],
+                r["model"],
+                r["state"],
+                r["in_flight"],
+                r["requests"],
+                # Negative idle_seconds is the API's "unknown": never shown as a duration.
+                human_duration(r["idle_seconds"]) if r["idle_seconds"] >= 0 else "-",
+                # The proven bound: the rule of `idle` and `status`.
+                human_duration(r["quiet_for_seconds"]) if r.get("quiet_for_seconds") is not None else "-",
+                r["url"],
+            ]
+            for r in rows
+        ],
+    )
+    _emit(args, rows, text)
+    return 0
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    doc = Client(args.server[0], token=args.token).call("GET", "/api/v1/usage")
+    now = doc["generated_at"]
+    ids = sorted(set(doc["watching_since"]) | set(doc["last_used"]))
+    rows = []
+    for rid in ids:
+        last = doc["last_used"].get(rid)
+        watching = doc["watching_since"].get(rid)
+        rows.append(
+            [
+                rid,
+                _clock(last),
+                human_duration(now - last) if last is not None else "-",
+                _clock(watching),
+            ]
+        )
+    header = f"router {doc['router']}, started {_clock(doc['started_at'])}, snapshot {_clock(now)}"
+    _emit(args, doc, header + "\n" + table(["ID", "LAST-USED", "IDLE", "WATCHING-SINCE"], rows))
+    return 0
+
+
+def _clock(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def cmd_idle(args: argparse.Namespace) -> int:
+    reports: list[RouterReport | None] = []
+    models: dict[str, str] = {}
+    problems: list[str] = []
+    for server in args.server:
+        client = Client(server, token=args.token, timeout=args.timeout)
+        try:
+            doc = client.call("GET", "/api/v1/usage")
+            rows = client.call("GET", "/api/v1/replicas")
+        except CtlError as exc:
+            problems.append(str(exc))
+            reports.append(None)
+            continue
+        for row in rows:
+            models.setdefault(row["id"], row["model"])
+        reports.append(
+            RouterReport(
+                server=server,
+                last_used=doc["last_used"],
+                watching_since=doc["watching_since"],
+                generated_at=doc["generated_at"],
+                held={model: d.get("held", 0) for model, d in doc.get("demand", {}).items()},
+            )
+        )
+    merged = merge_reports(reports, now=time.time(), idle_for=args.idle_for, models=models)
+    # The maps are the routers' last snapshots (one a tick): what they prove holds as of the
+    # oldest of them, and a request since then is in none of them (ctl replicas shows it live).
+    as_of = min((r.generated_at for r in reports if r is not None), default=None)
+    doc = {
+        "complete": merged.complete,
+        "as_of": as_of,
+        "candidates": [
+            {"id": c.id, "model": c.model, "quiet_for_seconds": round(c.quiet_for_seconds, 3), "last_used": c.last_used}
+            for c in merged.candidates
+        ],
+        "unknown": list(merged.unknown),
+    }
+    lines = [f"warning: {p}" for p in problems]
+    if as_of is not None:
+        lines.append(f"as of {_clock(as_of)}, the oldest snapshot among the routers")
+    if not merged.complete:
+        lines.append("incomplete: a router did not answer, so nothing can be proven idle")
+    lines.append(
+        table(
+            ["ID", "MODEL", "QUIET-FOR", "LAST-USED"],
+            [
+                [c.id, c.model or "-", human_duration(c.quiet_for_seconds), _clock(c.last_used)]
+                for c in merged.candidates
+            ],
+        )
+        if merged.candidates
+        else f"no replica is proven quiet for {human_duration(args.idle_for)}"
+    )
+    if merged.unknown:
+        lines.append(f"unknown ({len(merged.unknown)}): " + ", ".join(merged.unknown))
+    if args.json:
+        for p in problems:
+            print(f"warning: {p}", file=sys.stderr)
+        print(json.dumps(doc, indent=2))
+    else:
+        print("\n".join(lines))
+    return 0 if merged.complete else 3
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    doc = Client(args.server[0], token=args.token).call("GET", f"/api/v1/status?idle_for={args.idle_for:g}")
+    window = human_duration(doc["idle_for_seconds"])
+    parts = [
+        f"router {doc['router']}, watching since {_clock(doc['watching_since'])}, snapshot "
+        f"{_clock(doc['generated_at'])}, idle window {window}",
+        "",
+        table(
+            ["MODEL", "READY", "EJECTED", "DRAINING", "IN-FLIGHT", "REQ/S", "ASKED"],
+            [
+                [
+                    m["model"],
+                    f"{m['ready']}/{m['total']}",
+                    m["ejected"],
+                    m["draining"],
+                    m["in_flight"],
+                    f"{m['requests_per_second']:.2f}",
+                    m["asked"],
+                ]
+                for m in doc["models"]
+            ],
+        ),
+        "",
+        table(
+            ["GPU-CLASS", "GPUS", "BUSY", "IDLE", "UNKNOWN", "EJECTED", "USAGE (#busy .idle ?unknown xejected)"],
+            [
+                [g["gpu_class"], g["total"], g["busy"], g["idle"], g["unknown"], g["ejected"], g["bar"]]
+                for g in doc["gpus"]
+            ],
+        ),
+        "",
+    ]
+    if doc["unasked"]:
+        parts += [
+            f"unasked-for (proven quiet for at least {window}):",
+            table(
+                ["ID", "MODEL", "GPU-CLASS", "GPUS", "QUIET-FOR"],
+                [
+                    [u["id"], u["model"], u["gpu_class"], u["gpus"], human_duration(u["quiet_for_seconds"])]
+                    for u in doc["unasked"]
+                ],
+            ),
+        ]
+    else:
+        parts.append(f"unasked-for: none proven quiet for {window}")
+    if doc.get("held"):
+        parts += [
+            "",
+            "held, waiting for a replica that answers (scale from zero):",
+            table(
+                ["MODEL", "REPLICAS", "HELD", "OLDEST-WAITING"],
+                [
+                    [
+                        h["model"],
+                        h["replicas"],
+                        h["held"],
+                        "-" if h["oldest_waited_seconds"] is None else human_duration(h["oldest_waited_seconds"]),
+                    ]
+                    for h in doc["held"]
+                ],
+            ),
+        ]
+    if doc["unserved"]:
+        parts += [
+            "",
+            "asked for, no replica could serve:",
+            table(["MODEL", "REQUESTS"], [[m, n] for m, n in doc["unserved"].items()]),
+        ]
+    _emit(args, doc, "\n".join(parts))
+    return 0
+
+
+def cmd_state(args: argparse.Namespace, state: str) -> int:
+    client = Client(args.server[0], token=args.token)
+    answer = client.call("POST", f"/api/v1/replicas/{args.id}/state", {"state": state})
+    if state == "draining" and getattr(args, "wait", False):
+        deadline = time.monotonic() + args.timeout_wait
+        while answer["state"] != "drained":
+            if time.monotonic() > deadline:
+                raise CtlError(
+                    f"{args.id}: still {answer['state']} with {answer['in_flight']} in flight after "
+                    f"{human_duration(args.timeout_wait)}"
+                )
+            time.sleep(0.2)
+            answer = next(r for r in client.call("GET", "/api/v1/replicas") if r["id"] == args.id)
+    _emit(args, answer, f"{answer['id']}: {answer['state']} ({answer['in_flight']} in flight)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="router ctl", description="Read and steer running routers.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--server",
+        action="append",
+        default=None,
+        help=f"admin address, host:port or URL (default {DEFAULT_SERVER}); idle takes several",
+    )
+    common.add_argument("--json", action="store_true", help="print JSON for machines")
+    common.add_argument(
+        "--token", default=os.environ.get("ROUTER_ADMIN_TOKEN", ""), help="admin token (default: $ROUTER_ADMIN_TOKEN)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("replicas", parents=[common], help="one row per replica, with its IDLE time")
+    sub.add_parser("usage", parents=[common], help="the usage map as the control plane polls it")
+    status = sub.add_parser("status", parents=[common], help="the fleet summary: models, GPUs, what is unasked-for")
+    status.add_argument(
+        "--idle-for",
+        type=parse_duration,
+        default=parse_duration("30m"),
+        help="quiet longer than this counts as idle (default 30m)",
+    )
+    idle = sub.add_parser("idle", parents=[common], help="merge several routers: what is provably quiet")
+    idle.add_argument(
+        "--idle-for",
+        type=parse_duration,
+        default=parse_duration("30m"),
+        help="how long quiet counts as idle (default 30m)",
+    )
+    idle.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each router")
+    drain = sub.add_parser("drain", parents=[common], help="stop new requests to a replica")
+    drain.add_argument("id")
+    drain.add_argument("--wait", action="store_true", help="return once nothing is in flight (drained)")
+    drain.add_argument("--timeout-wait", type=parse_duration, default=parse_duration("10m"))
+    undrain = sub.add_parser("undrain", parents=[common], help="put a drained replica back")
+    undrain.add_argument("id")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.server:
+        args.server = [DEFAULT_SERVER]
+    try:
+        if args.command == "replicas":
+            return cmd_replicas(args)
+        if args.command == "usage":
+            return cmd_usage(args)
+        if args.command == "status":
+            return cmd_status(args)
+        if args.command == "idle":
+            return cmd_idle(args)
+        if args.command == "drain":
+            return cmd_state(args, "draining")
+        if args.command == "undrain":
+            return cmd_state(args, "ready")
+    except CtlError as exc:
+        print(f"router ctl: {exc}", file=sys.stderr)
+        return 1
+    raise AssertionError(f"unhandled command {args.command}")

@@ -1,0 +1,215 @@
+"""The config file: every mistake is one line naming file, key and problem."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.core.config import load_config, parse_config
+from router.core.errors import ConfigError
+
+GOOD = """
+listen = "127.0.0.1:8080"
+admin_listen = "127.0.0.1:9090"
+tick_seconds = 0.5
+
+[[replicas]]
+id = "llama-0"
+model = "llama-3.1-8b"
+url = "http://10.0.0.5:8000/"
+labels = { node = "gpu-a1", gpu_class = "h100", gpus = 1 }
+
+[[replicas]]
+id = "big-0"
+model = "llama-3.1-70b"
+url = "https://10.0.0.6:8000"
+
+[models."llama-3.1-8b"]
+aliases = ["llama", "default"]
+fallbacks = ["llama-3.1-70b"]
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "router.toml"
+    path.write_text(text)
+    return path
+
+
+def test_good_config_loads_into_frozen_dataclasses(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD), environ={})
+    assert config.tick_seconds == 0.5
+    assert [r.id for r in config.replicas] == ["llama-0", "big-0"]
+    assert config.replicas[0].url == "http://10.0.0.5:8000"
+    assert config.replicas[0].labels["gpus"] == 1
+    assert config.models["llama-3.1-8b"].aliases == ("llama", "default")
+    with pytest.raises(AttributeError):
+        config.tick_seconds = 1  # type: ignore[misc]
+
+
+def test_admin_token_falls_back_to_the_environment(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD), environ={"ROUTER_ADMIN_TOKEN": "s3cret"})
+    assert config.admin_token == "s3cret"
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "problem"),
+    [
+        ("bogus = 1\n", "bogus", "unknown key"),
+        ('[[replicas]]\nid = "llama-0"\nmodel = "x"\nurl = "http://h:1"\n', "replicas[2].id", "duplicate replica id"),
+        ('[[replicas]]\nid = "r"\nmodel = "x"\nurl = "10.0.0.7:8000"\n', "replicas[2].url", "http:// or https://"),
+        ('[[replicas]]\nid = "r"\nmodel = "x"\nurl = "ftp://h"\n', "replicas[2].url", "http:// or https://"),
+        ('[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://u:p@h"\n', "replicas[2].url", "credentials"),
+        ('[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1"\nport = 3\n', "replicas[2].port", "unknown key"),
+        ('[[replicas]]\nid = "r"\nurl = "http://h:1"\n', "replicas[2].model", "is required"),
+        ('[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1/v1"\n', "replicas[2].url", "ends in /v1"),
+        ('[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1/openai/v1/"\n', "replicas[2].url", "without it"),
+        (
+            '[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1"\nlabels = { gpus = "two" }\n',
+            "replicas[2].labels.gpus",
+            "must be a positive integer",
+        ),
+        (
+            '[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1"\nlabels = { gpus = 0 }\n',
+            "replicas[2].labels.gpus",
+            "positive integer",
+        ),
+        (
+            '[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1"\nlabels = { gpu_class = 3 }\n',
+            "replicas[2].labels.gpu_class",
+            "non-empty string",
+        ),
+        ('[models."x"]\nfallbacks = ["nobody"]\n', 'models."x".fallbacks[0]', "no replica serves"),
+        ('[models."x"]\naliases = ["llama-3.1-70b"]\n', 'models."x".aliases[0]', "shadows the model"),
+        ('[models."x"]\naliases = ["llama"]\n', 'models."x".aliases[0]', "already an alias"),
+        ('[models."x"]\ncolour = "red"\n', 'models."x".colour', "unknown key"),
+    ],
+)
+def test_each_mistake_names_file_key_and_problem(tmp_path: Path, change: str, key: str, problem: str) -> None:
+    # Top-level keys must come before the tables in TOML.
+    text = change + GOOD if not change.startswith("[") else GOOD + change
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, environ={})
+    message = str(caught.value)
+    assert message.startswith(f"{path}: {key}: "), message
+    assert problem in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("line", "key", "problem"),
+    [
+        ('tick_seconds = "5"', "tick_seconds", "must be a number"),
+        ("tick_seconds = 0", "tick_seconds", "at least"),
+        ("max_body_bytes = 1.5", "max_body_bytes", "integer"),
+        ("max_attempts = true", "max_attempts", "must be an integer"),
+        ('listen = "localhost"', "listen", "host:port"),
+        ('listen = "127.0.0.1:99999"', "listen", "port must be"),
+        ('api_keys = "k"', "api_keys", "array of strings"),
+        ('usage_push_url = "collector:80"', "usage_push_url", "http://"),
+        ('admin_listen = "127.0.0.1:8080"', "admin_listen", "must differ from listen .127.0.0.1:8080."),
+        ('admin_listen = "0.0.0.0:8080"', "admin_listen", "must differ from listen"),
+    ],
+)
+def test_bad_values_name_the_key(tmp_path: Path, line: str, key: str, problem: str) -> None:
+    name = line.split(" =", maxsplit=1)[0]
+    rest = "\n".join(x for x in GOOD.splitlines() if not x.startswith(name + " ="))
+    path = write(tmp_path, line + "\n" + rest)
+    with pytest.raises(ConfigError, match=rf"^{path}: {key}: .*{problem}"):
+        load_config(path, environ={})
+
+
+def test_invalid_toml_and_missing_file_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(write(tmp_path, "listen = \n"), environ={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.toml", environ={})
+
+
+def test_serve_reports_a_bad_config_in_one_line_with_status_2(tmp_path: Path) -> None:
+    path = write(tmp_path, "colour = 'red'\n" + GOOD)
+    result = subprocess.run(
+        [sys.executable, "-m", "router", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.strip() == f"router: {path}: colour: unknown key"
+
+
+def test_the_readme_configuration_block_says_what_the_code_declares() -> None:
+    """Every setting in the README with its default and its help line; nothing else there."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from router.core.config import Address, settings
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Configuration", 1)[1]
+    block = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    documented = tomllib.loads(block)
+    declared = settings()
+    assert set(documented) - {"replicas", "models", "discovery"} == set(declared)
+    comments = {
+        m.group(1): (m.group(2) or "").strip()
+        for m in re.finditer(r"^(\w+) = [^#\n]*?(?:# (.*))?$", block.split("[[replicas]]")[0], re.M)
+    }
+    for key, (default, setting) in declared.items():
+        if setting.fallback is None or default:
+            shown = documented[key]
+            expected = str(default) if isinstance(default, Address) else default
+            assert shown == (list(expected) if isinstance(expected, tuple) else expected), key
+        assert (comments.get(key) or "") == setting.help, key
+    # The tables' keys too.
+    from router.core.config import _MODEL_KEYS
+
+    assert set(documented["models"]["llama-3.1-8b"]) == _MODEL_KEYS
+    from router.core.config import _KUBERNETES_KEYS
+
+    assert set(documented["discovery"]["kubernetes"]) == _KUBERNETES_KEYS
+
+
+def test_an_unknown_routing_policy_is_refused_with_the_known_ones() -> None:
+    known = r"\(known: 'least_loaded', 'session', 'prefix'\)"
+    with pytest.raises(ConfigError, match=r'models\."m"\.routing: unknown policy .nearest. ' + known):
+        parse_config({"models": {"m": {"routing": "nearest"}}}, "<test>", environ={})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("session_header", "X Session", "'X Session' is not a valid header name"),
+        ("session_header", "", "must not be empty|non-empty"),
+        ("prefix_chars", 0, "at least 1"),
+        ("prefix_chars", 10.5, "integer"),
+        ("balance_factor", 0.9, "at least 1"),
+        ("balance_factor", "high", "a number"),
+    ],
+)
+def test_affinity_settings_are_checked(key: str, value: object, problem: str) -> None:
+    with pytest.raises(ConfigError, match=rf'models\."m"\.{key}: .*({problem})'):
+        parse_config({"models": {"m": {"routing": "session", key: value}}}, "<test>", environ={})
+
+
+def test_affinity_settings_are_read() -> None:
+    model_table = {"routing": "prefix", "prefix_chars": 2048, "balance_factor": 1.5, "session_header": "X-Chat"}
+    config = parse_config({"models": {"m": model_table}}, "<test>", environ={})
+    model = config.models["m"]
+    assert (model.routing, model.prefix_chars, model.balance_factor, model.session_header) == (
+        "prefix",
+        2048,
+        1.5,
+        "X-Chat",
+    )
+    assert config.expose_replica_header is False
+    assert parse_config({"expose_replica_header": True}, "<test>", environ={}).expose_replica_header is True
+    with pytest.raises(ConfigError, match="expose_replica_header: must be true or false, got a string"):
+        parse_config({"expose_replica_header": "yes"}, "<test>", environ={})

@@ -1,0 +1,95 @@
+"""Properties of merging several routers' usage maps (Hypothesis)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.core.usage import RouterReport, merge_reports
+
+IDS = ("a", "b", "c")
+NOW = 10_000.0
+
+
+@st.composite
+def reports(draw: st.DrawFn) -> RouterReport:
+    watched = draw(st.sets(st.sampled_from(IDS), min_size=1))
+    watching = {rid: draw(st.floats(0, NOW)) for rid in watched}
+    last_used = {}
+    for rid in watched:
+        if draw(st.booleans()):
+            last_used[rid] = draw(st.floats(watching[rid], NOW))
+    return RouterReport(
+        server=draw(st.text(max_size=3)), last_used=last_used, watching_since=watching, generated_at=NOW
+    )
+
+
+report_lists = st.lists(reports(), min_size=1, max_size=4)
+idle_fors = st.floats(0, NOW)
+
+
+@given(report_lists, idle_fors, st.randoms())
+def test_merging_is_order_independent(items: list[RouterReport], idle_for: float, rng: object) -> None:
+    shuffled = list(items)
+    rng.shuffle(shuffled)  # type: ignore[attr-defined]
+    assert merge_reports(items, now=NOW, idle_for=idle_for) == merge_reports(shuffled, now=NOW, idle_for=idle_for)
+
+
+@given(report_lists, reports())
+def test_adding_a_report_never_makes_a_replica_look_quieter(items: list[RouterReport], extra: RouterReport) -> None:
+    before = merge_reports(items, now=NOW, idle_for=0.0)
+    after = merge_reports([*items, extra], now=NOW, idle_for=0.0)
+    for rid, quiet in after.quiet_for.items():
+        if quiet is not None:
+            previous = before.quiet_for.get(rid)
+            assert previous is not None
+            assert quiet <= previous
+
+
+@given(report_lists, st.sampled_from(IDS), st.floats(1.0, NOW))
+def test_a_restarted_router_never_makes_a_replica_a_candidate(
+    items: list[RouterReport], rid: str, idle_for: float
+) -> None:
+    # It started watching everything just now and knows no stamps.
+    restarted = RouterReport(server="new", last_used={}, watching_since=dict.fromkeys(IDS, NOW), generated_at=NOW)
+    merged = merge_reports([*items, restarted], now=NOW, idle_for=idle_for)
+    assert merged.candidates == ()
+
+
+@given(report_lists, idle_fors)
+def test_an_unanswered_router_yields_no_candidates(items: list[RouterReport], idle_for: float) -> None:
+    merged = merge_reports([*items, None], now=NOW, idle_for=idle_for)
+    assert merged.complete is False
+    assert merged.candidates == ()
+    assert set(merged.unknown) == set(merged.quiet_for)
+
+
+@given(report_lists)
+def test_the_quiet_time_is_the_proven_bound(items: list[RouterReport]) -> None:
+    merged = merge_reports(items, now=NOW, idle_for=0.0)
+    for rid, quiet in merged.quiet_for.items():
+        horizons = [max(r.watching_since[rid], r.last_used.get(rid, 0.0)) for r in items if rid in r.watching_since]
+        if len(horizons) < len(items):
+            assert quiet is None
+        else:
+            assert quiet == max(0.0, NOW - max(horizons))
+        stamps = [r.last_used[rid] for r in items if rid in r.last_used]
+        assert merged.last_used[rid] == (max(stamps) if stamps else None)
+
+
+def test_unknown_is_not_idle_for_a_single_fresh_router() -> None:
+    fresh = RouterReport(server="r", last_used={}, watching_since={"a": NOW - 5}, generated_at=NOW)
+    merged = merge_reports([fresh], now=NOW, idle_for=60.0)
+    assert merged.candidates == ()
+    assert merged.quiet_for["a"] == 5.0
+    assert merged.last_used["a"] is None
+
+
+def test_the_bound_holds_as_of_the_oldest_snapshot_not_as_of_now() -> None:
+    # A snapshot taken 10 s ago says nothing of the last 10 s: a request may
+    # have arrived since. The proven quiet time ends at the snapshot.
+    stale = RouterReport(server="r", last_used={"a": NOW - 100}, watching_since={"a": 0.0}, generated_at=NOW - 10)
+    fresh = RouterReport(server="s", last_used={}, watching_since={"a": 0.0}, generated_at=NOW)
+    merged = merge_reports([stale, fresh], now=NOW, idle_for=95.0)
+    assert merged.quiet_for["a"] == 90.0
+    assert merged.candidates == ()

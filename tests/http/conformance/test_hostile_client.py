@@ -1,0 +1,517 @@
+"""The client port against a hostile client, on raw sockets.
+
+Each test is one way a client can try to desynchronise the router, smuggle a
+header past it, pin its memory or hold a connection forever; each names the
+rule it holds (RFC 9110/9112) and what nginx answers where that differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import orjson
+import pytest
+
+from router.tools.fake import Behaviour
+from tests.conftest import StartFake, StartRouter, replica_entry
+from tests.helpers import protocol_errors, wait_for
+from tests.http.conformance.wire import CHAT, Wire, post, stream_post
+
+# Desync -----------------------------------------------------------------------------------
+
+
+async def test_100_continue_is_sent_only_when_its_request_is_the_one_answered(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(tokens=6, token_delay=0.05))
+    server = await start_router([replica_entry("r0", fake)])
+    body = orjson.dumps(CHAT)
+    async with await Wire.open(server.client_address) as wire:
+        # A stream, and behind it the head of a request that waits for its 100.
+        expecting = post(body, extra=b"Expect: 100-continue\r\n")
+        wire.send(stream_post() + expecting[: -len(body)])
+        streamed = await wire.answer()
+        assert streamed.status == 200 and streamed.complete
+        assert b"100 Continue" not in streamed.body
+        interim = await wire.answer()
+        assert interim.status == 100
+        wire.send(body)
+        final = await wire.answer()
+        assert final.status == 200 and final.json()["object"] == "chat.completion"
+
+
+async def test_a_parse_error_behind_a_running_request_is_answered_after_it(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(tokens=4, token_delay=0.05))
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(stream_post() + post() + b"NOT HTTP AT ALL\r\n\r\n")
+        first = await wire.answer()
+        assert first.status == 200 and first.complete and first.body.endswith(b"data: [DONE]\n\n")
+        second = await wire.answer()
+        assert second.status == 200 and second.json()["object"] == "chat.completion"
+        bad = await wire.answer()
+        assert bad.status == 400 and bad.header(b"connection") == b"close"
+        assert await wire.closed() == b""
+    assert len(fake.seen) == 2
+
+
+async def test_bytes_after_connection_close_lose_no_answer(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(tokens=3, token_delay=0.05))
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(stream_post(extra=b"Connection: close\r\n") + post())
+        answer = await wire.answer()
+        assert answer.status == 200 and answer.complete
+        # Nothing is read after a request that closes the connection: no second answer, no 400.
+        assert await wire.closed() == b""
+    assert len(fake.seen) == 1
+
+
+async def test_a_too_large_pipelined_request_gets_its_413_after_the_one_ahead(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(tokens=4, token_delay=0.05))
+    server = await start_router([replica_entry("r0", fake)], max_body_bytes=1000)
+    big = orjson.dumps({**CHAT, "pad": "x" * 2000})
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(stream_post() + post(big))
+        first = await wire.answer()
+        assert first.status == 200 and first.complete
+        refused = await wire.answer()
+        assert refused.status == 413 and refused.json()["error"]["code"] == "request_too_large"  # type: ignore[index]
+        assert await wire.closed() == b""
+    assert len(fake.seen) == 1
+
+
+# Smuggled headers ------------------------------------------------------------------------------
+
+
+def chunked_post(body: bytes, trailers: bytes) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%b\r\n0\r\n" % (len(body), body) + trailers + b"\r\n"
+    )
+
+
+async def test_a_key_sent_only_as_a_trailer_does_not_pass_the_key_check(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], api_keys=["sk-right"])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(chunked_post(orjson.dumps(CHAT), b"Authorization: Bearer sk-right\r\n"))
+        answer = await wire.answer()
+    assert answer.status == 401
+    assert fake.seen == []
+
+
+async def test_request_trailers_never_reach_the_replica(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(chunked_post(orjson.dumps(CHAT), b"X-Forwarded-For: 10.0.0.1\r\nX-Trailer: t\r\n"))
+        answer = await wire.answer()
+    assert answer.status == 200
+    names = {name.lower() for name in fake.seen[-1].headers}
+    assert "x-forwarded-for" not in names and "x-trailer" not in names
+
+
+HOST_CASES = {
+    # RFC 9112 3.2: a server MUST answer 400 to an HTTP/1.1 request without
+    # Host, with more than one, or with an invalid one.
+    "no host": (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", 400),
+    "two hosts": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nHost: b\r\nContent-Length: 2\r\n\r\n{}", 400),
+    "invalid host": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: a/b@c\r\nContent-Length: 2\r\n\r\n{}", 400),
+    # RFC 9112 6.1: Transfer-Encoding in HTTP/1.0 is a framing fault.
+    "transfer-encoding on 1.0": (
+        b"POST /v1/chat/completions HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%b\r\n0\r\n\r\n" % (len(orjson.dumps(CHAT)), orjson.dumps(CHAT)),
+        400,
+    ),
+    "HTTP/2.0 request line": (b"POST /v1/chat/completions HTTP/2.0\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}", 505),
+    "CONNECT": (b"CONNECT 10.0.0.1:443 HTTP/1.1\r\nHost: 10.0.0.1:443\r\n\r\n", 405),
+}
+
+
+@pytest.mark.parametrize("name", list(HOST_CASES))
+async def test_what_rfc_9112_requires_rejecting_is_rejected(
+    start_fake: StartFake, start_router: StartRouter, name: str
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    data, status = HOST_CASES[name]
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(data)
+        answer = await wire.answer()
+        assert answer.status == status
+        assert answer.header(b"connection") == b"close"
+        assert await wire.closed() == b""
+    assert fake.seen == []
+
+
+async def test_http_1_0_without_host_is_served(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post(version=b"1.0", host=None))
+        assert (await wire.answer()).status == 200
+
+
+async def test_underscored_framing_names_and_the_fragment_are_not_forwarded(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(
+            post(
+                path=b"/v1/chat/completions?x=1#frag",
+                extra=b"Content_Length: 99\r\nTransfer_Encoding: chunked\r\nX_Custom: kept\r\n",
+            )
+        )
+        assert (await wire.answer()).status == 200
+    seen = fake.seen[-1]
+    names = {name.lower() for name in seen.headers}
+    assert "content_length" not in names and "transfer_encoding" not in names
+    assert seen.path == "/v1/chat/completions?x=1"
+    assert seen.body == orjson.dumps(CHAT)
+
+
+# Hangs and unbounded resources ---------------------------------------------------------------------
+
+
+async def test_a_body_that_stops_arriving_gets_408_and_the_connection_closes(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], body_timeout_seconds=0.5)
+    data = post()
+    async with await Wire.open(server.client_address) as wire:
+        began = time.perf_counter()
+        wire.send(data[:-5])
+        answer = await wire.answer()
+        assert 0.4 <= time.perf_counter() - began < 3.0
+        assert answer.status == 408
+        assert await wire.closed() == b""
+    assert fake.seen == []
+
+
+async def test_a_body_trickling_a_byte_at_a_time_gets_408_at_its_deadline(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], body_timeout_seconds=0.6)
+    data = post(orjson.dumps({**CHAT, "pad": "x" * 200}))
+    head_end = data.index(b"\r\n\r\n") + 4
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(data[:head_end])
+        began = time.perf_counter()
+        got: list[int] = []
+
+        async def trickle() -> None:
+            for byte in data[head_end:]:
+                wire.send(bytes([byte]))
+                await asyncio.sleep(0.05)
+
+        trickler = asyncio.create_task(trickle())
+        try:
+            answer = await wire.answer()
+            got.append(answer.status)
+        finally:
+            trickler.cancel()
+        # Progress does not extend the deadline: it runs from the head's end.
+        assert 0.5 <= time.perf_counter() - began < 2.5
+    assert got == [408]
+    assert fake.seen == []
+
+
+async def test_bodies_buffered_across_connections_are_capped(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], max_buffered_body_bytes=3000)
+    body = orjson.dumps({**CHAT, "pad": "x" * 1800})
+    slow = [await Wire.open(server.client_address) for _ in range(2)]
+    try:
+        # The first upload reserves its length; the second would pass the cap.
+        slow[0].send(post(body)[:-10])
+        await asyncio.sleep(0.1)
+        async with await Wire.open(server.client_address) as wire:
+            began = time.perf_counter()
+            wire.send(post(body)[:-10])
+            refused = await wire.answer()
+            assert refused.status == 503
+            assert time.perf_counter() - began < 1.0
+        # The first one completes, and its buffer is released: new bodies fit again.
+        slow[0].send(post(body)[-10:])
+        assert (await slow[0].answer()).status == 200
+        slow[1].send(post(body))
+        assert (await slow[1].answer()).status == 200
+    finally:
+        for wire in slow:
+            await wire.__aexit__()
+    await wait_for(lambda: server._client_server is not None and server._client_server.buffered == 0)
+
+
+async def test_a_client_that_never_reads_its_whole_answer_is_cut_off(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    # 200,000 embeddings of 8 numbers: an answer of tens of MB, far over the socket buffers.
+    fake = await start_fake("m", behaviour=Behaviour(embedding_size=64))
+    server = await start_router([replica_entry("r0", fake)], write_stall_timeout_seconds=0.5)
+    client_server = server._client_server
+    assert client_server is not None
+    body = orjson.dumps({"model": "m", "input": ["x"] * 20000})
+    reader, writer = await asyncio.open_connection(*server.client_address)  # type: ignore[misc]
+    try:
+        writer.write(post(body, path=b"/v1/embeddings"))
+        await reader.readexactly(100)  # the answer began; then the client reads nothing more
+        await wait_for(lambda: not client_server.connections, timeout=10)
+    finally:
+        writer.close()
+    assert (await protocol_errors(server.admin_url)).get("write_stall") == 1
+
+
+async def test_an_endless_header_line_is_refused_as_it_arrives(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], header_timeout_seconds=30)
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nX-Endless: ")
+        began = time.perf_counter()
+        answer: list[int] = []
+
+        async def endless() -> None:
+            while True:
+                wire.send(b"a" * 512)
+                await asyncio.sleep(0.001)
+
+        sender = asyncio.create_task(endless())
+        try:
+            answer.append((await wire.answer(timeout=10)).status)
+        finally:
+            sender.cancel()
+        # Refused when the line passed 8 KiB, not at the 30 s head deadline.
+        assert time.perf_counter() - began < 3.0
+    assert answer == [431]
+
+
+async def test_a_head_of_many_short_lines_over_64_kib_is_431(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    lines = b"".join(b"X-Pad-%d: %b\r\n" % (i, b"v" * 1000) for i in range(70))
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post(extra=lines))
+        assert (await wire.answer()).status == 431
+    assert fake.seen == []
+
+
+async def test_a_target_over_8_kib_is_414(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post(path=b"/v1/chat/completions?q=" + b"a" * 9000))
+        assert (await wire.answer()).status == 414
+    assert fake.seen == []
+
+
+# Wrong answers ------------------------------------------------------------------------------------
+
+
+async def test_upgrade_is_ignored_and_the_request_answered(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    body = orjson.dumps(CHAT)
+    async with await Wire.open(server.client_address) as wire:
+        # A websocket handshake on the model list, then (as curl --http2 does on
+        # http://) an h2c upgrade on a POST with a body, then a plain request.
+        wire.send(
+            b"GET /v1/models HTTP/1.1\r\nHost: router\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
+        listing = await wire.answer()
+        assert listing.status == 200 and listing.json()["object"] == "list"
+        wire.send(
+            post(
+                body,
+                extra=b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n",
+            )
+        )
+        upgraded = await wire.answer()
+        assert upgraded.status == 200 and upgraded.json()["object"] == "chat.completion"
+        wire.send(post())
+        assert (await wire.answer()).status == 200
+    assert fake.seen[0].body == body
+    assert "Upgrade" not in fake.seen[0].headers
+
+
+async def test_http_1_0_keep_alive_answers_say_keep_alive(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        for _ in range(2):
+            wire.send(post(version=b"1.0", extra=b"Connection: keep-alive\r\n"))
+            answer = await wire.answer()
+            assert answer.status == 200
+            assert answer.header(b"connection") == b"keep-alive"
+
+
+async def test_allow_names_head_where_head_works(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(b"DELETE /v1/models HTTP/1.1\r\nHost: router\r\n\r\n")
+        refused = await wire.answer()
+        assert refused.status == 405
+        allowed = {m.strip() for m in (refused.header(b"allow") or b"").split(b",")}
+        assert allowed == {b"GET", b"HEAD"}
+        wire.send(b"HEAD /v1/models HTTP/1.1\r\nHost: router\r\n\r\n")
+        assert (await wire.answer(head_request=True)).status == 200
+
+
+async def test_protocol_errors_are_counted_by_reason_and_logged_once_a_minute(
+    start_fake: StartFake, start_router: StartRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    caplog.set_level(logging.INFO, logger="router.http.server")
+    for _ in range(3):
+        async with await Wire.open(server.client_address) as wire:
+            wire.send(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}")
+            assert (await wire.answer()).status == 400
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(b"GARBAGE\r\n\r\n")
+        assert (await wire.answer()).status == 400
+    counts = await protocol_errors(server.admin_url)
+    assert counts == {"host": 3, "invalid_http": 1}
+    lines = [r for r in caplog.records if r.name == "router.http.server"]
+    assert [r.getMessage().split(":", 1)[0] for r in lines] == ["host", "invalid_http"]
+
+
+# Found by the hostile review ---------------------------------------------------------------------
+
+
+async def test_a_client_pipelining_without_end_holds_at_most_one_request_ahead(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    client_server = server._client_server
+    assert client_server is not None
+    one = b"GET /v1/models HTTP/1.1\r\nHost: router\r\n\r\n"
+    _, writer = await asyncio.open_connection(*server.client_address)  # type: ignore[misc]
+    try:
+        most = 0
+        for _ in range(40):
+            writer.write(one * 2000)
+            await asyncio.sleep(0.005)
+            for connection in client_server.connections:
+                most = max(most, len(connection._pending))
+        # Parsing stops at the first request queued behind the running one, a
+        # slice of the read at most: never the thousands of a whole read.
+        assert most <= 4096 // len(one) + 1
+    finally:
+        writer.close()
+
+
+async def test_a_pipelined_requests_body_is_read_once_the_one_ahead_is_answered(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], body_timeout_seconds=2)
+    third = post()
+    head_end = third.index(b"\r\n\r\n") + 4
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post() + post() + third[:head_end])
+        for _ in range(2):
+            assert (await wire.answer()).status == 200
+        await asyncio.sleep(0.3)
+        wire.send(third[head_end:])
+        assert (await wire.answer(timeout=1.5)).status == 200
+
+
+async def test_endless_trailers_are_refused_as_they_arrive(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    body = orjson.dumps(CHAT)
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(chunked_post(body, b"")[: -len(b"\r\n")] + b"X-T: ")
+        began = time.perf_counter()
+        statuses: list[int] = []
+
+        async def endless() -> None:
+            while True:
+                wire.send(b"a" * 1024)
+                await asyncio.sleep(0.001)
+
+        sender = asyncio.create_task(endless())
+        try:
+            statuses.append((await wire.answer(timeout=10)).status)
+        finally:
+            sender.cancel()
+        assert time.perf_counter() - began < 3.0
+    assert statuses == [431]
+    assert fake.seen == []
+
+
+async def test_an_announced_length_takes_no_share_of_the_body_budget_until_its_bytes_come(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], max_buffered_body_bytes=100_000)
+    idle = [await Wire.open(server.client_address) for _ in range(3)]
+    try:
+        for wire in idle:
+            # Together they promise 99,000 of the 100,000 bytes and send none:
+            # no one else may be refused for what never came.
+            wire.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Length: 33000\r\n\r\n")
+        await asyncio.sleep(0.1)
+        async with await Wire.open(server.client_address) as wire:
+            wire.send(post(orjson.dumps({**CHAT, "pad": "x" * 2000})))
+            assert (await wire.answer()).status == 200
+    finally:
+        for wire in idle:
+            await wire.__aexit__()
+
+
+async def test_a_refused_head_request_gets_a_head_only(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(b"HEAD /v1/models HTTP/1.1\r\n\r\n")  # no Host: 400
+        answer = await wire.answer(head_request=True)
+        assert answer.status == 400 and int(answer.header(b"content-length") or b"0") > 0
+        # Nothing follows the head: the connection ends right after it.
+        assert await wire.closed() == b""
+
+
+async def test_an_absolute_form_target_is_accepted_and_forwarded_in_origin_form(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post(path=b"http://router/v1/chat/completions?x=1"))
+        assert (await wire.answer()).status == 200
+    assert fake.seen[-1].path == "/v1/chat/completions?x=1"
+
+
+async def test_upgrade_with_expect_behind_a_long_answer_gets_its_100(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(tokens=12, token_delay=0.1))
+    server = await start_router([replica_entry("r0", fake)], body_timeout_seconds=0.5)
+    body = orjson.dumps(CHAT)
+    waiting = post(body, extra=b"Expect: 100-continue\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n")
+    long_stream = post(orjson.dumps({**CHAT, "stream": True, "max_tokens": 12}))  # 1.2 s
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(long_stream + waiting[: -len(body)])
+        assert (await wire.answer(timeout=5)).status == 200
+        # The body deadline did not run while the 100 was owed: no 408.
+        assert (await wire.answer()).status == 100
+        wire.send(body)
+        assert (await wire.answer()).status == 200

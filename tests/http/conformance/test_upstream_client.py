@@ -1,0 +1,544 @@
+"""The upstream client (router/http/client.py) against replicas that misbehave.
+
+Each replica is a real socket on 127.0.0.1 (tests/http/test_client.py's
+RawServer) that sends exact bytes at exact moments: answers nobody asked
+for, two answers for one request, answers cut short, trailers, silence in
+the middle of a body, heads without end, a protocol switch. Whatever a
+replica does, it costs its own connection, never another request's answer,
+never a request sent twice once the replica may have acted on it, and it is
+counted by reason in `Client.protocol_errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from router.http.client import (
+    MAX_HEAD_BYTES,
+    Client,
+    ConnectFailed,
+    ConnectionBroken,
+    HeadTooLarge,
+    Response,
+    UpstreamIdle,
+)
+from tests.helpers import HEAD, OK, RawServer, StartRaw, fixed
+
+MakeClient = Callable[..., Client]
+
+
+@pytest.fixture
+async def make_client() -> AsyncIterator[MakeClient]:
+    clients: list[Client] = []
+
+    def make(**kwargs: Any) -> Client:
+        c = Client(**{"connect_timeout": 2.0, "keepalive_seconds": 5.0, **kwargs})
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        await c.close()
+
+
+async def ok_once(client: Client, raw: RawServer) -> None:
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    assert await resp.read() == b"hello"
+    resp.release()
+
+
+class Recorder:
+    """A pipe() sink that keeps every piece it is handed."""
+
+    def __init__(self, *, full: bool = False) -> None:
+        self.pieces: list[bytes] = []
+        self.full = full
+
+    def __call__(self, piece: bytes) -> bool:
+        self.pieces.append(piece)
+        return self.full
+
+
+async def never_drained() -> None:
+    raise AssertionError("a sink that is never full is never drained")
+
+
+async def until_hung_up(reader: asyncio.StreamReader) -> None:
+    """The replica's silence: nothing more until the client closes the connection."""
+    try:
+        await reader.read(1)
+    except ConnectionError:
+        pass
+
+
+# 1. Bytes on an idle pooled connection -------------------------------------------------
+
+
+async def test_an_unsolicited_answer_on_an_idle_connection_poisons_it(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    # After its answer the replica sends the start of another, which nobody
+    # asked for: parsed, it would become (part of) the next request's answer.
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(OK)
+        await writer.drain()
+        if n == 1:
+            await asyncio.sleep(0.05)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nST")
+            await writer.drain()
+
+    raw = await raw_server(answer)
+    client = make_client()
+    await ok_once(client, raw)
+    await asyncio.sleep(0.2)
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"unsolicited_bytes": 1}
+    await ok_once(client, raw)
+    assert raw.connections == 2
+
+
+async def test_a_replica_that_speaks_before_the_request_is_connect_failed(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def banner(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n")
+        await writer.drain()
+        await until_hung_up(reader)
+        writer.close()
+
+    server = await asyncio.start_server(banner, "127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    connect = loop.create_connection
+
+    async def slow_connect(*args: Any, **kwargs: Any) -> Any:
+        # Let the banner arrive before the request goes out, every time.
+        result = await connect(*args, **kwargs)
+        await asyncio.sleep(0.05)
+        return result
+
+    monkeypatch.setattr(loop, "create_connection", slow_connect)
+    client = make_client()
+    try:
+        raw = RawServer(fixed(OK))
+        raw.server = server
+        with pytest.raises(ConnectFailed):
+            await asyncio.wait_for(client.request(raw.origin, HEAD, b"{}"), 5)
+        assert client.open_connections == 0
+        assert client.protocol_errors.counts == {"unsolicited_bytes": 1}
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+# 2. Bytes after the end of the answer --------------------------------------------------
+
+
+async def test_a_second_answer_in_the_same_read_closes_the_connection(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    raw = await raw_server(fixed(OK + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nworld"))
+    client = make_client()
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    # The first answer is delivered whole; the second is nobody's.
+    assert await resp.read() == b"hello"
+    resp.release()
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"bytes_after_answer": 1}
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    assert await resp.read() == b"hello"
+    resp.release()
+    assert raw.connections == 2
+
+
+async def test_bytes_after_the_answer_before_its_release_close_the_connection(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(OK)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        await writer.drain()
+
+    raw = await raw_server(answer)
+    client = make_client()
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    assert await resp.read() == b"hello"
+    await asyncio.sleep(0.2)
+    resp.release()
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"bytes_after_answer": 1}
+
+
+# 3. No retry once any of an answer arrived ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "partial", [b"HTTP/1.1 20", b"HTTP/1.1 200 OK\r\nContent-Le"], ids=["half-a-status-line", "head-cut-short"]
+)
+async def test_a_reused_connection_broken_mid_head_is_not_retried(
+    raw_server: StartRaw, make_client: MakeClient, partial: bytes
+) -> None:
+    # Unlike the keep-alive race (nothing came back), the replica has begun
+    # to answer this request: sending it again could run it twice.
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(partial if n == 2 else OK)
+        await writer.drain()
+        if n == 2:
+            writer.close()
+
+    raw = await raw_server(answer)
+    client = make_client()
+    await ok_once(client, raw)
+    with pytest.raises(ConnectionBroken) as info:
+        await client.request(raw.origin, HEAD, b"{}")
+    assert info.value.before_head
+    assert info.value.answered
+    assert len(raw.requests) == 2
+    assert raw.connections == 1
+
+
+# 4. Trailers -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["same-read-as-the-head", "later-read"])
+async def test_trailers_never_become_response_headers(
+    raw_server: StartRaw, make_client: MakeClient, split: bool
+) -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Trailer\r\n\r\n"
+    rest = b"5\r\nhello\r\n0\r\nX-Trailer: evil\r\nContent-Type: text/evil\r\n\r\n"
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        if split:
+            writer.write(head)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(rest)
+        else:
+            writer.write(head + rest)
+        await writer.drain()
+
+    raw = await raw_server(answer)
+    client = make_client()
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    assert await resp.read() == b"hello"
+    assert [name for name, _ in resp.headers] == [b"Transfer-Encoding", b"Trailer"]
+    assert resp.header(b"x-trailer") is None
+    assert resp.header(b"content-type") is None
+    resp.release()
+    # Trailers are no protocol error: the connection is reused.
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    assert await resp.read() == b"hello"
+    resp.release()
+    assert raw.connections == 1
+    assert client.protocol_errors.counts == {}
+
+
+# 5. Silence in the middle of a body ------------------------------------------------------
+
+
+async def test_a_stream_that_goes_quiet_ends_with_upstream_idle(raw_server: StartRaw, make_client: MakeClient) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await until_hung_up(reader)
+
+    raw = await raw_server(answer)
+    client = make_client(idle_timeout=0.2)
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    sink = Recorder()
+    began = time.monotonic()
+    with pytest.raises(UpstreamIdle) as info:
+        await asyncio.wait_for(resp.pipe(sink, never_drained), 5)
+    waited = time.monotonic() - began
+    assert 0.2 <= waited < 2
+    assert not info.value.before_head
+    assert info.value.answered
+    assert sink.pieces == [b"hello"]
+    resp.release()
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"idle_timeout": 1}
+
+
+async def test_a_body_shorter_than_its_length_then_silence_ends_with_upstream_idle(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhell")
+        await writer.drain()
+        await until_hung_up(reader)
+
+    raw = await raw_server(answer)
+    client = make_client(idle_timeout=0.2)
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    with pytest.raises(UpstreamIdle):
+        await asyncio.wait_for(resp.read(), 5)
+    resp.release()
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"idle_timeout": 1}
+
+
+async def test_a_slow_steady_stream_is_not_idle(raw_server: StartRaw, make_client: MakeClient) -> None:
+    # Pauses shorter than the idle timeout, for much longer than it in all.
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(12):
+            await asyncio.sleep(0.05)
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    raw = await raw_server(answer)
+    client = make_client(idle_timeout=0.2)
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    sink = Recorder()
+    await resp.pipe(sink, never_drained)
+    resp.release()
+    assert b"".join(sink.pieces) == b"x" * 12
+    assert client.protocol_errors.counts == {}
+    assert client.open_connections == 1
+
+
+async def test_a_stream_paused_by_a_slow_client_is_not_idle(raw_server: StartRaw, make_client: MakeClient) -> None:
+    # The proxy's client takes nothing for far longer than the idle timeout:
+    # the replica's connection is not read, so it sends nothing, and that is
+    # this side's doing, not the replica's.
+    total = 2 * 1024 * 1024
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        for _ in range(total // 65536):
+            writer.write(b"x" * 65536)
+            await writer.drain()
+
+    raw = await raw_server(answer)
+    client = make_client(idle_timeout=0.1)
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    sink = Recorder(full=True)
+    drains = 0
+
+    async def drain() -> None:
+        nonlocal drains
+        drains += 1
+        if drains == 1:
+            await asyncio.sleep(0.6)
+
+    await asyncio.wait_for(resp.pipe(sink, drain), 10)
+    resp.release()
+    assert sum(map(len, sink.pieces)) == total
+    assert client.protocol_errors.counts == {}
+
+
+async def test_a_slow_head_is_the_first_byte_timers_not_the_idle_sweeps(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await asyncio.sleep(0.5)
+        writer.write(OK)
+        await writer.drain()
+
+    raw = await raw_server(answer)
+    client = make_client(idle_timeout=0.1)
+    resp = await client.request(raw.origin, HEAD, b"{}", head_timeout=5.0)
+    assert await resp.read() == b"hello"
+    resp.release()
+    assert client.protocol_errors.counts == {}
+
+
+async def test_the_idle_sweep_runs_only_while_a_body_is_in_progress(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    raw = await raw_server(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhel"))
+    client = make_client(idle_timeout=0.2)
+    assert client._watch is None
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    assert client._watch is not None
+    resp.release()
+    # Nothing in progress: the next sweep finds no body and does not rearm.
+    await asyncio.sleep(0.15)
+    assert client._watch is None
+    # Every idle_timeout / 4, within [0.05 s, 5 s].
+    assert make_client(idle_timeout=300.0)._watch_every == 5.0
+    assert make_client(idle_timeout=0.01)._watch_every == 0.05
+    assert make_client(idle_timeout=2.0)._watch_every == 0.5
+
+
+# 6. Heads (and trailers) without end --------------------------------------------------
+
+
+async def endless(writer: asyncio.StreamWriter, start: bytes) -> None:
+    """`start`, then a line that never ends, a KiB at a time, until the client hangs up."""
+    writer.write(start)
+    for _ in range(4096):
+        writer.write(b"a" * 1024)
+        await writer.drain()
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("slowly", [True, False], ids=["endless-line-slowly", "1-MB-at-once"])
+async def test_a_head_over_64_kib_is_head_too_large_and_not_retried(
+    raw_server: StartRaw, make_client: MakeClient, slowly: bool
+) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        if n == 1:
+            writer.write(OK)
+        elif slowly:
+            await endless(writer, b"HTTP/1.1 200 OK\r\nX-Endless: ")
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 1024 * 1024 + b"\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+
+    raw = await raw_server(answer)
+    client = make_client()
+    # On a reused connection, where a break before the head could be retried.
+    await ok_once(client, raw)
+    with pytest.raises(HeadTooLarge) as info:
+        await asyncio.wait_for(client.request(raw.origin, HEAD, b"{}"), 10)
+    assert info.value.before_head
+    assert info.value.answered
+    assert len(raw.requests) == 2
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"head_too_large": 1}
+
+
+async def test_a_head_just_under_64_kib_is_fine(raw_server: StartRaw, make_client: MakeClient) -> None:
+    big = b"a" * (MAX_HEAD_BYTES - 1024)
+    raw = await raw_server(fixed(b"HTTP/1.1 200 OK\r\nX-Big: " + big + b"\r\nContent-Length: 5\r\n\r\nhello"))
+    client = make_client()
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    assert resp.header(b"x-big") == big
+    assert await resp.read() == b"hello"
+    resp.release()
+    assert client.protocol_errors.counts == {}
+
+
+async def test_endless_trailers_break_the_answer(raw_server: StartRaw, make_client: MakeClient) -> None:
+    # Bytes keep coming, so the idle sweep never fires; httptools would grow
+    # the trailer field without end.
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await endless(writer, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX-Endless: ")
+
+    raw = await raw_server(answer)
+    client = make_client()
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    with pytest.raises(ConnectionBroken) as info:
+        await asyncio.wait_for(resp.read(), 10)
+    assert not info.value.before_head
+    resp.release()
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"trailers_too_large": 1}
+
+
+# 7. Protocol switch -------------------------------------------------------------------
+
+
+async def test_switching_protocols_is_broken_without_a_traceback(
+    raw_server: StartRaw, make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw = await raw_server(
+        fixed(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n\x81\x05hello")
+    )
+    client = make_client()
+    with caplog.at_level(logging.INFO):
+        with pytest.raises(ConnectionBroken) as info:
+            await client.request(raw.origin, HEAD, b"{}")
+        await asyncio.sleep(0.05)
+    assert "switched protocols" in str(info.value)
+    assert info.value.before_head
+    assert info.value.answered
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"switched_protocols": 1}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert [r.name for r in caplog.records] == ["router.http.client"]
+
+
+async def test_interim_answers_are_still_dropped(raw_server: StartRaw, make_client: MakeClient) -> None:
+    raw = await raw_server(fixed(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" + OK))
+    client = make_client()
+    await ok_once(client, raw)
+    assert client.protocol_errors.counts == {}
+
+
+# 8. No empty piece -------------------------------------------------------------------
+
+
+async def test_a_body_ended_by_close_hands_no_empty_piece_to_the_sink(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    # Downstream an empty piece is framed as a chunked last-chunk: the
+    # client's stream would end there, and what follows would corrupt it.
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"data: 1\n\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+
+    raw = await raw_server(answer)
+    client = make_client()
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    sink = Recorder()
+    await resp.pipe(sink, never_drained)
+    resp.release()
+    assert sink.pieces == [b"data: 1\n\n"]
+
+
+# 9. Garbage -----------------------------------------------------------------------
+
+
+async def test_garbage_is_counted_as_an_invalid_response(raw_server: StartRaw, make_client: MakeClient) -> None:
+    raw = await raw_server(fixed(b"SSH-2.0-OpenSSH\r\n\r\n"))
+    client = make_client()
+    with pytest.raises(ConnectionBroken) as info:
+        await client.request(raw.origin, HEAD, b"{}")
+    assert info.value.before_head
+    assert info.value.answered
+    assert client.protocol_errors.counts == {"invalid_response": 1}
+
+
+async def test_garbage_in_the_body_is_counted_and_breaks_the_answer(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    raw = await raw_server(fixed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n"))
+    client = make_client()
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    with pytest.raises(ConnectionBroken) as info:
+        await asyncio.wait_for(resp.read(), 5)
+    assert not info.value.before_head
+    resp.release()
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"invalid_response": 1}
+
+
+# 10. The connection's state -------------------------------------------------------------
+
+
+async def test_a_connection_shows_its_origin_and_state(raw_server: StartRaw, make_client: MakeClient) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    raw = await raw_server(answer)
+    client = make_client()
+    resp: Response = await client.request(raw.origin, HEAD, b"{}")
+    connection = resp._connection
+    assert repr(connection) == f"<_Connection {raw.origin.key} body>"
+    assert await resp.read() == b"hello"
+    assert repr(connection) == f"<_Connection {raw.origin.key} done>"
+    resp.release()
+    assert repr(connection) == f"<_Connection {raw.origin.key} idle>"
+    assert client.open_connections == 1
+    await client.close()
+    assert repr(connection) == f"<_Connection {raw.origin.key} closed>"
+    assert client.open_connections == 0
