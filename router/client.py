@@ -711,20 +711,36 @@ class Client:
             self._sweeper = asyncio.get_running_loop().call_later(self.keepalive_seconds, self._sweep)
 
     def _sweep(self) -> None:
-        """Close connections idle longer than the keep-alive, before the replica does."""
+        """Close connections idle longer than the keep-alive, before the replica does.
+
+        Each origin's list is replaced before any of its connections is
+        closed: close() takes a connection out of the list it is in, and a
+        list changed while it is walked skips every other connection, which
+        then stays open for good. The next sweep is due when the oldest
+        connection left reaches the keep-alive (each list is in the order
+        its connections went idle), not a whole period later, so none
+        outlives it by more than a timer's lateness.
+        """
         self._sweeper = None
-        cutoff = time.monotonic() - self.keepalive_seconds
+        now = time.monotonic()
+        cutoff = now - self.keepalive_seconds
+        stale: list[_Connection] = []
+        due: float | None = None
         for key, idle in list(self._idle.items()):
-            keep = [c for c in idle if c.idle_since >= cutoff and c.state is _IDLE]
-            for connection in idle:
-                if connection not in keep:
-                    connection.close()
+            keep = [c for c in idle if c.idle_since > cutoff and c.state is _IDLE]
+            if len(keep) < len(idle):
+                stale.extend(c for c in idle if c.idle_since <= cutoff or c.state is not _IDLE)
             if keep:
                 self._idle[key] = keep
+                oldest = keep[0].idle_since
+                due = oldest if due is None else min(due, oldest)
             else:
                 del self._idle[key]
-        if self._idle:
-            self._sweeper = asyncio.get_running_loop().call_later(self.keepalive_seconds, self._sweep)
+        for connection in stale:
+            connection.close()
+        if due is not None:
+            delay = max(due + self.keepalive_seconds - now, 0.0)
+            self._sweeper = asyncio.get_running_loop().call_later(delay, self._sweep)
 
     def _watch_idle(self) -> None:
         """End bodies whose replica went quiet: one sweep for every connection with a body in progress.

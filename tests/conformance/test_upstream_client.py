@@ -28,7 +28,7 @@ from router.client import (
     Response,
     UpstreamIdle,
 )
-from tests.helpers import HEAD, OK, RawServer, StartRaw, fixed
+from tests.helpers import HEAD, OK, RawServer, StartRaw, fixed, wait_for
 
 MakeClient = Callable[..., Client]
 
@@ -542,3 +542,24 @@ async def test_a_connection_shows_its_origin_and_state(raw_server: StartRaw, mak
     await client.close()
     assert repr(connection) == f"<_Connection {raw.origin.key} closed>"
     assert client.open_connections == 0
+
+
+# 11. The keep-alive sweep ---------------------------------------------------------------
+
+
+async def test_every_connection_idle_past_the_keepalive_is_closed(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    """Bursts of connections against a replica without an idle timeout of its own: none outlives the keep-alive."""
+    raw = await raw_server(fixed(OK))
+    client = make_client(keepalive_seconds=0.2)
+    for burst in range(1, 4):
+        responses = await asyncio.gather(*(client.request(raw.origin, HEAD, b"{}") for _ in range(20)))
+        for resp in responses:
+            assert await resp.read() == b"hello"
+            resp.release()
+        assert client.open_connections == 20
+        # Closed by the client (the replica reads its EOF), every one of them.
+        await wait_for(lambda: client.open_connections == 0, timeout=3.0)
+        await wait_for(lambda: raw.eofs == 20 * burst, timeout=3.0)  # noqa: B023
+    assert raw.connections == 60
