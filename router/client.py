@@ -11,8 +11,9 @@ the protocol callback, with no task switch per chunk.
 Failures are classified for the proxy's retry rules: `ConnectFailed` (no
 connection; nothing was sent), `ConnectionBroken` (the connection ended or
 was garbled; `before_head` says whether the response head had come,
-`answered` whether any byte of an answer had: only a request that got no
-byte back may be sent again), and a replica's HTTP status is never an
+`answered` whether any byte of an answer had, `unsent` whether the
+connection ended before the request had gone out whole: only such a
+request may be sent again), and a replica's HTTP status is never an
 exception here. A replica that misbehaves (bytes nobody asked for, a head
 without end, a body that stops mid-way, a protocol switch) costs its
 connection, never the next request's answer, and is counted by reason in
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import select
 import ssl
 import time
 from collections import deque
@@ -64,12 +66,20 @@ class ConnectionBroken(Exception):
     `answered`: some bytes of an answer had arrived for this request, so the
     replica has seen it and may have acted on it: it must not be sent again.
     Unless given, `answered` is true exactly when the head had come.
+    `unsent`: the connection ended while part of the request was still
+    waiting to go out, with nothing answered: the replica never had the
+    whole request, so it cannot have acted on it. Only such a request may
+    be sent again; one written whole and then met by a close may have been
+    read, run, and crashed the replica (Go's transport retries a POST only
+    on its `nothingWrittenError`; nginx passes a POST whose request was
+    sent to no next server unless told `non_idempotent`).
     """
 
-    def __init__(self, message: str, *, before_head: bool, answered: bool | None = None) -> None:
+    def __init__(self, message: str, *, before_head: bool, answered: bool | None = None, unsent: bool = False) -> None:
         super().__init__(message)
         self.before_head = before_head
         self.answered = not before_head if answered is None else answered
+        self.unsent = unsent
 
 
 class HeadTooLarge(ConnectionBroken):
@@ -276,6 +286,13 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self.reusable = False
         self.paused = False
+        # Part of the request still waits in the transport's buffer: the
+        # transport's high-water mark is 0, so it says so the moment a write
+        # is not taken whole by the kernel, and again once all of it is.
+        self.sending = False
+        # Asks the kernel whether anything (an end, a reset, bytes) waits
+        # unread on the connection: what the event loop may not have seen yet.
+        self.readable = select.poll()
         self.idle_since = 0.0
         # Reads so far: the idle sweep's evidence of life, and (against
         # `_reads_at_send`) whether any byte came back for this request.
@@ -304,6 +321,16 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(0)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.readable.register(sock.fileno(), select.POLLIN)
+
+    def pause_writing(self) -> None:
+        self.sending = True
+
+    def resume_writing(self) -> None:
+        self.sending = False
 
     def data_received(self, data: bytes) -> None:
         self.reads += 1
@@ -374,6 +401,12 @@ class _Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         # Not fed to the parser: a body delimited by the end of the connection
         # ends in connection_lost, and feed_data(b"") only yields on_body(b"").
+        if self.sending and self.state is _ACTIVE and self.transport is not None:
+            # The replica hung up before the request had gone out whole. A
+            # close would go on writing the rest to no one, and once that
+            # was done the request would look sent; an abort drops it now,
+            # and connection_lost finds it unsent.
+            self.transport.abort()
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -396,11 +429,13 @@ class _Connection(asyncio.Protocol):
         elif state is _ACTIVE:
             head = self.head
             if head is not None and not head.done():
+                answered = self.reads != self._reads_at_send
                 head.set_exception(
                     ConnectionBroken(
                         f"the replica closed the connection before answering: {exc or 'EOF'}",
                         before_head=True,
-                        answered=self.reads != self._reads_at_send,
+                        answered=answered,
+                        unsent=self.sending and not answered,
                     )
                 )
         # IDLE and DONE lose nothing; CLOSED was ended (and the request failed) by this side.
@@ -530,10 +565,14 @@ class _Connection(asyncio.Protocol):
             return
         self.response = None
         self.head = None
-        if self.state is _DONE and self.reusable:
+        if self.state is _DONE and self.reusable and not self.sending:
             self.state = _IDLE
             self.resume()
             self.client._idle_again(self)
+        elif self.sending:
+            # The replica answered before it had the whole request: the rest
+            # would reach it as the start of the next one. Dropped unsent.
+            self._abort()
         else:
             # Half read (BODY), or the replica said close: never reused.
             self.close()
@@ -624,21 +663,24 @@ class Client:
         Raises ConnectFailed; HeadTimeout when no head came within
         `head_timeout` seconds of sending; or ConnectionBroken(before_head=True)
         when the connection ended or garbled before the head (`answered` if
-        any of an answer had come). A stale keep-alive connection that the
-        replica closed as the request went out looks like a break with no
-        answer: that alone is retried, once, on a fresh connection.
+        any of an answer had come). A kept-alive connection that the replica
+        closed before the request had gone out whole (`unsent`) is the one
+        break retried, once, on a fresh connection; one the replica had
+        already closed when it was picked is not used at all.
         """
         connection = self._reuse(origin)
         if connection is not None:
             try:
                 return await self._exchange(connection, head, body, head_timeout)
             except ConnectionBroken as exc:
-                # A replica that sent any part of an answer has the request:
-                # sending it again could run it twice (a POST, a paid generation).
-                if not exc.before_head or exc.answered:
+                # A request written whole may have been read and acted on,
+                # answer or not (a POST, a paid generation, a prompt that
+                # kills the engine): never sent again, here or elsewhere.
+                if not exc.unsent:
                     raise
                 # The keep-alive race: the replica closed the idle connection
-                # as the request went out. Once more, on a fresh connection.
+                # before the request had gone out whole. Once more, on a fresh
+                # connection (a refusal now is honest: nothing was sent).
         connection = await self._connect(origin)
         return await self._exchange(connection, head, body, head_timeout)
 
@@ -666,13 +708,12 @@ class Client:
         while idle:
             # The most recently used first: the most likely to be open still.
             connection = idle.pop()
-            transport = connection.transport
-            if (
-                connection.idle_since >= cutoff
-                and connection.state is _IDLE
-                and transport
-                and not transport.is_closing()
-            ):
+            # Anything readable on an idle connection ends it: most often the
+            # replica's close, already in the kernel but not yet seen by the
+            # event loop. Found now, it costs nothing; found after the request
+            # went out, it would cost the request (Go's errServerClosedIdle is
+            # the same close, seen by its reader while the connection idles).
+            if connection.idle_since >= cutoff and connection.state is _IDLE and not connection.readable.poll(0):
                 return connection
             connection.close()
         return None

@@ -356,6 +356,42 @@ async def test_a_request_a_fresh_connection_took_is_not_sent_again_when_it_close
     assert len(first.requests) + len(second.requests) == 1
 
 
+@pytest.mark.parametrize("gone", [False, True], ids=["replica-still-listening", "replica-gone"])
+async def test_a_post_read_whole_on_a_reused_connection_then_dropped_is_a_502_sent_nowhere_else(
+    start_raw: StartRaw, start_router: StartRouter, gone: bool
+) -> None:
+    """An engine that dies on a prompt it read on a kept-alive connection: 502, the prompt sent to no one again."""
+
+    async def dies(exchange: Exchange) -> None:
+        if exchange.index == 1:
+            await exchange.write(json_answer())  # the connection goes back to the pool
+            return
+        if gone:
+            # The replica is gone now: a new connection to it would be refused.
+            assert first.server is not None
+            first.server.close()
+        exchange.close()
+
+    async def serves(exchange: Exchange) -> None:
+        await exchange.write(json_answer())
+
+    first = await start_raw(dies)
+    fallback = await start_raw(serves)
+    server = await start_router(
+        [entry(first.url, "a"), {"id": "b", "model": "m2", "url": fallback.url}],
+        models={"m": {"fallbacks": ["m2"]}},
+        max_attempts=4,
+    )
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post())
+        assert (await wire.answer()).status == 200
+        wire.send(post())
+        answer_ = await wire.answer()
+    assert answer_.status == 502
+    assert len(first.requests) == 2
+    assert fallback.requests == []
+
+
 async def test_a_status_below_100_is_a_502(start_raw: StartRaw, start_router: StartRouter) -> None:
     async def answer(exchange: Exchange) -> None:
         await exchange.write(b"HTTP/1.1 099 Weird\r\nContent-Length: 2\r\n\r\n{}")

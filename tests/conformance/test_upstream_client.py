@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -28,6 +31,7 @@ from router.client import (
     Response,
     UpstreamIdle,
 )
+from router.origin import Origin
 from tests.helpers import HEAD, OK, RawServer, StartRaw, fixed, wait_for
 
 MakeClient = Callable[..., Client]
@@ -48,7 +52,11 @@ async def make_client() -> AsyncIterator[MakeClient]:
 
 
 async def ok_once(client: Client, raw: RawServer) -> None:
-    resp = await client.request(raw.origin, HEAD, b"{}")
+    await ok_once_at(client, raw.origin)
+
+
+async def ok_once_at(client: Client, origin: Origin) -> None:
+    resp = await client.request(origin, HEAD, b"{}")
     assert await resp.read() == b"hello"
     resp.release()
 
@@ -202,6 +210,158 @@ async def test_a_reused_connection_broken_mid_head_is_not_retried(
     assert info.value.answered
     assert len(raw.requests) == 2
     assert raw.connections == 1
+
+
+# 3b. The keep-alive race, and only it, is sent again -----------------------------------
+
+
+async def test_a_request_read_whole_on_a_reused_connection_then_dropped_is_not_sent_again(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    """A replica that reads the whole request and closes without a byte (an engine that died on it): sent once."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        if n == 1:
+            writer.write(OK)
+            await writer.drain()
+        else:
+            writer.close()
+
+    raw = await raw_server(answer)
+    client = make_client()
+    await ok_once(client, raw)
+    with pytest.raises(ConnectionBroken) as info:
+        await client.request(raw.origin, HEAD, b"{}")
+    assert info.value.before_head
+    assert not info.value.answered
+    assert not info.value.unsent
+    assert len(raw.requests) == 2
+    assert raw.connections == 1
+
+
+async def test_an_idle_connection_the_replica_already_closed_is_not_used(make_client: MakeClient) -> None:
+    """The replica's close waits in the kernel, not yet seen by the event loop, when the connection is picked."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+    go, closed = threading.Event(), threading.Event()
+    received: list[bytes] = []
+
+    def replica() -> None:
+        with listener:
+            for n in range(2):
+                conn, _ = listener.accept()
+                with conn:
+                    conn.settimeout(5)
+                    data = b""
+                    for _ in range(100):
+                        if data.endswith(b"{}"):
+                            break
+                        data += conn.recv(65536)
+                    received.append(data)
+                    conn.sendall(OK)
+                    if n == 0:
+                        go.wait(5)
+                closed.set()
+
+    thread = threading.Thread(target=replica)
+    thread.start()
+    origin = Origin.parse(f"http://127.0.0.1:{listener.getsockname()[1]}")
+    client = make_client()
+    try:
+        resp = await client.request(origin, HEAD, b"{}")
+        assert await resp.read() == b"hello"
+        resp.release()
+        go.set()
+        # Blocks the event loop on purpose: the close arrives while nothing reads it.
+        assert closed.wait(5)
+        resp = await asyncio.wait_for(client.request(origin, HEAD, b"{}"), 5)
+        assert await resp.read() == b"hello"
+        resp.release()
+    finally:
+        go.set()
+        await asyncio.to_thread(thread.join, 5)
+    # One request per connection: none was written into the closed one.
+    assert received == [HEAD + b"{}", HEAD + b"{}"]
+
+
+BIG = b"x" * (32 * 1024 * 1024)  # far more than the kernel's buffers hold for a replica that reads nothing
+BIG_HEAD = b"POST /v1/x HTTP/1.1\r\nHost: h\r\nContent-Length: %d\r\n\r\n" % len(BIG)
+
+
+async def big_request_replica(second: Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Any]) -> Any:
+    """A replica that answers the first request, hands the head of the second to `second`, answers the rest."""
+    connections: list[int] = []
+    requests: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            for _ in range(10):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+                requests.append(length)
+                if len(requests) == 2:
+                    await second(reader, writer, length)
+                    if writer.is_closing():
+                        return
+                    continue
+                await reader.readexactly(length)
+                writer.write(OK)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, limit=1 << 20)
+    return server, connections, requests
+
+
+async def test_a_request_cut_off_before_it_went_out_whole_is_sent_again_once(make_client: MakeClient) -> None:
+    """The replica resets a reused connection while most of the request still waits to go out: the race, retried."""
+
+    async def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, length: int) -> None:
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+
+    server, connections, requests = await big_request_replica(reset)
+    origin = Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    client = make_client()
+    try:
+        await ok_once_at(client, origin)
+        resp = await asyncio.wait_for(client.request(origin, BIG_HEAD, BIG), 20)
+        assert await resp.read() == b"hello"
+        resp.release()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert requests == [2, len(BIG), len(BIG)]
+    assert len(connections) == 2
+
+
+async def test_a_connection_answered_before_its_request_went_out_whole_is_not_reused(make_client: MakeClient) -> None:
+    """An early answer (413 before the body was read) leaves the rest of the body unsent: that connection is dropped."""
+
+    async def early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, length: int) -> None:
+        writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        await reader.readexactly(length)
+
+    server, connections, requests = await big_request_replica(early)
+    origin = Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    client = make_client()
+    try:
+        await ok_once_at(client, origin)
+        resp = await asyncio.wait_for(client.request(origin, BIG_HEAD, BIG), 20)
+        assert resp.status == 413
+        assert await resp.read() == b""
+        resp.release()
+        await ok_once_at(client, origin)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert requests == [2, len(BIG), 2]
+    assert len(connections) == 2
 
 
 # 4. Trailers -----------------------------------------------------------------------
