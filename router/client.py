@@ -103,6 +103,11 @@ class UpstreamIdle(ConnectionBroken):
         super().__init__(message, before_head=False, answered=True)
 
 
+def _chunked_alone(coding: bytes) -> bool:
+    """Whether a Transfer-Encoding value is `chunked` and nothing else (any case, any spaces)."""
+    return [token.strip().lower() for token in coding.split(b",")] == [b"chunked"]
+
+
 class _Stop(Exception):
     """Raised in a parser callback to stop llhttp in the middle of a read.
 
@@ -153,6 +158,7 @@ class Response:
         "reason",
         "reason_bytes",
         "status",
+        "transfer_encoding",
     )
 
     def __init__(self, connection: _Connection, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> None:
@@ -164,12 +170,18 @@ class Response:
         # Raw (name, value) pairs in the replica's order and spelling.
         self.headers = headers
         self.content_length: int | None = None
+        coding: bytes | None = None
         for name, value in headers:
-            if name.lower() == b"content-length":
+            lower = name.lower()
+            if lower == b"content-length":
                 try:
                     self.content_length = int(value)
                 except ValueError:
                     self.content_length = None
+            elif lower == b"transfer-encoding":
+                coding = value if coding is None else coding + b", " + value
+        # Every Transfer-Encoding field's value, joined as one list.
+        self.transfer_encoding = coding
         self._chunks: deque[bytes] = deque()
         self._queued = 0
         self._done = False
@@ -420,7 +432,7 @@ class _Connection(asyncio.Protocol):
             assert response is not None
             # A body without a length ends with the connection (RFC 9112 6.3):
             # a clean close, that is; a reset cuts it short, and it must look so.
-            if exc is None and response.content_length is None and self._close_delimited():
+            if exc is None and response.content_length is None and response.transfer_encoding is None:
                 response._finish()
             else:
                 response._finish(
@@ -487,8 +499,21 @@ class _Connection(asyncio.Protocol):
             self._status_line = b""
             self._headers = []
             return
-        self._stop_deadline()
         response = Response(self, status, self._status_line, self._headers)
+        coding = response.transfer_encoding
+        if coding is not None and coding != b"chunked" and not _chunked_alone(coding):
+            # llhttp takes off the chunks of `gzip, chunked` and reads `gzip`
+            # alone to the end of the connection, and the client would get
+            # the coded body under a head that no longer names the coding
+            # (the hop-by-hop field is not passed on). The client side
+            # refuses such codings with 501; here the replica is at fault.
+            shown = coding.decode("latin-1")
+            self._fail(
+                "transfer_encoding",
+                self._broken(f"the replica's answer has Transfer-Encoding {shown!r}; only chunked is decoded"),
+            )
+            raise _Stop
+        self._stop_deadline()
         self.response = response
         self.state = _BODY
         client = self.client
@@ -598,14 +623,6 @@ class _Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
             self.client._forget(self)
-
-    def _close_delimited(self) -> bool:
-        # A response with neither Content-Length nor chunked framing.
-        assert self.response is not None
-        return not any(
-            name.lower() == b"transfer-encoding" and b"chunked" in value.lower()
-            for name, value in self.response.headers
-        )
 
     def _switched(self) -> None:
         self._fail(

@@ -10,6 +10,7 @@ nothing may hang or be sent to the replica twice.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 import time
 
@@ -390,6 +391,34 @@ async def test_a_post_read_whole_on_a_reused_connection_then_dropped_is_a_502_se
     assert answer_.status == 502
     assert len(first.requests) == 2
     assert fallback.requests == []
+
+
+@pytest.mark.parametrize("close_delimited", [False, True], ids=["gzip-chunked", "gzip-ended-by-close"])
+async def test_a_replicas_gzip_transfer_coding_is_a_502_never_a_coded_body(
+    start_raw: StartRaw, start_router: StartRouter, close_delimited: bool
+) -> None:
+    """Transfer-Encoding gzip (chunked or not) would pass the client a body still compressed, with nothing to say so."""
+    coded = gzip.compress(JSON_OK)
+
+    async def answer(exchange: Exchange) -> None:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        if close_delimited:
+            await exchange.write(head + b"Transfer-Encoding: gzip\r\n\r\n" + coded)
+            exchange.close()
+        else:
+            await exchange.write(head + b"Transfer-Encoding: gzip, chunked\r\n\r\n" + chunk(coded) + b"0\r\n\r\n")
+
+    replica = await start_raw(answer)
+    other = await start_raw(answer)
+    server = await start_router([entry(replica.url, "a"), entry(other.url, "b")], max_attempts=4)
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post())
+        answer_ = await wire.answer()
+    assert answer_.status == 502
+    assert answer_.json()["error"]["code"] == "upstream_error"  # type: ignore[index]
+    # The replica answered: it had the request, which goes to no one else.
+    assert len(replica.requests) + len(other.requests) == 1
+    assert (await protocol_errors(server.admin_url, "upstream")).get("transfer_encoding") == 1
 
 
 async def test_a_status_below_100_is_a_502(start_raw: StartRaw, start_router: StartRouter) -> None:

@@ -12,6 +12,7 @@ counted by reason in `Client.protocol_errors`.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 import socket
 import struct
@@ -593,6 +594,45 @@ async def test_endless_trailers_break_the_answer(raw_server: StartRaw, make_clie
     resp.release()
     assert client.open_connections == 0
     assert client.protocol_errors.counts == {"trailers_too_large": 1}
+
+
+# 6b. Transfer codings ------------------------------------------------------------------
+
+
+GZIPPED = gzip.compress(b'{"id": "x"}')
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (len(GZIPPED), GZIPPED),
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n" + GZIPPED,
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n" + GZIPPED,
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\n\r\n{}",
+    ],
+    ids=["gzip-chunked", "gzip-to-the-close", "chunked-gzip", "chunked-twice", "identity"],
+)
+async def test_a_transfer_coding_other_than_chunked_alone_breaks_the_answer(
+    raw_server: StartRaw, make_client: MakeClient, answer: bytes
+) -> None:
+    """Only chunked is decoded: a body under any other transfer coding would reach the client still coded."""
+    raw = await raw_server(fixed(answer, close=True))
+    client = make_client()
+    with pytest.raises(ConnectionBroken) as info:
+        await client.request(raw.origin, HEAD, b"{}")
+    assert info.value.before_head
+    assert info.value.answered
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"transfer_encoding": 1}
+
+
+@pytest.mark.parametrize("coding", [b"chunked", b"Chunked", b" CHUNKED "])
+async def test_chunked_in_any_case_is_decoded(raw_server: StartRaw, make_client: MakeClient, coding: bytes) -> None:
+    raw = await raw_server(fixed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: %b\r\n\r\n5\r\nhello\r\n0\r\n\r\n" % coding))
+    client = make_client()
+    await ok_once(client, raw)
+    assert client.protocol_errors.counts == {}
 
 
 # 7. Protocol switch -------------------------------------------------------------------
