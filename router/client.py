@@ -49,6 +49,9 @@ _HIGH_WATER = 256 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 # One line of that head.
 MAX_HEAD_LINE = 16 * 1024
+# The least a head takes besides its reason and fields: "HTTP/1.1 200 ",
+# the status line's CRLF, and the blank line.
+_HEAD_FRAMING = len(b"HTTP/1.1 200 \r\n\r\n")
 
 
 class ConnectFailed(Exception):
@@ -316,7 +319,11 @@ class _Connection(asyncio.Protocol):
         self.quiet_since = 0.0
         # Bytes of the head so far (as the parser reports its fields, and as
         # reads arrive), and of reads in the body that carried no body byte.
+        # Interim heads count towards the bound of what may come before the
+        # answer's own head: `_head_bytes` goes on across them, and
+        # `_interim_bytes` is their exact size.
         self._head_bytes = 0
+        self._interim_bytes = 0
         # The size of the read being parsed.
         self._read = 0
         self._line = 0
@@ -466,7 +473,8 @@ class _Connection(asyncio.Protocol):
         self._status_line += status
 
     def _head_size(self) -> int:
-        return len(self._status_line) + sum(len(name) + len(value) + 4 for name, value in self._headers)
+        """The head's size as parsed: what its fields and reason hold, with the least framing they take."""
+        return _HEAD_FRAMING + len(self._status_line) + sum(len(name) + len(value) + 4 for name, value in self._headers)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.state is not _ACTIVE:
@@ -477,13 +485,11 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         # A head that came whole in one read was never counted as it arrived:
-        # counted now, where that read could have held more than the bound.
-        if self._head_bytes + self._read > MAX_HEAD_BYTES and self._head_size() > MAX_HEAD_BYTES:
-            # All of it in one read, which data_received's count never saw unfinished.
+        # counted now, where that read could have held more than the bound
+        # (with the interim heads before it: a stream of 103s in one read).
+        if self._head_bytes + self._read > MAX_HEAD_BYTES and self._interim_bytes + self._head_size() > MAX_HEAD_BYTES:
             self._fail("head_too_large", HeadTooLarge(f"the replica's head is over {MAX_HEAD_BYTES} bytes"))
             raise _Stop
-        # The count of a head that spanned reads starts anew with the next head.
-        self._head_bytes = 0
         status = self.parser.get_status_code()
         if status < 200:
             if status < 100:
@@ -495,10 +501,16 @@ class _Connection(asyncio.Protocol):
                 raise _Stop
             # An interim answer (100 Continue, 103 Early Hints): the real one
             # follows. Dropped, not forwarded: passing anything to the client
-            # would commit it to this attempt, so no retry could follow.
+            # would commit it to this attempt, so no retry could follow. Its
+            # bytes stay counted: the bound is on all that comes before the
+            # answer, or endless 103s would be endless memory and parsing.
+            self._interim_bytes += self._head_size()
             self._status_line = b""
             self._headers = []
             return
+        # The next request's head is counted from nothing.
+        self._head_bytes = 0
+        self._interim_bytes = 0
         response = Response(self, status, self._status_line, self._headers)
         coding = response.transfer_encoding
         if coding is not None and coding != b"chunked" and not _chunked_alone(coding):

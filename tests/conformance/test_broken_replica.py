@@ -254,6 +254,27 @@ async def test_an_endless_or_huge_replica_head_is_a_502_tried_once(
     assert (await protocol_errors(server.admin_url, "upstream")).get("head_too_large") == 1
 
 
+async def test_early_hints_past_64_kib_are_a_502_tried_once(start_raw: StartRaw, start_router: StartRouter) -> None:
+    """The 64 KiB bound on a replica's head counts the interim heads before it, each in its own read too."""
+    hint = b"HTTP/1.1 103 Early Hints\r\nLink: </%b>; rel=preload\r\n\r\n" % (b"a" * 1000)
+
+    async def answer(exchange: Exchange) -> None:
+        for _ in range(100):
+            await exchange.write(hint)
+            await asyncio.sleep(0.002)
+        await exchange.write(json_answer())
+
+    first = await start_raw(answer)
+    second = await start_raw(answer)
+    server = await start_router([entry(first.url, "a"), entry(second.url, "b")], max_attempts=4)
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post())
+        answer_ = await wire.answer(timeout=10)
+    assert answer_.status == 502
+    assert len(first.requests) + len(second.requests) == 1
+    assert (await protocol_errors(server.admin_url, "upstream")).get("head_too_large") == 1
+
+
 async def test_interim_answers_are_not_forwarded(start_raw: StartRaw, start_router: StartRouter) -> None:
     async def answer(exchange: Exchange) -> None:
         await exchange.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n")

@@ -579,6 +579,47 @@ async def test_a_head_just_under_64_kib_is_fine(raw_server: StartRaw, make_clien
     assert client.protocol_errors.counts == {}
 
 
+EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </%b>; rel=preload\r\n\r\n" % (b"a" * 1000)
+
+
+@pytest.mark.parametrize("at_once", [True, False], ids=["in-one-write", "a-write-each"])
+async def test_interim_heads_count_towards_the_64_kib_bound(
+    raw_server: StartRaw, make_client: MakeClient, at_once: bool
+) -> None:
+    """100 KiB of 103 Early Hints before the answer: over the bound, which counts every head before the answer's."""
+    count = 100
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        if at_once:
+            writer.write(EARLY_HINTS * count + OK)
+        else:
+            for _ in range(count):
+                writer.write(EARLY_HINTS)
+                await writer.drain()
+                await asyncio.sleep(0.001)
+            writer.write(OK)
+        await writer.drain()
+
+    raw = await raw_server(answer)
+    client = make_client()
+    with pytest.raises(HeadTooLarge) as info:
+        await asyncio.wait_for(client.request(raw.origin, HEAD, b"{}"), 10)
+    assert info.value.answered
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"head_too_large": 1}
+
+
+async def test_interim_heads_under_the_bound_are_dropped_and_the_answer_read(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    raw = await raw_server(fixed(EARLY_HINTS * 40 + OK))
+    client = make_client()
+    await ok_once(client, raw)
+    await ok_once(client, raw)
+    assert raw.connections == 1
+    assert client.protocol_errors.counts == {}
+
+
 async def test_endless_trailers_break_the_answer(raw_server: StartRaw, make_client: MakeClient) -> None:
     # Bytes keep coming, so the idle sweep never fires; httptools would grow
     # the trailer field without end.
