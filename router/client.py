@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import re
 import select
 import ssl
 import time
@@ -104,6 +105,21 @@ class UpstreamIdle(ConnectionBroken):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, before_head=False, answered=True)
+
+
+# What a reason phrase may not hold (RFC 9112 4: HTAB, SP, VCHAR, obs-text only).
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _status_line_problem(version: str, status: int, reason: bytes) -> str | None:
+    """What is wrong with an answer's status line, if anything: the version, the status, the reason."""
+    if version not in ("1.1", "1.0"):
+        return f"the replica answered in HTTP/{version}"
+    if not 200 <= status <= 599:
+        return f"the replica answered with status {status}"
+    if _CONTROL.search(reason) is not None:
+        return f"the replica's reason phrase holds a control character: {reason!r}"
+    return None
 
 
 def _chunked_alone(coding: bytes) -> bool:
@@ -324,8 +340,9 @@ class _Connection(asyncio.Protocol):
         # `_interim_bytes` is their exact size.
         self._head_bytes = 0
         self._interim_bytes = 0
-        # The size of the read being parsed.
-        self._read = 0
+        # The read being parsed while no head has come (its size bounds the
+        # head; its first bytes are the status line of a head it begins).
+        self._read = b""
         self._line = 0
         self._framing_bytes = 0
         # Body bytes parsed from the current read, handed on as one piece
@@ -358,7 +375,7 @@ class _Connection(asyncio.Protocol):
             if state is not _ACTIVE:
                 self._stray(state)
                 return
-            self._read = len(data)
+            self._read = data
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -487,7 +504,9 @@ class _Connection(asyncio.Protocol):
         # A head that came whole in one read was never counted as it arrived:
         # counted now, where that read could have held more than the bound
         # (with the interim heads before it: a stream of 103s in one read).
-        if self._head_bytes + self._read > MAX_HEAD_BYTES and self._interim_bytes + self._head_size() > MAX_HEAD_BYTES:
+        read = self._read
+        spanned = self._head_bytes
+        if spanned + len(read) > MAX_HEAD_BYTES and self._interim_bytes + self._head_size() > MAX_HEAD_BYTES:
             self._fail("head_too_large", HeadTooLarge(f"the replica's head is over {MAX_HEAD_BYTES} bytes"))
             raise _Stop
         status = self.parser.get_status_code()
@@ -508,10 +527,21 @@ class _Connection(asyncio.Protocol):
             self._status_line = b""
             self._headers = []
             return
+        reason = self._status_line
+        # llhttp passes HTTP/2.0 and HTTP/0.9, any three digits, and any byte
+        # but CR and LF in the reason, which would reach the client's status
+        # line. The usual head is seen to be right by its bytes: the first of
+        # this answer, begun by this read, "HTTP/1.1 ... OK". Any other is
+        # checked field by field (the version costs a string to ask for).
+        if status > 599 or reason != b"OK" or spanned or self._interim_bytes or read[5] != 49 or read[7] != 49:
+            problem = _status_line_problem(self.parser.get_http_version(), status, reason)
+            if problem is not None:
+                self._fail("invalid_response", self._broken(problem))
+                raise _Stop
         # The next request's head is counted from nothing.
         self._head_bytes = 0
         self._interim_bytes = 0
-        response = Response(self, status, self._status_line, self._headers)
+        response = Response(self, status, reason, self._headers)
         coding = response.transfer_encoding
         if coding is not None and coding != b"chunked" and not _chunked_alone(coding):
             # llhttp takes off the chunks of `gzip, chunked` and reads `gzip`

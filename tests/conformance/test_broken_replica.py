@@ -442,13 +442,26 @@ async def test_a_replicas_gzip_transfer_coding_is_a_502_never_a_coded_body(
     assert (await protocol_errors(server.admin_url, "upstream")).get("transfer_encoding") == 1
 
 
-async def test_a_status_below_100_is_a_502(start_raw: StartRaw, start_router: StartRouter) -> None:
-    async def answer(exchange: Exchange) -> None:
-        await exchange.write(b"HTTP/1.1 099 Weird\r\nContent-Length: 2\r\n\r\n{}")
+@pytest.mark.parametrize(
+    "line",
+    [b"HTTP/1.1 099 Weird", b"HTTP/1.1 200 O\x00K", b"HTTP/1.1 600 Beyond", b"HTTP/2.0 200 OK"],
+    ids=["status-099", "nul-in-reason", "status-600", "http-2.0"],
+)
+async def test_a_replicas_invalid_status_line_is_a_502_tried_once(
+    start_raw: StartRaw, start_router: StartRouter, line: bytes
+) -> None:
+    """A status outside 100-599, a NUL in the reason, HTTP/2.0: not an HTTP/1.1 answer to pass on."""
 
-    replica = await start_raw(answer)
-    server = await start_router([entry(replica.url)])
+    async def answer(exchange: Exchange) -> None:
+        await exchange.write(line + b"\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+
+    first = await start_raw(answer)
+    second = await start_raw(answer)
+    server = await start_router([entry(first.url, "a"), entry(second.url, "b")], max_attempts=4)
     async with await Wire.open(server.client_address) as wire:
         wire.send(post())
-        assert (await wire.answer()).status == 502
-    assert len(replica.requests) == 1
+        answer_ = await wire.answer()
+    assert answer_.status == 502
+    assert b"\x00" not in answer_.head
+    assert len(first.requests) + len(second.requests) == 1
+    assert (await protocol_errors(server.admin_url, "upstream")).get("invalid_response") == 1

@@ -745,6 +745,71 @@ async def test_garbage_is_counted_as_an_invalid_response(raw_server: StartRaw, m
     assert client.protocol_errors.counts == {"invalid_response": 1}
 
 
+@pytest.mark.parametrize("delivery", ["one-read", "split-across-reads", "after-an-interim-head"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"HTTP/1.1 200 O\x00K",
+        b"HTTP/1.1 200 a\x01b",
+        b"HTTP/1.1 200 a\x7fb",
+        b"HTTP/1.1 600 Beyond",
+        b"HTTP/1.1 999 Beyond",
+        b"HTTP/2.0 200 OK",
+        b"HTTP/0.9 200 OK",
+    ],
+    ids=["nul-in-reason", "control-in-reason", "del-in-reason", "600", "999", "http-2.0", "http-0.9"],
+)
+async def test_a_status_line_llhttp_lets_through_is_an_invalid_response(
+    raw_server: StartRaw, make_client: MakeClient, line: bytes, delivery: str
+) -> None:
+    """A version but 1.0 or 1.1, a status past 599, a control byte in the reason: never passed on."""
+    rest = b"\r\nContent-Length: 5\r\n\r\nhello"
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        if delivery == "split-across-reads":
+            writer.write(line[:4])
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(line[4:] + rest)
+        elif delivery == "after-an-interim-head":
+            writer.write(b"HTTP/1.1 103 Early Hints\r\n\r\n" + line + rest)
+        else:
+            writer.write(line + rest)
+        await writer.drain()
+
+    raw = await raw_server(answer)
+    client = make_client()
+    with pytest.raises(ConnectionBroken) as info:
+        await client.request(raw.origin, HEAD, b"{}")
+    assert info.value.before_head
+    assert info.value.answered
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"invalid_response": 1}
+
+
+@pytest.mark.parametrize(
+    ("line", "status", "reason"),
+    [
+        (b"HTTP/1.0 200 OK", 200, b"OK"),
+        (b"HTTP/1.1 201 Created", 201, b"Created"),
+        (b"HTTP/1.1 200", 200, b""),
+        (b"HTTP/1.1 599 Tab\tand space", 599, b"Tab\tand space"),
+        (b"HTTP/1.1 200 Caf\xe9", 200, b"Caf\xe9"),
+    ],
+    ids=["http-1.0", "created", "no-reason", "tab", "obs-text"],
+)
+async def test_a_valid_status_line_passes_as_sent(
+    raw_server: StartRaw, make_client: MakeClient, line: bytes, status: int, reason: bytes
+) -> None:
+    raw = await raw_server(fixed(line + b"\r\nContent-Length: 5\r\n\r\nhello"))
+    client = make_client()
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    assert (resp.status, resp.reason_bytes) == (status, reason)
+    assert await resp.read() == b"hello"
+    resp.release()
+    assert client.protocol_errors.counts == {}
+
+
 async def test_garbage_in_the_body_is_counted_and_breaks_the_answer(
     raw_server: StartRaw, make_client: MakeClient
 ) -> None:
