@@ -531,9 +531,10 @@ class _Connection(asyncio.Protocol):
         # llhttp passes HTTP/2.0 and HTTP/0.9, any three digits, and any byte
         # but CR and LF in the reason, which would reach the client's status
         # line. The usual head is seen to be right by its bytes: the first of
-        # this answer, begun by this read, "HTTP/1.1 ... OK". Any other is
-        # checked field by field (the version costs a string to ask for).
-        if status > 599 or reason != b"OK" or spanned or self._interim_bytes or read[5] != 49 or read[7] != 49:
+        # this answer, begun by this read, "HTTP/1.1 ... OK" (of the versions
+        # llhttp takes, 0.9, 1.0, 1.1 and 2.0, only 1.1 has a "1" at [7]).
+        # Any other is checked field by field (the version costs a string).
+        if status > 599 or reason != b"OK" or spanned or self._interim_bytes or read[7] != 49:
             problem = _status_line_problem(self.parser.get_http_version(), status, reason)
             if problem is not None:
                 self._fail("invalid_response", self._broken(problem))
