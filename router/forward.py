@@ -351,7 +351,10 @@ class Forwarder:
                 log.warning("replica %s broke off an answer: %s", replica.id, exc)
                 if writer.entry is not None:
                     writer.entry.outcome = "timeout" if isinstance(exc, UpstreamIdle) else "upstream_reset"
-                if _is_sse(resp):
+                # A stream under a content coding (gzip) gets no event: plain
+                # text inside the coded bytes would only be garbage to the
+                # client's decoder, where the missing last-chunk says enough.
+                if _is_sse(resp) and resp.header(b"content-encoding") is None:
                     event = b"data: " + error_body(
                         502, f"Replica {replica.id} broke off the stream: {exc}", "server_error", "upstream_error"
                     )

@@ -82,6 +82,29 @@ async def test_an_sse_stream_cut_mid_chunk_ends_with_an_error_event_and_no_last_
         assert await wire.closed() == b""
 
 
+async def test_a_gzipped_sse_stream_cut_off_gets_no_plain_text_event_inside_its_coded_bytes(
+    start_raw: StartRaw, start_router: StartRouter
+) -> None:
+    """An error event in plain text among gzip bytes is garbage to the client's decoder: the stream just ends broken."""
+    coded = gzip.compress(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n' * 50)
+    sent = coded[: len(coded) // 2]
+
+    async def answer(exchange: Exchange) -> None:
+        await exchange.write(sse_head(b"Content-Encoding: gzip\r\n") + chunk(sent) + b"40\r\n\x1f")
+        exchange.close()
+
+    replica = await start_raw(answer)
+    server = await start_router([entry(replica.url)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(stream_post())
+        answer_ = await wire.answer()
+        assert answer_.status == 200
+        assert answer_.header(b"content-encoding") == b"gzip"
+        assert not answer_.complete
+        assert answer_.body == sent + b"\x1f"
+        assert await wire.closed() == b""
+
+
 async def test_a_chunked_json_answer_cut_off_is_closed_without_an_event_or_a_last_chunk(
     start_raw: StartRaw, start_router: StartRouter
 ) -> None:
