@@ -539,9 +539,11 @@ class _Connection(asyncio.Protocol):
             if problem is not None:
                 self._fail("invalid_response", self._broken(problem))
                 raise _Stop
-        # The next request's head is counted from nothing.
+        # The next request's head is counted from nothing, and the read is
+        # let go (a pooled connection would keep up to 256 KiB alive).
         self._head_bytes = 0
         self._interim_bytes = 0
+        self._read = b""
         response = Response(self, status, reason, self._headers)
         coding = response.transfer_encoding
         if coding is not None and coding != b"chunked" and not _chunked_alone(coding):
