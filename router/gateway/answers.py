@@ -2,7 +2,10 @@
 
 Every error a client can get from the router is `{"error": {"message",
 "type", "param", "code"}}`, made here and nowhere else; a replica's error
-that lacks that shape gets it, keeping the replica's status and words.
+that lacks that shape gets it, keeping the replica's status and words. Its
+words are read under its Content-Encoding (router.http.codings): an error the
+router cannot read is passed on as it came, never reshaped as if it were
+text, and a reshaped one no longer names the replica's coding.
 """
 
 from __future__ import annotations
@@ -10,9 +13,14 @@ from __future__ import annotations
 import orjson
 
 from router.core.errors import ClientFacingError
+from router.http.codings import decoded
 from router.http.server import Reply
 
 JSON = (b"Content-Type", b"application/json")
+
+# The most an error's words may decode to; past it the answer is not read,
+# and goes on as the replica sent it.
+ERROR_TEXT_BYTES = 1 << 20
 
 
 def error_body(status: int, message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
@@ -55,12 +63,19 @@ def openai_shaped(body: bytes, status: int) -> bytes | None:
     return error_body(status, message[:4096], type_, None)
 
 
+def content_encoding(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """Every Content-Encoding field's value, joined as one list; None when there is none."""
+    values = [value for name, value in headers if name.lower() == b"content-encoding"]
+    return b", ".join(values) if values else None
+
+
 def replica_answer(status: int, reason: bytes, data: bytes, headers: list[tuple[bytes, bytes]]) -> Reply:
-    """A replica's whole answer for the client; an error gets OpenAI's shape if it lacks it."""
+    """A replica's whole answer for the client; an error gets OpenAI's shape if it lacks it and can be read."""
     if status >= 400:
-        wrapped = openai_shaped(data, status)
+        text = decoded(data, content_encoding(headers), ERROR_TEXT_BYTES)
+        wrapped = openai_shaped(text, status) if text is not None else None
         if wrapped is not None:
             data = wrapped
-            headers = [h for h in headers if h[0].lower() != b"content-type"]
+            headers = [h for h in headers if h[0].lower() not in (b"content-type", b"content-encoding")]
             headers.append(JSON)
     return Reply(status, data, headers, reason)

@@ -28,6 +28,7 @@ from router.core.errors import (
 from router.core.pool import Pool, Replica
 from router.gateway.answers import error_body, error_response, replica_answer
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
+from router.http.codings import StreamDecoder, decoded
 from router.http.headers import RESPONSE_HEADERS
 from router.http.server import Reply, Request, Writer, WriteStalled
 
@@ -47,6 +48,11 @@ _NO_BODY = frozenset({204, 304})
 # error answer larger than this is not an error message: 502. Either way no
 # answer is held whole in memory past this.
 WHOLE_ANSWER_BYTES = 1 << 20
+# What the responses memory reads of an answer for its id: a stream's first
+# bytes, up to its first whole event; a whole answer, decoded, up to the
+# larger bound (a compressed 1 MiB may well be a few MiB of JSON).
+FIRST_BYTES = 65536
+ID_READ_BYTES = 4 << 20
 
 
 @dataclass(slots=True)
@@ -73,21 +79,43 @@ class Failed:
         return self.answer or error_response(self.error)
 
 
-def _remembering(write: Callable[[bytes], bool], remember: Callable[[bytes], None]) -> Callable[[bytes], bool]:
-    """A stream's sink that hands its first bytes to `remember` (up to its first whole event), then only writes."""
-    first = bytearray()
-    done = False
+class _Remembering:
+    """A stream's sink that hands its first bytes to `remember`, then only writes.
 
-    def sink(chunk: bytes) -> bool:
-        nonlocal done
-        if not done:
-            first.extend(chunk)
-            if first.find(b"\n\n") >= 0 or len(first) > 65536:
-                done = True
-                remember(bytes(first))
-        return write(chunk)
+    Up to the first whole event, or the end of a body without one (a JSON
+    answer passed through); read under the answer's Content-Encoding, so
+    that a gzipped answer's id is found too, or knowingly not (an unknown
+    coding gives `remember` nothing to read).
+    """
 
-    return sink
+    __slots__ = ("_decoder", "_done", "_first", "_remember", "_write")
+
+    def __init__(
+        self, write: Callable[[bytes], bool], remember: Callable[[bytes], None], content_encoding: bytes | None
+    ) -> None:
+        self._write = write
+        self._remember = remember
+        self._first = bytearray()
+        self._done = False
+        self._decoder = None if content_encoding is None else StreamDecoder(content_encoding, FIRST_BYTES + 1)
+
+    def __call__(self, chunk: bytes) -> bool:
+        if not self._done:
+            piece = chunk if self._decoder is None else self._decoder.feed(chunk)
+            if piece is None:
+                self.end()
+            else:
+                first = self._first
+                first.extend(piece)
+                if first.find(b"\n\n") >= 0 or len(first) > FIRST_BYTES:
+                    self.end()
+        return self._write(chunk)
+
+    def end(self) -> None:
+        """The body ended whole: what was gathered is all there is."""
+        if not self._done:
+            self._done = True
+            self._remember(bytes(self._first))
 
 
 def _is_sse(resp: Response) -> bool:
@@ -206,8 +234,9 @@ class Forwarder:
             # The replica took the request and ended the connection, or answered
             # part of it: it may have acted on it (a paid generation, a prompt
             # that crashes it), so it is never sent again, here or elsewhere.
-            # (A reused connection that the replica closed as the request went
-            # out is the one case the client itself tries again, once.)
+            # (A reused connection that the replica closed before the request
+            # went out whole is the one case the client itself tries again,
+            # once; a refusal of that second connect is a ConnectFailed.)
             reset = UpstreamResetError(f"Replica {replica.id} failed before its answer: {exc}")
             return self._failed(replica, reset, False)
         entry = writer.entry
@@ -250,7 +279,9 @@ class Forwarder:
                 return self._failed(replica, error, False)
             if status < 400:
                 if remember is not None:
-                    remember(data)
+                    text = decoded(data, resp.header(b"content-encoding"), ID_READ_BYTES)
+                    if text is not None:
+                        remember(text)
                 writer.answer(Reply(status, data, out_headers, resp.reason_bytes))
             else:
                 writer.answer(replica_answer(status, resp.reason_bytes, data, out_headers))
@@ -305,8 +336,9 @@ class Forwarder:
                 length = None
             writer.start(resp.status, resp.reason_bytes, headers, length=length)
             write = writer.body_sink()
+            remembering: _Remembering | None = None
             if remember is not None:
-                write = _remembering(write, remember)
+                write = remembering = _Remembering(write, remember, resp.header(b"content-encoding"))
             try:
                 await resp.pipe(sink, writer.drain)
             except ConnectionBroken as exc:
@@ -319,7 +351,10 @@ class Forwarder:
                 log.warning("replica %s broke off an answer: %s", replica.id, exc)
                 if writer.entry is not None:
                     writer.entry.outcome = "timeout" if isinstance(exc, UpstreamIdle) else "upstream_reset"
-                if _is_sse(resp):
+                # A stream under a content coding (gzip) gets no event: plain
+                # text inside the coded bytes would only be garbage to the
+                # client's decoder, where the missing last-chunk says enough.
+                if _is_sse(resp) and resp.header(b"content-encoding") is None:
                     event = b"data: " + error_body(
                         502, f"Replica {replica.id} broke off the stream: {exc}", "server_error", "upstream_error"
                     )
@@ -329,6 +364,8 @@ class Forwarder:
                 else:
                     writer.abort()
                 return
+            if remembering is not None:
+                remembering.end()
             writer.end()
         except WriteStalled:
             if writer.entry is not None:

@@ -11,8 +11,9 @@ the protocol callback, with no task switch per chunk.
 Failures are classified for the proxy's retry rules: `ConnectFailed` (no
 connection; nothing was sent), `ConnectionBroken` (the connection ended or
 was garbled; `before_head` says whether the response head had come,
-`answered` whether any byte of an answer had: only a request that got no
-byte back may be sent again), and a replica's HTTP status is never an
+`answered` whether any byte of an answer had, `unsent` whether the
+connection ended before the request had gone out whole: only such a
+request may be sent again), and a replica's HTTP status is never an
 exception here. A replica that misbehaves (bytes nobody asked for, a head
 without end, a body that stops mid-way, a protocol switch) costs its
 connection, never the next request's answer, and is counted by reason in
@@ -24,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import re
+import select
 import ssl
 import time
 from collections import deque
@@ -47,6 +50,9 @@ _HIGH_WATER = 256 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 # One line of that head.
 MAX_HEAD_LINE = 16 * 1024
+# The least a head takes besides its reason and fields: "HTTP/1.1 200 ",
+# the status line's CRLF, and the blank line.
+_HEAD_FRAMING = len(b"HTTP/1.1 200 \r\n\r\n")
 
 
 class ConnectFailed(Exception):
@@ -64,12 +70,20 @@ class ConnectionBroken(Exception):
     `answered`: some bytes of an answer had arrived for this request, so the
     replica has seen it and may have acted on it: it must not be sent again.
     Unless given, `answered` is true exactly when the head had come.
+    `unsent`: the connection ended while part of the request was still
+    waiting to go out, with nothing answered: the replica never had the
+    whole request, so it cannot have acted on it. Only such a request may
+    be sent again; one written whole and then met by a close may have been
+    read, run, and crashed the replica (Go's transport retries a POST only
+    on its `nothingWrittenError`; nginx passes a POST whose request was
+    sent to no next server unless told `non_idempotent`).
     """
 
-    def __init__(self, message: str, *, before_head: bool, answered: bool | None = None) -> None:
+    def __init__(self, message: str, *, before_head: bool, answered: bool | None = None, unsent: bool = False) -> None:
         super().__init__(message)
         self.before_head = before_head
         self.answered = not before_head if answered is None else answered
+        self.unsent = unsent
 
 
 class HeadTooLarge(ConnectionBroken):
@@ -91,6 +105,26 @@ class UpstreamIdle(ConnectionBroken):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, before_head=False, answered=True)
+
+
+# What a reason phrase may not hold (RFC 9112 4: HTAB, SP, VCHAR, obs-text only).
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _status_line_problem(version: str, status: int, reason: bytes) -> str | None:
+    """What is wrong with an answer's status line, if anything: the version, the status, the reason."""
+    if version not in ("1.1", "1.0"):
+        return f"the replica answered in HTTP/{version}"
+    if not 200 <= status <= 599:
+        return f"the replica answered with status {status}"
+    if _CONTROL.search(reason) is not None:
+        return f"the replica's reason phrase holds a control character: {reason!r}"
+    return None
+
+
+def _chunked_alone(coding: bytes) -> bool:
+    """Whether a Transfer-Encoding value is `chunked` and nothing else (any case, any spaces)."""
+    return [token.strip().lower() for token in coding.split(b",")] == [b"chunked"]
 
 
 class _Stop(Exception):
@@ -143,6 +177,7 @@ class Response:
         "reason",
         "reason_bytes",
         "status",
+        "transfer_encoding",
     )
 
     def __init__(self, connection: _Connection, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> None:
@@ -154,12 +189,18 @@ class Response:
         # Raw (name, value) pairs in the replica's order and spelling.
         self.headers = headers
         self.content_length: int | None = None
+        coding: bytes | None = None
         for name, value in headers:
-            if name.lower() == b"content-length":
+            lower = name.lower()
+            if lower == b"content-length":
                 try:
                     self.content_length = int(value)
                 except ValueError:
                     self.content_length = None
+            elif lower == b"transfer-encoding":
+                coding = value if coding is None else coding + b", " + value
+        # Every Transfer-Encoding field's value, joined as one list.
+        self.transfer_encoding = coding
         self._chunks: deque[bytes] = deque()
         self._queued = 0
         self._done = False
@@ -276,6 +317,13 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self.reusable = False
         self.paused = False
+        # Part of the request still waits in the transport's buffer: the
+        # transport's high-water mark is 0, so it says so the moment a write
+        # is not taken whole by the kernel, and again once all of it is.
+        self.sending = False
+        # Asks the kernel whether anything (an end, a reset, bytes) waits
+        # unread on the connection: what the event loop may not have seen yet.
+        self.readable = select.poll()
         self.idle_since = 0.0
         # Reads so far: the idle sweep's evidence of life, and (against
         # `_reads_at_send`) whether any byte came back for this request.
@@ -287,9 +335,14 @@ class _Connection(asyncio.Protocol):
         self.quiet_since = 0.0
         # Bytes of the head so far (as the parser reports its fields, and as
         # reads arrive), and of reads in the body that carried no body byte.
+        # Interim heads count towards the bound of what may come before the
+        # answer's own head: `_head_bytes` goes on across them, and
+        # `_interim_bytes` is their exact size.
         self._head_bytes = 0
-        # The size of the read being parsed.
-        self._read = 0
+        self._interim_bytes = 0
+        # The read being parsed while no head has come (its size bounds the
+        # head; its first bytes are the status line of a head it begins).
+        self._read = b""
         self._line = 0
         self._framing_bytes = 0
         # Body bytes parsed from the current read, handed on as one piece
@@ -304,6 +357,16 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(0)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.readable.register(sock.fileno(), select.POLLIN)
+
+    def pause_writing(self) -> None:
+        self.sending = True
+
+    def resume_writing(self) -> None:
+        self.sending = False
 
     def data_received(self, data: bytes) -> None:
         self.reads += 1
@@ -312,7 +375,7 @@ class _Connection(asyncio.Protocol):
             if state is not _ACTIVE:
                 self._stray(state)
                 return
-            self._read = len(data)
+            self._read = data
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -374,6 +437,12 @@ class _Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         # Not fed to the parser: a body delimited by the end of the connection
         # ends in connection_lost, and feed_data(b"") only yields on_body(b"").
+        if self.sending and self.state is _ACTIVE and self.transport is not None:
+            # The replica hung up before the request had gone out whole. A
+            # close would go on writing the rest to no one, and once that
+            # was done the request would look sent; an abort drops it now,
+            # and connection_lost finds it unsent.
+            self.transport.abort()
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -387,7 +456,7 @@ class _Connection(asyncio.Protocol):
             assert response is not None
             # A body without a length ends with the connection (RFC 9112 6.3):
             # a clean close, that is; a reset cuts it short, and it must look so.
-            if exc is None and response.content_length is None and self._close_delimited():
+            if exc is None and response.content_length is None and response.transfer_encoding is None:
                 response._finish()
             else:
                 response._finish(
@@ -396,11 +465,13 @@ class _Connection(asyncio.Protocol):
         elif state is _ACTIVE:
             head = self.head
             if head is not None and not head.done():
+                answered = self.reads != self._reads_at_send
                 head.set_exception(
                     ConnectionBroken(
                         f"the replica closed the connection before answering: {exc or 'EOF'}",
                         before_head=True,
-                        answered=self.reads != self._reads_at_send,
+                        answered=answered,
+                        unsent=self.sending and not answered,
                     )
                 )
         # IDLE and DONE lose nothing; CLOSED was ended (and the request failed) by this side.
@@ -419,7 +490,8 @@ class _Connection(asyncio.Protocol):
         self._status_line += status
 
     def _head_size(self) -> int:
-        return len(self._status_line) + sum(len(name) + len(value) + 4 for name, value in self._headers)
+        """The head's size as parsed: what its fields and reason hold, with the least framing they take."""
+        return _HEAD_FRAMING + len(self._status_line) + sum(len(name) + len(value) + 4 for name, value in self._headers)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.state is not _ACTIVE:
@@ -430,13 +502,13 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         # A head that came whole in one read was never counted as it arrived:
-        # counted now, where that read could have held more than the bound.
-        if self._head_bytes + self._read > MAX_HEAD_BYTES and self._head_size() > MAX_HEAD_BYTES:
-            # All of it in one read, which data_received's count never saw unfinished.
+        # counted now, where that read could have held more than the bound
+        # (with the interim heads before it: a stream of 103s in one read).
+        read = self._read
+        spanned = self._head_bytes
+        if spanned + len(read) > MAX_HEAD_BYTES and self._interim_bytes + self._head_size() > MAX_HEAD_BYTES:
             self._fail("head_too_large", HeadTooLarge(f"the replica's head is over {MAX_HEAD_BYTES} bytes"))
             raise _Stop
-        # The count of a head that spanned reads starts anew with the next head.
-        self._head_bytes = 0
         status = self.parser.get_status_code()
         if status < 200:
             if status < 100:
@@ -448,12 +520,45 @@ class _Connection(asyncio.Protocol):
                 raise _Stop
             # An interim answer (100 Continue, 103 Early Hints): the real one
             # follows. Dropped, not forwarded: passing anything to the client
-            # would commit it to this attempt, so no retry could follow.
+            # would commit it to this attempt, so no retry could follow. Its
+            # bytes stay counted: the bound is on all that comes before the
+            # answer, or endless 103s would be endless memory and parsing.
+            self._interim_bytes += self._head_size()
             self._status_line = b""
             self._headers = []
             return
+        reason = self._status_line
+        # llhttp passes HTTP/2.0 and HTTP/0.9, any three digits, and any byte
+        # but CR and LF in the reason, which would reach the client's status
+        # line. The usual head is seen to be right by its bytes: the first of
+        # this answer, begun by this read, "HTTP/1.1 ... OK" (of the versions
+        # llhttp takes, 0.9, 1.0, 1.1 and 2.0, only 1.1 has a "1" at [7]).
+        # Any other is checked field by field (the version costs a string).
+        if status > 599 or reason != b"OK" or spanned or self._interim_bytes or read[7] != 49:
+            problem = _status_line_problem(self.parser.get_http_version(), status, reason)
+            if problem is not None:
+                self._fail("invalid_response", self._broken(problem))
+                raise _Stop
+        # The next request's head is counted from nothing, and the read is
+        # let go (a pooled connection would keep up to 256 KiB alive).
+        self._head_bytes = 0
+        self._interim_bytes = 0
+        self._read = b""
+        response = Response(self, status, reason, self._headers)
+        coding = response.transfer_encoding
+        if coding is not None and coding != b"chunked" and not _chunked_alone(coding):
+            # llhttp takes off the chunks of `gzip, chunked` and reads `gzip`
+            # alone to the end of the connection, and the client would get
+            # the coded body under a head that no longer names the coding
+            # (the hop-by-hop field is not passed on). The client side
+            # refuses such codings with 501; here the replica is at fault.
+            shown = coding.decode("latin-1")
+            self._fail(
+                "transfer_encoding",
+                self._broken(f"the replica's answer has Transfer-Encoding {shown!r}; only chunked is decoded"),
+            )
+            raise _Stop
         self._stop_deadline()
-        response = Response(self, status, self._status_line, self._headers)
         self.response = response
         self.state = _BODY
         client = self.client
@@ -530,10 +635,14 @@ class _Connection(asyncio.Protocol):
             return
         self.response = None
         self.head = None
-        if self.state is _DONE and self.reusable:
+        if self.state is _DONE and self.reusable and not self.sending:
             self.state = _IDLE
             self.resume()
             self.client._idle_again(self)
+        elif self.sending:
+            # The replica answered before it had the whole request: the rest
+            # would reach it as the start of the next one. Dropped unsent.
+            self._abort()
         else:
             # Half read (BODY), or the replica said close: never reused.
             self.close()
@@ -559,14 +668,6 @@ class _Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
             self.client._forget(self)
-
-    def _close_delimited(self) -> bool:
-        # A response with neither Content-Length nor chunked framing.
-        assert self.response is not None
-        return not any(
-            name.lower() == b"transfer-encoding" and b"chunked" in value.lower()
-            for name, value in self.response.headers
-        )
 
     def _switched(self) -> None:
         self._fail(
@@ -624,21 +725,24 @@ class Client:
         Raises ConnectFailed; HeadTimeout when no head came within
         `head_timeout` seconds of sending; or ConnectionBroken(before_head=True)
         when the connection ended or garbled before the head (`answered` if
-        any of an answer had come). A stale keep-alive connection that the
-        replica closed as the request went out looks like a break with no
-        answer: that alone is retried, once, on a fresh connection.
+        any of an answer had come). A kept-alive connection that the replica
+        closed before the request had gone out whole (`unsent`) is the one
+        break retried, once, on a fresh connection; one the replica had
+        already closed when it was picked is not used at all.
         """
         connection = self._reuse(origin)
         if connection is not None:
             try:
                 return await self._exchange(connection, head, body, head_timeout)
             except ConnectionBroken as exc:
-                # A replica that sent any part of an answer has the request:
-                # sending it again could run it twice (a POST, a paid generation).
-                if not exc.before_head or exc.answered:
+                # A request written whole may have been read and acted on,
+                # answer or not (a POST, a paid generation, a prompt that
+                # kills the engine): never sent again, here or elsewhere.
+                if not exc.unsent:
                     raise
                 # The keep-alive race: the replica closed the idle connection
-                # as the request went out. Once more, on a fresh connection.
+                # before the request had gone out whole. Once more, on a fresh
+                # connection (a refusal now is honest: nothing was sent).
         connection = await self._connect(origin)
         return await self._exchange(connection, head, body, head_timeout)
 
@@ -666,13 +770,12 @@ class Client:
         while idle:
             # The most recently used first: the most likely to be open still.
             connection = idle.pop()
-            transport = connection.transport
-            if (
-                connection.idle_since >= cutoff
-                and connection.state is _IDLE
-                and transport
-                and not transport.is_closing()
-            ):
+            # Anything readable on an idle connection ends it: most often the
+            # replica's close, already in the kernel but not yet seen by the
+            # event loop. Found now, it costs nothing; found after the request
+            # went out, it would cost the request (Go's errServerClosedIdle is
+            # the same close, seen by its reader while the connection idles).
+            if connection.idle_since >= cutoff and connection.state is _IDLE and not connection.readable.poll(0):
                 return connection
             connection.close()
         return None
@@ -711,20 +814,36 @@ class Client:
             self._sweeper = asyncio.get_running_loop().call_later(self.keepalive_seconds, self._sweep)
 
     def _sweep(self) -> None:
-        """Close connections idle longer than the keep-alive, before the replica does."""
+        """Close connections idle longer than the keep-alive, before the replica does.
+
+        Each origin's list is replaced before any of its connections is
+        closed: close() takes a connection out of the list it is in, and a
+        list changed while it is walked skips every other connection, which
+        then stays open for good. The next sweep is due when the oldest
+        connection left reaches the keep-alive (each list is in the order
+        its connections went idle), not a whole period later, so none
+        outlives it by more than a timer's lateness.
+        """
         self._sweeper = None
-        cutoff = time.monotonic() - self.keepalive_seconds
+        now = time.monotonic()
+        cutoff = now - self.keepalive_seconds
+        stale: list[_Connection] = []
+        due: float | None = None
         for key, idle in list(self._idle.items()):
-            keep = [c for c in idle if c.idle_since >= cutoff and c.state is _IDLE]
-            for connection in idle:
-                if connection not in keep:
-                    connection.close()
+            keep = [c for c in idle if c.idle_since > cutoff and c.state is _IDLE]
+            if len(keep) < len(idle):
+                stale.extend(c for c in idle if c.idle_since <= cutoff or c.state is not _IDLE)
             if keep:
                 self._idle[key] = keep
+                oldest = keep[0].idle_since
+                due = oldest if due is None else min(due, oldest)
             else:
                 del self._idle[key]
-        if self._idle:
-            self._sweeper = asyncio.get_running_loop().call_later(self.keepalive_seconds, self._sweep)
+        for connection in stale:
+            connection.close()
+        if due is not None:
+            delay = max(due + self.keepalive_seconds - now, 0.0)
+            self._sweeper = asyncio.get_running_loop().call_later(delay, self._sweep)
 
     def _watch_idle(self) -> None:
         """End bodies whose replica went quiet: one sweep for every connection with a body in progress.

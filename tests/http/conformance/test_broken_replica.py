@@ -10,9 +10,11 @@ nothing may hang or be sent to the replica twice.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 import time
 
+import openai
 import orjson
 import pytest
 
@@ -77,6 +79,29 @@ async def test_an_sse_stream_cut_mid_chunk_ends_with_an_error_event_and_no_last_
         assert events[0] + b"\n\n" == event
         error = orjson.loads(events[-1].removeprefix(b"data: "))["error"]
         assert error["code"] == "upstream_error"
+        assert await wire.closed() == b""
+
+
+async def test_a_gzipped_sse_stream_cut_off_gets_no_plain_text_event_inside_its_coded_bytes(
+    start_raw: StartRaw, start_router: StartRouter
+) -> None:
+    """An error event in plain text among gzip bytes is garbage to the client's decoder: the stream just ends broken."""
+    coded = gzip.compress(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n' * 50)
+    sent = coded[: len(coded) // 2]
+
+    async def answer(exchange: Exchange) -> None:
+        await exchange.write(sse_head(b"Content-Encoding: gzip\r\n") + chunk(sent) + b"40\r\n\x1f")
+        exchange.close()
+
+    replica = await start_raw(answer)
+    server = await start_router([entry(replica.url)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(stream_post())
+        answer_ = await wire.answer()
+        assert answer_.status == 200
+        assert answer_.header(b"content-encoding") == b"gzip"
+        assert not answer_.complete
+        assert answer_.body == sent + b"\x1f"
         assert await wire.closed() == b""
 
 
@@ -253,6 +278,27 @@ async def test_an_endless_or_huge_replica_head_is_a_502_tried_once(
     assert (await protocol_errors(server.admin_url, "upstream")).get("head_too_large") == 1
 
 
+async def test_early_hints_past_64_kib_are_a_502_tried_once(start_raw: StartRaw, start_router: StartRouter) -> None:
+    """The 64 KiB bound on a replica's head counts the interim heads before it, each in its own read too."""
+    hint = b"HTTP/1.1 103 Early Hints\r\nLink: </%b>; rel=preload\r\n\r\n" % (b"a" * 1000)
+
+    async def answer(exchange: Exchange) -> None:
+        for _ in range(100):
+            await exchange.write(hint)
+            await asyncio.sleep(0.002)
+        await exchange.write(json_answer())
+
+    first = await start_raw(answer)
+    second = await start_raw(answer)
+    server = await start_router([entry(first.url, "a"), entry(second.url, "b")], max_attempts=4)
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post())
+        answer_ = await wire.answer(timeout=10)
+    assert answer_.status == 502
+    assert len(first.requests) + len(second.requests) == 1
+    assert (await protocol_errors(server.admin_url, "upstream")).get("head_too_large") == 1
+
+
 async def test_interim_answers_are_not_forwarded(start_raw: StartRaw, start_router: StartRouter) -> None:
     async def answer(exchange: Exchange) -> None:
         await exchange.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n")
@@ -356,13 +402,224 @@ async def test_a_request_a_fresh_connection_took_is_not_sent_again_when_it_close
     assert len(first.requests) + len(second.requests) == 1
 
 
-async def test_a_status_below_100_is_a_502(start_raw: StartRaw, start_router: StartRouter) -> None:
+@pytest.mark.parametrize("gone", [False, True], ids=["replica-still-listening", "replica-gone"])
+async def test_a_post_read_whole_on_a_reused_connection_then_dropped_is_a_502_sent_nowhere_else(
+    start_raw: StartRaw, start_router: StartRouter, gone: bool
+) -> None:
+    """An engine that dies on a prompt it read on a kept-alive connection: 502, the prompt sent to no one again."""
+
+    async def dies(exchange: Exchange) -> None:
+        if exchange.index == 1:
+            await exchange.write(json_answer())  # the connection goes back to the pool
+            return
+        if gone:
+            # The replica is gone now: a new connection to it would be refused.
+            assert first.server is not None
+            first.server.close()
+        exchange.close()
+
+    async def serves(exchange: Exchange) -> None:
+        await exchange.write(json_answer())
+
+    first = await start_raw(dies)
+    fallback = await start_raw(serves)
+    server = await start_router(
+        [entry(first.url, "a"), {"id": "b", "model": "m2", "url": fallback.url}],
+        models={"m": {"fallbacks": ["m2"]}},
+        max_attempts=4,
+    )
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post())
+        assert (await wire.answer()).status == 200
+        wire.send(post())
+        answer_ = await wire.answer()
+    assert answer_.status == 502
+    assert len(first.requests) == 2
+    assert fallback.requests == []
+
+
+@pytest.mark.parametrize("close_delimited", [False, True], ids=["gzip-chunked", "gzip-ended-by-close"])
+async def test_a_replicas_gzip_transfer_coding_is_a_502_never_a_coded_body(
+    start_raw: StartRaw, start_router: StartRouter, close_delimited: bool
+) -> None:
+    """Transfer-Encoding gzip (chunked or not) would pass the client a body still compressed, with nothing to say so."""
+    coded = gzip.compress(JSON_OK)
+
     async def answer(exchange: Exchange) -> None:
-        await exchange.write(b"HTTP/1.1 099 Weird\r\nContent-Length: 2\r\n\r\n{}")
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        if close_delimited:
+            await exchange.write(head + b"Transfer-Encoding: gzip\r\n\r\n" + coded)
+            exchange.close()
+        else:
+            await exchange.write(head + b"Transfer-Encoding: gzip, chunked\r\n\r\n" + chunk(coded) + b"0\r\n\r\n")
+
+    replica = await start_raw(answer)
+    other = await start_raw(answer)
+    server = await start_router([entry(replica.url, "a"), entry(other.url, "b")], max_attempts=4)
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post())
+        answer_ = await wire.answer()
+    assert answer_.status == 502
+    assert answer_.json()["error"]["code"] == "upstream_error"  # type: ignore[index]
+    # The replica answered: it had the request, which goes to no one else.
+    assert len(replica.requests) + len(other.requests) == 1
+    assert (await protocol_errors(server.admin_url, "upstream")).get("transfer_encoding") == 1
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"HTTP/1.1 099 Weird", b"HTTP/1.1 200 O\x00K", b"HTTP/1.1 600 Beyond", b"HTTP/2.0 200 OK"],
+    ids=["status-099", "nul-in-reason", "status-600", "http-2.0"],
+)
+async def test_a_replicas_invalid_status_line_is_a_502_tried_once(
+    start_raw: StartRaw, start_router: StartRouter, line: bytes
+) -> None:
+    """A status outside 100-599, a NUL in the reason, HTTP/2.0: not an HTTP/1.1 answer to pass on."""
+
+    async def answer(exchange: Exchange) -> None:
+        await exchange.write(line + b"\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+
+    first = await start_raw(answer)
+    second = await start_raw(answer)
+    server = await start_router([entry(first.url, "a"), entry(second.url, "b")], max_attempts=4)
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post())
+        answer_ = await wire.answer()
+    assert answer_.status == 502
+    assert b"\x00" not in answer_.head
+    assert len(first.requests) + len(second.requests) == 1
+    assert (await protocol_errors(server.admin_url, "upstream")).get("invalid_response") == 1
+
+
+# Compressed answers: read under their Content-Encoding, or passed on untouched ----------------------
+
+
+def error_answer(status: int, body: bytes, coding: bytes, content_type: bytes = b"application/json") -> bytes:
+    return (
+        b"HTTP/1.1 %d Whatever\r\nContent-Type: %b\r\nContent-Encoding: %b\r\nVary: Accept-Encoding\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (status, content_type, coding, len(body), body)
+    )
+
+
+@pytest.mark.parametrize("status", [400, 503])
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        (b'{"detail": "the prompt is too long: 9000 tokens, at most 8192"}', b"application/json"),
+        (
+            b'{"error": {"message": "the prompt is too long: 9000 tokens, at most 8192",'
+            b' "type": "invalid_request_error", "param": null, "code": null}}',
+            b"application/json",
+        ),
+        (b"the prompt is too long: 9000 tokens, at most 8192", b"text/plain"),
+    ],
+    ids=["detail", "openai-shaped", "plain-text"],
+)
+async def test_the_openai_sdk_gets_the_words_of_a_gzipped_replica_error(
+    start_raw: StartRaw, start_router: StartRouter, body: bytes, content_type: bytes, status: int
+) -> None:
+    """The SDK asks for gzip; the replica's middleware compresses its error: the client still reads its message."""
+
+    async def answer(exchange: Exchange) -> None:
+        await exchange.write(error_answer(status, gzip.compress(body), b"gzip", content_type))
+
+    replica = await start_raw(answer)
+    server = await start_router([entry(replica.url)])
+    client = openai.AsyncOpenAI(base_url=server.client_url + "/v1", api_key="x", max_retries=0, timeout=10)
+    async with client:
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.status_code == status
+    assert "the prompt is too long: 9000 tokens, at most 8192" in info.value.message
+    assert b"accept-encoding: gzip" in replica.requests[0].lower()
+
+
+@pytest.mark.parametrize(
+    ("coding", "body"),
+    [
+        (b"br", b"\x1b\x1f\x00\xf8\x25\x40\xa2\x8c\x2c\x00\x07"),
+        (b"zstd", b"\x28\xb5\x2f\xfd\x20\x05\x29\x00\x00hello"),
+        # Inflates to 16 MiB: past what the router decodes, so it is not read at all.
+        (b"gzip", gzip.compress(b" " * (16 << 20))),
+        (b"gzip", b"\x1f\x8b\x08\x00 not gzip after all"),
+    ],
+    ids=["br", "zstd", "gzip-bomb", "not-gzip"],
+)
+async def test_an_error_the_router_cannot_read_passes_through_untouched(
+    start_raw: StartRaw, start_router: StartRouter, coding: bytes, body: bytes
+) -> None:
+    async def answer(exchange: Exchange) -> None:
+        await exchange.write(error_answer(500, body, coding))
 
     replica = await start_raw(answer)
     server = await start_router([entry(replica.url)])
     async with await Wire.open(server.client_address) as wire:
         wire.send(post())
-        assert (await wire.answer()).status == 502
-    assert len(replica.requests) == 1
+        answer_ = await wire.answer(timeout=10)
+    assert answer_.status == 500
+    assert answer_.body == body
+    assert answer_.header(b"content-encoding") == coding
+
+
+async def test_a_reshaped_error_no_longer_names_the_replicas_coding(
+    start_raw: StartRaw, start_router: StartRouter
+) -> None:
+    async def answer(exchange: Exchange) -> None:
+        await exchange.write(error_answer(422, gzip.compress(b'{"detail": "bad role"}'), b"gzip"))
+
+    replica = await start_raw(answer)
+    server = await start_router([entry(replica.url)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post())
+        answer_ = await wire.answer()
+    assert answer_.status == 422
+    assert answer_.header(b"content-encoding") is None
+    assert answer_.json()["error"]["message"] == "bad role"  # type: ignore[index]
+
+
+def sse_event(ident: str) -> bytes:
+    created = {"type": "response.created", "response": {"id": ident, "object": "response", "status": "in_progress"}}
+    return b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n"
+
+
+@pytest.mark.parametrize("form", ["gzipped-json", "gzipped-sse", "chunked-json"])
+async def test_the_responses_memory_finds_the_id_of_a_compressed_or_chunked_answer(
+    start_raw: StartRaw, start_router: StartRouter, form: str
+) -> None:
+    """GET /v1/responses/{id} reaches the replica that made it, whatever framing or coding its answer had."""
+    ident = f"resp_{form.replace('-', '_')}"
+    doc = orjson.dumps({"id": ident, "object": "response", "status": "completed", "output": []})
+
+    async def answer(exchange: Exchange) -> None:
+        if exchange.head.startswith(b"GET"):
+            await exchange.write(json_answer(doc))
+        elif form == "gzipped-json":
+            coded = gzip.compress(doc)
+            await exchange.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+                b"Content-Length: %d\r\n\r\n%b" % (len(coded), coded)
+            )
+        elif form == "gzipped-sse":
+            coded = gzip.compress(sse_event(ident) + b"event: response.completed\ndata: {}\n\n")
+            await exchange.write(sse_head(b"Content-Encoding: gzip\r\n"))
+            for start in range(0, len(coded), 7):
+                await exchange.write(chunk(coded[start : start + 7]))
+            await exchange.write(b"0\r\n\r\n")
+        else:
+            await exchange.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + chunk(doc[:10])
+                + chunk(doc[10:])
+                + b"0\r\n\r\n"
+            )
+
+    replica = await start_raw(answer)
+    server = await start_router([entry(replica.url)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post(orjson.dumps({"model": "m", "input": "hi"}), path=b"/v1/responses"))
+        assert (await wire.answer()).status == 200
+        wire.send(b"GET /v1/responses/%b HTTP/1.1\r\nHost: router\r\n\r\n" % ident.encode())
+        fetched = await wire.answer()
+    assert fetched.status == 200, fetched.body
+    assert fetched.json()["id"] == ident
+    assert replica.requests[-1].startswith(b"GET /v1/responses/" + ident.encode())

@@ -12,13 +12,18 @@ counted by reason in `Client.protocol_errors`.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
+import socket
+import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 
+from router.core.origin import Origin
 from router.http.client import (
     MAX_HEAD_BYTES,
     Client,
@@ -28,7 +33,7 @@ from router.http.client import (
     Response,
     UpstreamIdle,
 )
-from tests.helpers import HEAD, OK, RawServer, StartRaw, fixed
+from tests.helpers import HEAD, OK, RawServer, StartRaw, fixed, wait_for
 
 MakeClient = Callable[..., Client]
 
@@ -48,7 +53,11 @@ async def make_client() -> AsyncIterator[MakeClient]:
 
 
 async def ok_once(client: Client, raw: RawServer) -> None:
-    resp = await client.request(raw.origin, HEAD, b"{}")
+    await ok_once_at(client, raw.origin)
+
+
+async def ok_once_at(client: Client, origin: Origin) -> None:
+    resp = await client.request(origin, HEAD, b"{}")
     assert await resp.read() == b"hello"
     resp.release()
 
@@ -202,6 +211,158 @@ async def test_a_reused_connection_broken_mid_head_is_not_retried(
     assert info.value.answered
     assert len(raw.requests) == 2
     assert raw.connections == 1
+
+
+# 3b. The keep-alive race, and only it, is sent again -----------------------------------
+
+
+async def test_a_request_read_whole_on_a_reused_connection_then_dropped_is_not_sent_again(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    """A replica that reads the whole request and closes without a byte (an engine that died on it): sent once."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        if n == 1:
+            writer.write(OK)
+            await writer.drain()
+        else:
+            writer.close()
+
+    raw = await raw_server(answer)
+    client = make_client()
+    await ok_once(client, raw)
+    with pytest.raises(ConnectionBroken) as info:
+        await client.request(raw.origin, HEAD, b"{}")
+    assert info.value.before_head
+    assert not info.value.answered
+    assert not info.value.unsent
+    assert len(raw.requests) == 2
+    assert raw.connections == 1
+
+
+async def test_an_idle_connection_the_replica_already_closed_is_not_used(make_client: MakeClient) -> None:
+    """The replica's close waits in the kernel, not yet seen by the event loop, when the connection is picked."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+    go, closed = threading.Event(), threading.Event()
+    received: list[bytes] = []
+
+    def replica() -> None:
+        with listener:
+            for n in range(2):
+                conn, _ = listener.accept()
+                with conn:
+                    conn.settimeout(5)
+                    data = b""
+                    for _ in range(100):
+                        if data.endswith(b"{}"):
+                            break
+                        data += conn.recv(65536)
+                    received.append(data)
+                    conn.sendall(OK)
+                    if n == 0:
+                        go.wait(5)
+                closed.set()
+
+    thread = threading.Thread(target=replica)
+    thread.start()
+    origin = Origin.parse(f"http://127.0.0.1:{listener.getsockname()[1]}")
+    client = make_client()
+    try:
+        resp = await client.request(origin, HEAD, b"{}")
+        assert await resp.read() == b"hello"
+        resp.release()
+        go.set()
+        # Blocks the event loop on purpose: the close arrives while nothing reads it.
+        assert closed.wait(5)
+        resp = await asyncio.wait_for(client.request(origin, HEAD, b"{}"), 5)
+        assert await resp.read() == b"hello"
+        resp.release()
+    finally:
+        go.set()
+        await asyncio.to_thread(thread.join, 5)
+    # One request per connection: none was written into the closed one.
+    assert received == [HEAD + b"{}", HEAD + b"{}"]
+
+
+BIG = b"x" * (32 * 1024 * 1024)  # far more than the kernel's buffers hold for a replica that reads nothing
+BIG_HEAD = b"POST /v1/x HTTP/1.1\r\nHost: h\r\nContent-Length: %d\r\n\r\n" % len(BIG)
+
+
+async def big_request_replica(second: Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Any]) -> Any:
+    """A replica that answers the first request, hands the head of the second to `second`, answers the rest."""
+    connections: list[int] = []
+    requests: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            for _ in range(10):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+                requests.append(length)
+                if len(requests) == 2:
+                    await second(reader, writer, length)
+                    if writer.is_closing():
+                        return
+                    continue
+                await reader.readexactly(length)
+                writer.write(OK)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, limit=1 << 20)
+    return server, connections, requests
+
+
+async def test_a_request_cut_off_before_it_went_out_whole_is_sent_again_once(make_client: MakeClient) -> None:
+    """The replica resets a reused connection while most of the request still waits to go out: the race, retried."""
+
+    async def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, length: int) -> None:
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+
+    server, connections, requests = await big_request_replica(reset)
+    origin = Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    client = make_client()
+    try:
+        await ok_once_at(client, origin)
+        resp = await asyncio.wait_for(client.request(origin, BIG_HEAD, BIG), 20)
+        assert await resp.read() == b"hello"
+        resp.release()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert requests == [2, len(BIG), len(BIG)]
+    assert len(connections) == 2
+
+
+async def test_a_connection_answered_before_its_request_went_out_whole_is_not_reused(make_client: MakeClient) -> None:
+    """An early answer (413 before the body was read) leaves the rest of the body unsent: that connection is dropped."""
+
+    async def early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, length: int) -> None:
+        writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        await reader.readexactly(length)
+
+    server, connections, requests = await big_request_replica(early)
+    origin = Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    client = make_client()
+    try:
+        await ok_once_at(client, origin)
+        resp = await asyncio.wait_for(client.request(origin, BIG_HEAD, BIG), 20)
+        assert resp.status == 413
+        assert await resp.read() == b""
+        resp.release()
+        await ok_once_at(client, origin)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert requests == [2, len(BIG), 2]
+    assert len(connections) == 2
 
 
 # 4. Trailers -----------------------------------------------------------------------
@@ -418,6 +579,47 @@ async def test_a_head_just_under_64_kib_is_fine(raw_server: StartRaw, make_clien
     assert client.protocol_errors.counts == {}
 
 
+EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </%b>; rel=preload\r\n\r\n" % (b"a" * 1000)
+
+
+@pytest.mark.parametrize("at_once", [True, False], ids=["in-one-write", "a-write-each"])
+async def test_interim_heads_count_towards_the_64_kib_bound(
+    raw_server: StartRaw, make_client: MakeClient, at_once: bool
+) -> None:
+    """100 KiB of 103 Early Hints before the answer: over the bound, which counts every head before the answer's."""
+    count = 100
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        if at_once:
+            writer.write(EARLY_HINTS * count + OK)
+        else:
+            for _ in range(count):
+                writer.write(EARLY_HINTS)
+                await writer.drain()
+                await asyncio.sleep(0.001)
+            writer.write(OK)
+        await writer.drain()
+
+    raw = await raw_server(answer)
+    client = make_client()
+    with pytest.raises(HeadTooLarge) as info:
+        await asyncio.wait_for(client.request(raw.origin, HEAD, b"{}"), 10)
+    assert info.value.answered
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"head_too_large": 1}
+
+
+async def test_interim_heads_under_the_bound_are_dropped_and_the_answer_read(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    raw = await raw_server(fixed(EARLY_HINTS * 40 + OK))
+    client = make_client()
+    await ok_once(client, raw)
+    await ok_once(client, raw)
+    assert raw.connections == 1
+    assert client.protocol_errors.counts == {}
+
+
 async def test_endless_trailers_break_the_answer(raw_server: StartRaw, make_client: MakeClient) -> None:
     # Bytes keep coming, so the idle sweep never fires; httptools would grow
     # the trailer field without end.
@@ -433,6 +635,45 @@ async def test_endless_trailers_break_the_answer(raw_server: StartRaw, make_clie
     resp.release()
     assert client.open_connections == 0
     assert client.protocol_errors.counts == {"trailers_too_large": 1}
+
+
+# 6b. Transfer codings ------------------------------------------------------------------
+
+
+GZIPPED = gzip.compress(b'{"id": "x"}')
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (len(GZIPPED), GZIPPED),
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n" + GZIPPED,
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n" + GZIPPED,
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\n\r\n{}",
+    ],
+    ids=["gzip-chunked", "gzip-to-the-close", "chunked-gzip", "chunked-twice", "identity"],
+)
+async def test_a_transfer_coding_other_than_chunked_alone_breaks_the_answer(
+    raw_server: StartRaw, make_client: MakeClient, answer: bytes
+) -> None:
+    """Only chunked is decoded: a body under any other transfer coding would reach the client still coded."""
+    raw = await raw_server(fixed(answer, close=True))
+    client = make_client()
+    with pytest.raises(ConnectionBroken) as info:
+        await client.request(raw.origin, HEAD, b"{}")
+    assert info.value.before_head
+    assert info.value.answered
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"transfer_encoding": 1}
+
+
+@pytest.mark.parametrize("coding", [b"chunked", b"Chunked", b" CHUNKED "])
+async def test_chunked_in_any_case_is_decoded(raw_server: StartRaw, make_client: MakeClient, coding: bytes) -> None:
+    raw = await raw_server(fixed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: %b\r\n\r\n5\r\nhello\r\n0\r\n\r\n" % coding))
+    client = make_client()
+    await ok_once(client, raw)
+    assert client.protocol_errors.counts == {}
 
 
 # 7. Protocol switch -------------------------------------------------------------------
@@ -504,6 +745,71 @@ async def test_garbage_is_counted_as_an_invalid_response(raw_server: StartRaw, m
     assert client.protocol_errors.counts == {"invalid_response": 1}
 
 
+@pytest.mark.parametrize("delivery", ["one-read", "split-across-reads", "after-an-interim-head"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"HTTP/1.1 200 O\x00K",
+        b"HTTP/1.1 200 a\x01b",
+        b"HTTP/1.1 200 a\x7fb",
+        b"HTTP/1.1 600 Beyond",
+        b"HTTP/1.1 999 Beyond",
+        b"HTTP/2.0 200 OK",
+        b"HTTP/0.9 200 OK",
+    ],
+    ids=["nul-in-reason", "control-in-reason", "del-in-reason", "600", "999", "http-2.0", "http-0.9"],
+)
+async def test_a_status_line_llhttp_lets_through_is_an_invalid_response(
+    raw_server: StartRaw, make_client: MakeClient, line: bytes, delivery: str
+) -> None:
+    """A version but 1.0 or 1.1, a status past 599, a control byte in the reason: never passed on."""
+    rest = b"\r\nContent-Length: 5\r\n\r\nhello"
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        if delivery == "split-across-reads":
+            writer.write(line[:4])
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(line[4:] + rest)
+        elif delivery == "after-an-interim-head":
+            writer.write(b"HTTP/1.1 103 Early Hints\r\n\r\n" + line + rest)
+        else:
+            writer.write(line + rest)
+        await writer.drain()
+
+    raw = await raw_server(answer)
+    client = make_client()
+    with pytest.raises(ConnectionBroken) as info:
+        await client.request(raw.origin, HEAD, b"{}")
+    assert info.value.before_head
+    assert info.value.answered
+    assert client.open_connections == 0
+    assert client.protocol_errors.counts == {"invalid_response": 1}
+
+
+@pytest.mark.parametrize(
+    ("line", "status", "reason"),
+    [
+        (b"HTTP/1.0 200 OK", 200, b"OK"),
+        (b"HTTP/1.1 201 Created", 201, b"Created"),
+        (b"HTTP/1.1 200", 200, b""),
+        (b"HTTP/1.1 599 Tab\tand space", 599, b"Tab\tand space"),
+        (b"HTTP/1.1 200 Caf\xe9", 200, b"Caf\xe9"),
+    ],
+    ids=["http-1.0", "created", "no-reason", "tab", "obs-text"],
+)
+async def test_a_valid_status_line_passes_as_sent(
+    raw_server: StartRaw, make_client: MakeClient, line: bytes, status: int, reason: bytes
+) -> None:
+    raw = await raw_server(fixed(line + b"\r\nContent-Length: 5\r\n\r\nhello"))
+    client = make_client()
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    assert (resp.status, resp.reason_bytes) == (status, reason)
+    assert await resp.read() == b"hello"
+    resp.release()
+    assert client.protocol_errors.counts == {}
+
+
 async def test_garbage_in_the_body_is_counted_and_breaks_the_answer(
     raw_server: StartRaw, make_client: MakeClient
 ) -> None:
@@ -542,3 +848,24 @@ async def test_a_connection_shows_its_origin_and_state(raw_server: StartRaw, mak
     await client.close()
     assert repr(connection) == f"<_Connection {raw.origin.key} closed>"
     assert client.open_connections == 0
+
+
+# 11. The keep-alive sweep ---------------------------------------------------------------
+
+
+async def test_every_connection_idle_past_the_keepalive_is_closed(
+    raw_server: StartRaw, make_client: MakeClient
+) -> None:
+    """Bursts of connections against a replica without an idle timeout of its own: none outlives the keep-alive."""
+    raw = await raw_server(fixed(OK))
+    client = make_client(keepalive_seconds=0.2)
+    for burst in range(1, 4):
+        responses = await asyncio.gather(*(client.request(raw.origin, HEAD, b"{}") for _ in range(20)))
+        for resp in responses:
+            assert await resp.read() == b"hello"
+            resp.release()
+        assert client.open_connections == 20
+        # Closed by the client (the replica reads its EOF), every one of them.
+        await wait_for(lambda: client.open_connections == 0, timeout=3.0)
+        await wait_for(lambda: raw.eofs == 20 * burst, timeout=3.0)  # noqa: B023
+    assert raw.connections == 60
