@@ -464,7 +464,7 @@ class Connection(asyncio.Protocol):
             if self._in_head:
                 self._count_head_bytes(data)
         elif reading is _R_BODY:
-            if not self._deadline and not self._continue_owed:
+            if not self._deadline and not self._continue_owed and not self._pending:
                 self._arm(self.server.body_timeout, _D_BODY)
             if self._chunked:
                 if self._body_size != body_before:
@@ -526,8 +526,11 @@ class Connection(asyncio.Protocol):
     def _count_head_bytes(self, data: bytes) -> None:
         """A head still arriving: its deadline runs; its current line and whole size are bounded now."""
         if self._deadline_kind is not _D_HEAD or not self._deadline:
-            # The head's first read that did not end it: its deadline and line count begin.
-            self._arm(self.server.header_timeout, _D_HEAD)
+            # The head's first read that did not end it: its line count begins, and
+            # its deadline too, unless the router stopped reading behind a queued
+            # request (then it begins when the router reads again: _resume_reading).
+            if not self._pending:
+                self._arm(self.server.header_timeout, _D_HEAD)
             self._line = 0
         newline = data.rfind(b"\n")
         self._line = len(data) - newline - 1 if newline >= 0 else self._line + len(data)
@@ -610,7 +613,7 @@ class Connection(asyncio.Protocol):
         if self._synthetic:
             self._synthetic = False
             self.reading = _R_BODY
-            if not self._continue_owed:
+            if not self._continue_owed and not self._pending:
                 self._arm(self.server.body_timeout, _D_BODY)
             return
         if self.reading is _R_DISCARD:
@@ -888,10 +891,9 @@ class Connection(asyncio.Protocol):
                 self.data_received(backlog)
                 if self._backlog or self._pending or self.stopped:
                     return
-            if self.transport is not None:
-                # Nothing queued ahead now: read on (the next head, or the body
-                # of one whose head came meanwhile). Never while anything waits.
-                self.transport.resume_reading()
+            # Nothing queued ahead now: read on (the next head, or the body of
+            # one whose head came meanwhile). Never while anything waits.
+            self._resume_reading()
             return
         if self._doomed is not None:
             self._answer_doomed()
@@ -906,6 +908,21 @@ class Connection(asyncio.Protocol):
             self._arm(self.server.body_timeout, _D_BODY)
         elif not self._in_head and self.reading is _R_HEAD:
             self._arm(self.server.keepalive_timeout, _D_IDLE)
+
+    def _resume_reading(self) -> None:
+        """Read again after a queued request; what the client was sending gets its deadline from now.
+
+        While the router does not read, the client cannot be late: a head or
+        body begun in the read that queued a request has no deadline until here.
+        """
+        if self.transport is not None:
+            self.transport.resume_reading()
+        if self._deadline:
+            return
+        if self._in_head:
+            self._arm(self.server.header_timeout, _D_HEAD)
+        elif self.reading is _R_BODY and not self._continue_owed:
+            self._arm(self.server.body_timeout, _D_BODY)
 
     def _write_continue(self) -> None:
         if self.transport is not None and not self.transport.is_closing():

@@ -515,3 +515,32 @@ async def test_upgrade_with_expect_behind_a_long_answer_gets_its_100(
         assert (await wire.answer()).status == 100
         wire.send(body)
         assert (await wire.answer()).status == 200
+
+
+# Deadlines run only while the router reads ---------------------------------------------------
+
+
+GET_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: router\r\n\r\n"
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+async def test_a_request_read_behind_a_queued_one_is_not_timed_out_while_the_router_waits(
+    start_fake: StartFake, start_router: StartRouter, part: str
+) -> None:
+    """A stream runs, a second request is queued behind it and part of a third came in the same
+    read: the router stops reading there, so the third's head or body deadline may run only once
+    it reads again (a client is not late for bytes the router is not taking)."""
+    # A stream of about 1.2 s, longer than the deadlines and their sweep.
+    fake = await start_fake("m", behaviour=Behaviour(tokens=12, token_delay=0.1))
+    server = await start_router([replica_entry("r0", fake)], header_timeout_seconds=0.5, body_timeout_seconds=0.5)
+    long_stream = post(orjson.dumps({**CHAT, "stream": True, "max_tokens": 12}))
+    third = post() if part == "body" else GET_MODELS
+    cut = third.index(b"\r\n\r\n") + 10 if part == "body" else third.index(b"Host")
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(long_stream + GET_MODELS + third[:cut])
+        streamed = await wire.answer()
+        assert streamed.status == 200 and streamed.complete
+        wire.send(third[cut:])
+        assert (await wire.answer()).status == 200
+        assert (await wire.answer()).status == 200
+    assert len(fake.seen) == (2 if part == "body" else 1)
