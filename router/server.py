@@ -345,7 +345,7 @@ class Connection(asyncio.Protocol):
         "_target",
         "_target_size",
         "_upgrade_framing",
-        "_version_11",
+        "_head_version_11",
         "_write_deadline",
         "answering",
         "parser",
@@ -376,7 +376,8 @@ class Connection(asyncio.Protocol):
         # The body being read is chunked; bytes of framing read since its last data.
         self._chunked = False
         self._framing = 0
-        self._version_11 = True
+        # The version of the head being read; an answer's own is its Writer's.
+        self._head_version_11 = True
         # An ignored Upgrade: llhttp hands the body over as the new protocol's
         # bytes, so a fresh parser is fed this framing to read it as a body.
         self._upgrade_framing: bytes | None = None
@@ -628,7 +629,7 @@ class Connection(asyncio.Protocol):
         version_11 = version == "1.1"
         if not version_11 and version != "1.0":
             raise self._refused(505, "http_version", f"HTTP/{version} is not supported; use HTTP/1.1.")
-        self._version_11 = version_11
+        self._head_version_11 = version_11
         # The method as this head says it: after an ignored Upgrade another
         # parser reads the body, and its method is not the request's.
         self._method = method = parser.get_method()
@@ -785,7 +786,7 @@ class Connection(asyncio.Protocol):
             self._headers,
             b"".join(self._body),
             self._keep_alive_request,
-            self._version_11,
+            self._head_version_11,
             self._reserved_current,
             self._request_id or self.server.new_request_id(),
             self._captured,
@@ -828,9 +829,8 @@ class Connection(asyncio.Protocol):
 
     async def _run(self, request: Request) -> None:
         self._keep_alive = request.keep_alive and not self.server.stopping
-        self._version_11 = request.version_11
         # (`request` is found by name in this frame: see running_request().)
-        writer = Writer(self, request.method == "HEAD", request.request_id)
+        writer = Writer(self, request.method == "HEAD", request.request_id, request.version_11)
         try:
             await self.server.handler(request, writer)
         except asyncio.CancelledError:
@@ -929,7 +929,13 @@ class Connection(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _write_stream_head(
-        self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], length: int | None, no_body: bool
+        self,
+        status: int,
+        reason: bytes,
+        headers: list[tuple[bytes, bytes]],
+        length: int | None,
+        no_body: bool,
+        version_11: bool,
     ) -> bool:
         """A stream's head; True when its body is chunked."""
         chunked = False
@@ -937,7 +943,7 @@ class Connection(asyncio.Protocol):
             framing = b"Content-Length: %d\r\n" % length if length is not None and status not in (204, 304) else b""
         elif length is not None:
             framing = b"Content-Length: %d\r\n" % length
-        elif self._version_11:
+        elif version_11:
             framing = b"Transfer-Encoding: chunked\r\n"
             chunked = True
         else:
@@ -946,7 +952,7 @@ class Connection(asyncio.Protocol):
             self._keep_alive = False
         if not self._keep_alive:
             framing += b"Connection: close\r\n"
-        elif not self._version_11:
+        elif not version_11:
             framing += b"Connection: keep-alive\r\n"
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(_head(status, reason, headers, framing + b"\r\n"))
@@ -1044,8 +1050,7 @@ class Connection(asyncio.Protocol):
         reply, self._doomed = self._doomed, None
         assert reply is not None
         self._keep_alive = False
-        self._version_11 = True
-        Writer(self, self._doomed_head_only, self.server.new_request_id()).answer(reply)
+        Writer(self, self._doomed_head_only, self.server.new_request_id(), True).answer(reply)
         if self.reading is not _R_DISCARD:
             self._close()
         # A DISCARD connection closes when the refused body ends, or at its deadline.
@@ -1190,13 +1195,26 @@ class Writer:
     writer, with no change in the handler.
     """
 
-    __slots__ = ("_chunked", "_connection", "_head_only", "_left", "_no_body", "_request_id", "entry", "phase")
+    __slots__ = (
+        "_chunked",
+        "_connection",
+        "_head_only",
+        "_left",
+        "_no_body",
+        "_request_id",
+        "_version_11",
+        "entry",
+        "phase",
+    )
 
-    def __init__(self, connection: Connection, head_only: bool, request_id: bytes) -> None:
+    def __init__(self, connection: Connection, head_only: bool, request_id: bytes, version_11: bool) -> None:
         self._connection = connection
         self._head_only = head_only
         # Sent back on every answer (X-Request-Id).
         self._request_id = request_id
+        # The request's own version, not the connection's: the head of the next
+        # request may be read (and its version with it) while this answer is written.
+        self._version_11 = version_11
         self.phase = _NEW
         # The access log's entry, when it is kept: the writer fills in the
         # status and counts the bytes written.
@@ -1222,7 +1240,7 @@ class Writer:
         body = reply.body
         if not connection._keep_alive:
             persistence = b"Connection: close\r\n"
-        elif connection._version_11:
+        elif self._version_11:
             persistence = b""
         else:
             # HTTP/1.0 closes by default: say that this one stays open.
@@ -1259,7 +1277,9 @@ class Writer:
         self._no_body = self._head_only or status in (204, 304) or 100 <= status < 200
         self._left = -1 if length is None else length
         headers = [*headers, (b"X-Request-Id", self._request_id)]
-        self._chunked = self._connection._write_stream_head(status, reason, headers, length, self._no_body)
+        self._chunked = self._connection._write_stream_head(
+            status, reason, headers, length, self._no_body, self._version_11
+        )
 
     def write(self, data: bytes) -> bool:
         """One piece of the body; True when the client's buffer is full (await drain())."""

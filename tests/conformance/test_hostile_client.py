@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from router.fake import Behaviour
-from tests.conformance.wire import CHAT, Wire, post, stream_post
+from tests.conformance.wire import CHAT, Exchange, StartRaw, Wire, chunk, post, sse_head, stream_post
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.helpers import protocol_errors, wait_for
 
@@ -544,3 +544,46 @@ async def test_a_request_read_behind_a_queued_one_is_not_timed_out_while_the_rou
         assert (await wire.answer()).status == 200
         assert (await wire.answer()).status == 200
     assert len(fake.seen) == (2 if part == "body" else 1)
+
+
+# Per-request fields of a pipelined head ------------------------------------------------------
+
+
+@pytest.mark.parametrize("versions", [("1.0", "1.1"), ("1.1", "1.0")])
+async def test_a_pipelined_head_does_not_change_the_version_of_the_answer_being_written(
+    start_raw: StartRaw, start_router: StartRouter, versions: tuple[str, str]
+) -> None:
+    """A stream's framing follows its own request's version (RFC 9112 6.1: never chunked to an
+    HTTP/1.0 client), whatever the version of a head read while its answer waits."""
+    first, second = (v.encode() for v in versions)
+    release = asyncio.Event()
+
+    async def answer(exchange: Exchange) -> None:
+        await release.wait()
+        await exchange.write(sse_head() + chunk(b"data: 1\n\n") + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+    replica = await start_raw(answer)
+    server = await start_router([{"id": "r0", "model": "m", "url": replica.url}])
+    client_server = server._client_server
+    assert client_server is not None
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(stream_post(version=first, extra=b"Connection: keep-alive\r\n"))
+        await wait_for(lambda: len(replica.requests) == 1)
+        # The next head arrives and is read while the stream waits for its replica.
+        wire.send(b"GET /v1/models HTTP/" + second + b"\r\nHost: router\r\n\r\n")
+        await wait_for(lambda: any(c._pending for c in client_server.connections))
+        release.set()
+        streamed = await wire.answer()
+        assert streamed.status == 200 and streamed.complete
+        assert streamed.body.endswith(b"data: [DONE]\n\n")
+        if first == b"1.0":
+            # No chunks to HTTP/1.0: the close ends the body, and nothing follows it.
+            assert streamed.framing == "close" and streamed.header(b"transfer-encoding") is None
+            assert streamed.header(b"connection") == b"close"
+        else:
+            assert streamed.framing == "chunked" and streamed.header(b"connection") is None
+            listing = await wire.answer()
+            assert listing.status == 200 and listing.json()["object"] == "list"
+            # HTTP/1.0 without keep-alive: this answer closes the connection.
+            assert listing.header(b"connection") == b"close"
+            assert await wire.closed() == b""
