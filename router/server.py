@@ -7,12 +7,14 @@ port needs a few routes of plain HTTP/1.1, so this module does only that,
 and holds the line a hostile client pushes on:
 
 - requests are parsed by llhttp in strict mode (the parser aiohttp uses):
-  conflicting lengths, chunked with anything after it, bare LF, obs-fold,
-  NUL, a negative length are 400 and the connection is closed. RFC 9112's
-  other musts are checked on top: one valid Host on HTTP/1.1 (400),
-  Transfer-Encoding on HTTP/1.0 (400), only HTTP/1.0 and 1.1 (505), CONNECT
-  (405); an Upgrade is ignored and the request answered as HTTP/1.1
-  (RFC 9110 7.8);
+  conflicting lengths, bare LF, obs-fold, NUL, a negative length are 400
+  and the connection is closed. RFC 9110's and 9112's other rules are
+  checked on top: one valid Host on HTTP/1.1 (400), no userinfo in the
+  target (400), Transfer-Encoding on HTTP/1.0 (400), a final coding other
+  than chunked or chunked twice (400), any coding but chunked (501), a
+  method other than RFC 9110's and PATCH (501), HTTP/1.x above 1.1 served
+  as 1.1 and other majors refused (505), CONNECT (405); an Upgrade is
+  ignored and the request answered as HTTP/1.1 (RFC 9110 7.8);
 - heads are bounded as their bytes arrive, not once a field is complete
   (httptools joins a field's pieces with `+=`, quadratic for an endless
   line): a target over 8 KiB is 414, a header line over 8 KiB, a head over
@@ -42,6 +44,7 @@ and holds the line a hostile client pushes on:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import enum
 import itertools
@@ -127,6 +130,26 @@ _SLASH = ord("/")
 # uri-host [ ":" port ] (RFC 9110 7.2, RFC 3986 3.2.2): a reg-name, an IPv4
 # address or a bracketed IP literal. Empty is allowed (no authority).
 _HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.vV]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]*)(?::[0-9]*)?")
+
+# RFC 9110's methods and PATCH (RFC 5789): any other is one the router does not
+# implement, 501 (RFC 9110 9.1); llhttp knows more (WebDAV's, QUERY, ...) and
+# refuses the rest outright.
+_METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"CONNECT", b"OPTIONS", b"TRACE", b"PATCH"})
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+# A request line (RFC 9112 3, split on runs of SP as RFC 9112 3 allows), and
+# the start of one: a method token and the space after it.
+_REQUEST_LINE = re.compile(_TOKEN + rb" +[!-~]+ +HTTP/[0-9]\.[0-9]")
+_METHOD_SP = re.compile(_TOKEN + rb" ")
+# An absolute-form target with userinfo (RFC 9110 4.2.4: to be treated as an error).
+_USERINFO = re.compile(rb"[A-Za-z][A-Za-z0-9+.\-]*://[^/?#@]*@")
+# llhttp's settings, the same for every parser of a request stream. Whether a
+# connection persists is decided from the head (RFC 9112 9.3): llhttp's own
+# view heeds Proxy-Connection and trailers. Versions and transfer codings are
+# judged by on_headers_complete (RFC 9110 2.5: HTTP/1.2 is served as 1.1;
+# RFC 9112 6.1 and 6.3), never left to llhttp's lenient reading: a request
+# whose coding llhttp does not take for chunked, but RFC 9110 does (OWS,
+# an empty list element), is read as chunked by a fresh parser (_reframe).
+_LENIENCIES = {"lenient_keep_alive": True, "lenient_version": True, "lenient_transfer_encoding": True}
 
 
 def reason_of(status: int) -> bytes:
@@ -267,6 +290,56 @@ class _StopParsing(Exception):
     """Raised in a parser callback to stop parsing what follows a request that ended the reading."""
 
 
+class _Unframed(Exception):
+    """Raised in on_body: llhttp reads a chunked body as one that runs to the close (see _LENIENCIES)."""
+
+
+class _Begins:
+    """A probe parser's protocol: counts the messages begun."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_message_begin(self) -> None:
+        self.count += 1
+
+
+def _begins(data: bytes) -> int:
+    counter = _Begins()
+    parser = httptools.HttpRequestParser(counter)
+    parser.set_dangerous_leniencies(**_LENIENCIES)
+    with contextlib.suppress(httptools.HttpParserError, httptools.HttpParserUpgrade):
+        parser.feed_data(data)
+    return counter.count
+
+
+def unknown_method(data: bytes) -> bool:
+    """`data` was read from a message boundary, and llhttp refused a method in it: is that
+    method a token, in a request line (or the start of one still arriving)? Then it is a
+    method the router does not know (501), not bytes that are no request at all (400).
+
+    llhttp says neither where the refused message began nor what its method was; a
+    probe parser fed ever longer starts of `data` finds the byte that began it. This runs
+    only for a refused method, at most a dozen probes over a read's 4 KiB slice. (A
+    method split across reads before its space is judged as it stands, and is 400.)
+    """
+    total = _begins(data)
+    low, high = 1, len(data)
+    while low < high:
+        middle = (low + high) // 2
+        if _begins(data[:middle]) >= total:
+            high = middle
+        else:
+            low = middle + 1
+    start = low - 1
+    end = data.find(b"\r\n", start)
+    if end < 0:
+        return _METHOD_SP.match(data, start) is not None
+    return _REQUEST_LINE.fullmatch(data, start, end) is not None
+
+
 class Reading(enum.Enum):
     """What the connection expects from the client next."""
 
@@ -319,6 +392,7 @@ class Connection(asyncio.Protocol):
         "_backlog",
         "_body",
         "_body_size",
+        "_chunk_framed",
         "_chunked",
         "_client",
         "_continue_owed",
@@ -344,6 +418,7 @@ class Connection(asyncio.Protocol):
         "_synthetic",
         "_target",
         "_target_size",
+        "_unframed",
         "_upgrade_framing",
         "_head_version_11",
         "_write_deadline",
@@ -376,6 +451,11 @@ class Connection(asyncio.Protocol):
         # The body being read is chunked; bytes of framing read since its last data.
         self._chunked = False
         self._framing = 0
+        # llhttp has read a chunk-size line of the chunked body being read (on_chunk_header):
+        # until then, body bytes may be the raw chunks of a coding llhttp did not take for
+        # chunked, and are handed to a fresh parser that does (_unframed).
+        self._chunk_framed = False
+        self._unframed: bytes | None = None
         # The version of the head being read; an answer's own is its Writer's.
         self._head_version_11 = True
         # An ignored Upgrade: llhttp hands the body over as the new protocol's
@@ -423,10 +503,7 @@ class Connection(asyncio.Protocol):
 
     def _new_parser(self) -> httptools.HttpRequestParser:
         parser = httptools.HttpRequestParser(self)
-        # Whether the connection persists is decided here, from the head
-        # (RFC 9112 9.3); llhttp's own view heeds Proxy-Connection and
-        # trailers. What follows a request that closes is never read anyway.
-        parser.set_dangerous_leniencies(lenient_keep_alive=True)
+        parser.set_dangerous_leniencies(**_LENIENCIES)
         return parser
 
     def __repr__(self) -> str:
@@ -445,19 +522,21 @@ class Connection(asyncio.Protocol):
         self._arm(self.server.header_timeout, _D_HEAD)
 
     def data_received(self, data: bytes) -> None:
-        if self.reading is _R_STOPPED:
+        reading = self.reading
+        if reading is _R_STOPPED:
             # After `Connection: close` or a refusal: whatever follows is not read.
             return
         if len(data) > _SLICE:
             self._feed_slices(data)
             return
         body_before = self._body_size
+        in_head = self._in_head
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
             data = self._upgraded(data, exc.args[0])
         except httptools.HttpParserError as exc:
-            self._parse_failed(exc)
+            data = self._parse_failed(exc, data, reading is _R_HEAD and not in_head)
         # A whole request in one read (the usual case) ends here: reading the
         # next head, not in one. Deadlines are armed only for what is unfinished.
         reading = self.reading
@@ -489,11 +568,12 @@ class Connection(asyncio.Protocol):
                 return
 
     def _upgraded(self, data: bytes, offset: int) -> bytes:
-        """The request is complete (its Upgrade ignored); what follows is HTTP/1.1
-        again: its body, if it has one, then more requests. The bytes parsed last."""
+        """The request is complete (its Upgrade ignored), or its body is to be read
+        anew (_unframed); what follows is HTTP/1.1 again: the body, if there is one,
+        then more requests, for a fresh parser. The bytes parsed last."""
         while True:
             data = data[offset:]
-            self._after_upgrade()
+            in_body = self._after_upgrade()
             if not data or self.reading is _R_STOPPED:
                 return data
             try:
@@ -502,7 +582,7 @@ class Connection(asyncio.Protocol):
                 offset = exc.args[0]
                 continue
             except httptools.HttpParserError as exc:
-                self._parse_failed(exc)
+                return self._parse_failed(exc, data, not in_body)
             return data
 
     def _count_framing_bytes(self, data: bytes) -> None:
@@ -610,13 +690,14 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._deadline = 0.0
         if self._synthetic:
+            # The same body read on by a fresh parser: its deadline, if it runs, runs on.
             self._synthetic = False
             self.reading = _R_BODY
-            if not self._continue_owed and not self._pending:
+            if not self._deadline and not self._continue_owed and not self._pending:
                 self._arm(self.server.body_timeout, _D_BODY)
             return
+        self._deadline = 0.0
         if self.reading is _R_DISCARD:
             return
         headers = self._headers
@@ -626,13 +707,25 @@ class Connection(asyncio.Protocol):
             raise self._refused(431, "head_too_large", f"The request head is larger than {MAX_HEAD} bytes.")
         parser = self.parser
         version = parser.get_http_version()
-        version_11 = version == "1.1"
-        if not version_11 and version != "1.0":
+        if version == "1.1":
+            version_11 = True
+        elif version == "1.0":
+            version_11 = False
+        elif version[:2] == "1.":
+            # RFC 9110 2.5: a higher minor version is read as the highest one the
+            # router speaks, and answered in it.
+            version_11 = True
+        else:
             raise self._refused(505, "http_version", f"HTTP/{version} is not supported; use HTTP/1.1.")
         self._head_version_11 = version_11
         # The method as this head says it: after an ignored Upgrade another
         # parser reads the body, and its method is not the request's.
         self._method = method = parser.get_method()
+        if method not in _METHODS:
+            shown = method.decode("latin-1")
+            raise self._refused(501, "unknown_method", f"The method {shown!r} is not implemented.")
+        if self._target and self._target[0][0] != _SLASH and _USERINFO.match(b"".join(self._target)):
+            raise self._refused(400, "userinfo", "The request target has userinfo (user@host): refused.")
         # One pass over the names: most are none of these, told by one lookup.
         hosts = 0
         host = b""
@@ -660,7 +753,8 @@ class Connection(asyncio.Protocol):
             elif kind == _F_CODINGS:
                 if codings is None:
                     codings = []
-                codings += [c.strip() for c in value.lower().split(b",") if c.strip()]
+                # A list (RFC 9110 5.6.1): OWS around elements, empty elements ignored.
+                codings += [c.strip(b" \t") for c in value.lower().split(b",") if c.strip(b" \t")]
             elif kind == _F_EXPECT:
                 expect = value.lower() == b"100-continue"
             elif kind == _F_CONNECTION:
@@ -690,16 +784,12 @@ class Connection(asyncio.Protocol):
             self._keep_alive_request = b"close" not in tokens and (version_11 or b"keep-alive" in tokens)
         self.reading = _R_BODY
         if codings is not None:
-            if codings != [b"chunked"]:
-                # RFC 9112 6.1: chunked must be the final coding, and the router
-                # decodes no other: forwarding such a body would mislabel it.
-                shown = ", ".join(c.decode("latin-1") for c in codings)
-                raise self._refused(
-                    501, "transfer_encoding", f"Transfer-Encoding {shown!r} is not supported; only chunked."
-                )
             if not version_11:
                 raise self._refused(400, "transfer_encoding_http_1_0", "Transfer-Encoding is not allowed in HTTP/1.0.")
+            if codings != [b"chunked"]:
+                raise self._transfer_codings_refused(codings)
             self._chunked = True
+            self._chunk_framed = False
             self._framing = 0
             self._line = 0
         elif self._chunked:
@@ -737,9 +827,17 @@ class Connection(asyncio.Protocol):
                 # deadline runs until the 100 is out.
                 self._continue_owed = True
 
+    def on_chunk_header(self) -> None:
+        self._chunk_framed = True
+
     def on_body(self, body: bytes) -> None:
         if self.reading is not _R_BODY:
             return
+        if self._chunked and not self._chunk_framed:
+            # llhttp did not take the coding for chunked (a trailing HTAB or
+            # comma): it reads to the close, and these are the raw chunks.
+            self._unframed = body
+            raise _Unframed
         self._body_size += len(body)
         server = self.server
         if self._body_size > server.max_body_bytes:
@@ -808,18 +906,21 @@ class Connection(asyncio.Protocol):
                 # bodies of max_body_bytes are held per connection.
                 self.transport.pause_reading()
 
-    def _after_upgrade(self) -> None:
-        """A fresh parser after an ignored Upgrade, primed to read the request's body if it has one."""
+    def _after_upgrade(self) -> bool:
+        """A fresh parser after an ignored Upgrade, primed to read the request's body if it has
+        one (the same for a body to be read anew); True when primed."""
         framing = self._upgrade_framing
         self._upgrade_framing = None
         self.parser = self._new_parser()
         if framing is None or self.reading is not _R_BODY:
-            return
+            return False
         self._synthetic = True
+        head = b"POST / HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n"
         try:
-            self.parser.feed_data(b"POST / HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n")
+            self.parser.feed_data(head)
         except httptools.HttpParserError as exc:  # pragma: no cover (the framing is ours and valid)
-            self._parse_failed(exc)
+            self._parse_failed(exc, head, False)
+        return True
 
     # Running requests ---------------------------------------------------------------
 
@@ -994,18 +1095,42 @@ class Connection(asyncio.Protocol):
         self._refusal = _Refused(status, reason, message)
         return self._refusal
 
-    def _parse_failed(self, exc: httptools.HttpParserError) -> None:
+    def _parse_failed(self, exc: httptools.HttpParserError, data: bytes, at_boundary: bool) -> bytes:
+        """llhttp stopped in `data` (fed from a message boundary or not): refuse, or read on
+        where a callback asked for it. The bytes parsed last."""
         refusal, self._refusal = self._refusal, None
         if refusal is None:
+            unframed, self._unframed = self._unframed, None
+            if unframed is not None:
+                # The raw chunks and what follows them, read anew by a parser that knows them for chunked.
+                self._upgrade_framing = b"Transfer-Encoding: chunked\r\n"
+                return self._upgraded(unframed, 0)
             if self.reading is _R_STOPPED or self.reading is _R_DISCARD:
                 # Bytes after a request that closes the connection, or in a
                 # dropped body: not read, and no more answers owed for them.
                 self.reading = _R_STOPPED
                 if self.answering is _A_IDLE and not self._pending and self._doomed is None:
                     self._close()
-                return
-            refusal = _Refused(400, "invalid_http", f"The request is not valid HTTP/1.1: {exc}.")
+                return data
+            if isinstance(exc, httptools.HttpParserInvalidMethodError) and at_boundary and unknown_method(data):
+                refusal = _Refused(501, "unknown_method", "The request's method is not implemented.")
+            else:
+                refusal = _Refused(400, "invalid_http", f"The request is not valid HTTP/1.1: {exc}.")
         self._refuse(refusal)
+        return data
+
+    def _transfer_codings_refused(self, codings: list[bytes]) -> _Refused:
+        shown = ", ".join(c.decode("latin-1") for c in codings) or "(none)"
+        if not codings or codings[-1] != b"chunked":
+            # RFC 9112 6.3: the body's length cannot be known: 400, then close.
+            return self._refused(
+                400, "transfer_encoding", f"Transfer-Encoding {shown!r} does not end in chunked: no length."
+            )
+        if b"chunked" in codings[:-1]:
+            # RFC 9112 6.1: never chunked twice (one reader would decode it once, another twice).
+            return self._refused(400, "transfer_encoding", f"Transfer-Encoding {shown!r} applies chunked twice.")
+        # RFC 9112 6.1: a coding the router does not decode (forwarding the body would mislabel it).
+        return self._refused(501, "transfer_encoding", f"Transfer-Encoding {shown!r} is not supported; only chunked.")
 
     def _buffers_full(self) -> _Refused:
         return _Refused(
