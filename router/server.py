@@ -248,6 +248,11 @@ class Reply:
 
 Handler = Callable[[Request, "Writer"], Awaitable[None]]
 
+# Judges a request by its head, before any of its body is read or a 100 sent
+# (the app's API keys): a Reply refuses it. Called only for a head that announces
+# a body, with the Request as it will be (its id and target) but no body yet.
+HeadCheck = Callable[[Request], "Reply | None"]
+
 
 def _head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]], framing: bytes) -> bytes:
     lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
@@ -260,6 +265,17 @@ def _head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]], framin
         lines.append(b"Date: " + http_date() + b"\r\n")
     lines.append(framing)
     return b"".join(lines)
+
+
+def _request_target(pieces: list[bytes]) -> bytes:
+    """The target as the handler gets it: no fragment, in origin form."""
+    target = b"".join(pieces) if len(pieces) != 1 else pieces[0]
+    if _HASH in target:
+        # A fragment is the client's own business (RFC 9110 7.1).
+        target = target.split(b"#", 1)[0]
+    if target[0] != _SLASH and target[:4].lower() == b"http":
+        target = _origin_form(target)
+    return target
 
 
 def _origin_form(target: bytes) -> bytes:
@@ -276,14 +292,30 @@ def _origin_form(target: bytes) -> bytes:
 
 
 class _Refused(Exception):
-    """Raised in a parser callback: the request gets `status`, then the connection closes."""
+    """Raised in a parser callback: the request gets `status`, then the connection closes.
 
-    def __init__(self, status: int, reason: str, message: str, code: str | None = None) -> None:
+    `reason` names the protocol error counted and logged (none for a head check's
+    refusal, `reply`, which is no protocol error); `request_id` is the refused
+    request's own, when it got one.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        code: str | None = None,
+        *,
+        reply: Reply | None = None,
+        request_id: bytes = b"",
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
         self.message = message
         self.code = code
+        self.reply = reply
+        self.request_id = request_id
 
 
 class _StopParsing(Exception):
@@ -400,6 +432,7 @@ class Connection(asyncio.Protocol):
         "_deadline_kind",
         "_doomed",
         "_doomed_head_only",
+        "_doomed_request_id",
         "_drained",
         "_framing",
         "_headers",
@@ -472,6 +505,7 @@ class Connection(asyncio.Protocol):
         # closes: a bad request behind good ones is answered in its turn.
         self._doomed: Reply | None = None
         self._doomed_head_only = False
+        self._doomed_request_id = b""
         # A `100 Continue` owed to the request still arriving, sent when it is
         # the one being answered (never into another request's answer).
         self._continue_owed = False
@@ -805,13 +839,17 @@ class Connection(asyncio.Protocol):
                 self._upgrade_framing = b"Transfer-Encoding: chunked\r\n"
         server = self.server
         if length is not None:
-            if length > server.max_body_bytes:
-                message = f"The request body is {length} bytes; the limit is {server.max_body_bytes}."
-                self._refuse(_Refused(413, "body_too_large", message, "request_too_large"))
-                return
             if not length:
                 return
         elif codings is None:
+            return
+        # A body is announced. The app's head check (its keys) comes before any
+        # other judgment of it: a client it refuses learns nothing more.
+        if server.head_check is not None and self._refused_by_head_check(server.head_check):
+            return
+        if length is not None and length > server.max_body_bytes:
+            message = f"The request body is {length} bytes; the limit is {server.max_body_bytes}."
+            self._refuse(_Refused(413, "body_too_large", message, "request_too_large"))
             return
         if server.buffered >= server.max_buffered_body_bytes:
             # Counted as bytes arrive, not as announced: a head that promises
@@ -826,6 +864,28 @@ class Connection(asyncio.Protocol):
                 # The client waits for the 100 before sending its body: no body
                 # deadline runs until the 100 is out.
                 self._continue_owed = True
+
+    def _refused_by_head_check(self, head_check: HeadCheck) -> bool:
+        """The head check, for a request whose body is still to come: True when it refused it."""
+        # The id it is judged under is the one it keeps, answered or refused.
+        self._request_id = request_id = self._request_id or self.server.new_request_id()
+        request = Request(
+            self,
+            self._method.decode("ascii", "replace"),
+            _request_target(self._target),
+            self._headers,
+            b"",
+            self._keep_alive_request,
+            self._head_version_11,
+            0,
+            request_id,
+            self._captured,
+        )
+        reply = head_check(request)
+        if reply is None:
+            return False
+        self._refuse(_Refused(reply.status, "", "", reply=reply, request_id=request_id))
+        return True
 
     def on_chunk_header(self) -> None:
         self._chunk_framed = True
@@ -871,16 +931,10 @@ class Connection(asyncio.Protocol):
             # Not the end: llhttp skipped an upgraded request's body; the
             # fresh parser reads it (see _after_upgrade).
             return
-        target = b"".join(self._target) if len(self._target) != 1 else self._target[0]
-        if _HASH in target:
-            # A fragment is the client's own business (RFC 9110 7.1).
-            target = target.split(b"#", 1)[0]
-        if target[0] != _SLASH and target[:4].lower() == b"http":
-            target = _origin_form(target)
         request = Request(
             self,
             self._method.decode("ascii", "replace"),
-            target,
+            _request_target(self._target),
             self._headers,
             b"".join(self._body),
             self._keep_alive_request,
@@ -1143,19 +1197,24 @@ class Connection(asyncio.Protocol):
     def _refuse(self, refusal: _Refused) -> None:
         """Answer `refusal` after the requests ahead of it, then close.
 
-        A refused body (413, 503) is read on and dropped for a short while, so
-        that a client that sends before it reads gets to read the answer.
+        A refused body (401 from the head check, 413, 503) is read on and dropped
+        for a short while, so that a client that sends before it reads gets to
+        read the answer (nginx reads such a body whole and keeps the connection;
+        the router gives no more of its time to a body it will not take).
         """
         server = self.server
-        server.protocol_errors.record(refusal.reason, f"{refusal.status} to {self!r}: {refusal.message}")
+        if refusal.reason:
+            server.protocol_errors.record(refusal.reason, f"{refusal.status} to {self!r}: {refusal.message}")
         self._body = []
         self._unreserve(self._reserved_current)
         self._reserved_current = 0
         self._continue_owed = False
         self._upgrade_framing = None
         self._in_head = False
-        discard = refusal.status in (413, 503) and self.reading is _R_BODY
-        self._doomed = server.error(refusal.status, refusal.message, code=refusal.code)
+        discard = refusal.status in (401, 413, 503) and self.reading is _R_BODY
+        reply = refusal.reply
+        self._doomed = reply if reply is not None else server.error(refusal.status, refusal.message, code=refusal.code)
+        self._doomed_request_id = refusal.request_id
         # A refused HEAD gets its answer's head only (RFC 9110 9.3.2), as any HEAD does.
         # (llhttp keeps the previous request's method until a new one is read:
         # only a request line begun, its target arriving, has its own.)
@@ -1175,7 +1234,8 @@ class Connection(asyncio.Protocol):
         reply, self._doomed = self._doomed, None
         assert reply is not None
         self._keep_alive = False
-        Writer(self, self._doomed_head_only, self.server.new_request_id(), True).answer(reply)
+        request_id = self._doomed_request_id or self.server.new_request_id()
+        Writer(self, self._doomed_head_only, request_id, True).answer(reply)
         if self.reading is not _R_DISCARD:
             self._close()
         # A DISCARD connection closes when the refused body ends, or at its deadline.
@@ -1503,10 +1563,13 @@ class Server:
         write_stall_timeout: float = 30.0,
         max_buffered_body_bytes: int = 1 << 30,
         captured: Iterable[bytes] = (),
+        head_check: HeadCheck | None = None,
     ) -> None:
         """`captured`: header names whose values the handler reads (Request.captured), picked out
-        in the pass over the head that the server makes anyway, instead of a search per request."""
+        in the pass over the head that the server makes anyway, instead of a search per request.
+        `head_check`: see HeadCheck; None costs nothing per request."""
         self.handler = handler
+        self.head_check = head_check
         # The request fields the server reads, and those it captures for the handler.
         self.fields = dict(_FIELDS)
         for name in captured:

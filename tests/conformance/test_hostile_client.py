@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from router.fake import Behaviour
-from tests.conformance.wire import CHAT, Exchange, StartRaw, Wire, chunk, post, sse_head, stream_post
+from tests.conformance.wire import CHAT, Answer, Exchange, StartRaw, Wire, chunk, post, sse_head, stream_post
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.helpers import protocol_errors, wait_for
 
@@ -680,3 +680,61 @@ async def test_whitespace_and_empty_elements_around_chunked_are_chunked(
         listing = await wire.answer()
         assert listing.status == 200 and listing.json()["object"] == "list"
     assert [seen.body for seen in fake.seen] == [_CHAT_BODY]
+
+
+# Clients without a key ----------------------------------------------------------------------
+
+
+def assert_unauthorized(answer: Answer) -> None:
+    assert answer.status == 401
+    # RFC 9110 11.6.1: a 401 carries a challenge.
+    assert answer.header(b"www-authenticate") == b"Bearer"
+    assert answer.json()["error"]["code"] == "invalid_api_key"  # type: ignore[index]
+
+
+async def test_a_body_without_a_key_is_refused_from_its_head_and_holds_no_buffer(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], api_keys=["sk-right"], max_buffered_body_bytes=3000)
+    keyless = post(orjson.dumps({**CHAT, "pad": "x" * 2800}))
+    async with await Wire.open(server.client_address) as stranger:
+        # Most of a body that would take nearly all of the budget, and no key.
+        stranger.send(keyless[:-20])
+        refused = await stranger.answer()
+        assert_unauthorized(refused)
+        # Nothing of the body was read or kept: the connection closes after the answer.
+        assert refused.header(b"connection") == b"close"
+        async with await Wire.open(server.client_address) as wire:
+            wire.send(post(extra=b"Authorization: Bearer sk-right\r\n"))
+            assert (await wire.answer()).status == 200
+        # The rest of the body is dropped as it comes; then the connection closes.
+        stranger.send(keyless[-20:])
+        assert await stranger.closed() == b""
+    assert len(fake.seen) == 1
+
+
+async def test_a_body_without_a_key_gets_401_instead_of_100_continue(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], api_keys=["sk-right"])
+    body = orjson.dumps(CHAT)
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post(body, extra=b"Expect: 100-continue\r\nAuthorization: Bearer sk-wrong\r\n")[: -len(body)])
+        assert_unauthorized(await wire.answer())
+    assert fake.seen == []
+
+
+async def test_a_request_without_a_key_or_a_body_gets_401_and_the_connection_stays(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], api_keys=["sk-right"])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(GET_MODELS)
+        refused = await wire.answer()
+        assert_unauthorized(refused)
+        assert refused.header(b"connection") is None
+        wire.send(b"GET /v1/models HTTP/1.1\r\nHost: router\r\nAuthorization: Bearer sk-right\r\n\r\n")
+        assert (await wire.answer()).status == 200
