@@ -148,7 +148,7 @@ _USERINFO = re.compile(rb"[A-Za-z][A-Za-z0-9+.\-]*://[^/?#@]*@")
 # judged by on_headers_complete (RFC 9110 2.5: HTTP/1.2 is served as 1.1;
 # RFC 9112 6.1 and 6.3), never left to llhttp's lenient reading: a request
 # whose coding llhttp does not take for chunked, but RFC 9110 does (OWS,
-# an empty list element), is read as chunked by a fresh parser (_reframe).
+# an empty list element), is read as chunked by a fresh parser (on_body).
 _LENIENCIES = {"lenient_keep_alive": True, "lenient_version": True, "lenient_transfer_encoding": True}
 
 
