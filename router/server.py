@@ -1068,7 +1068,8 @@ class Connection(asyncio.Protocol):
         """Read again after a queued request; what the client was sending gets its deadline from now.
 
         While the router does not read, the client cannot be late: a head or
-        body begun in the read that queued a request has no deadline until here.
+        body begun in the read that queued a request has no deadline until here,
+        nor has the window in which a refused body is read and dropped.
         """
         if self.transport is not None:
             self.transport.resume_reading()
@@ -1078,6 +1079,8 @@ class Connection(asyncio.Protocol):
             self._arm(self.server.header_timeout, _D_HEAD)
         elif self.reading is _R_BODY and not self._continue_owed:
             self._arm(self.server.body_timeout, _D_BODY)
+        elif self.reading is _R_DISCARD:
+            self._arm(_DISCARD_SECONDS, _D_DISCARD)
 
     def _write_continue(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -1221,7 +1224,11 @@ class Connection(asyncio.Protocol):
         self._doomed_head_only = bool(self._target) and self.parser.get_method() == b"HEAD"
         if discard:
             self.reading = _R_DISCARD
-            self._arm(_DISCARD_SECONDS, _D_DISCARD)
+            if self._pending:
+                # Not read while a request is queued: the window opens when the router reads again.
+                self._disarm()
+            else:
+                self._arm(_DISCARD_SECONDS, _D_DISCARD)
         else:
             self.reading = _R_STOPPED
             self._disarm()

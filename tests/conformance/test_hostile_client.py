@@ -546,6 +546,32 @@ async def test_a_request_read_behind_a_queued_one_is_not_timed_out_while_the_rou
     assert len(fake.seen) == (2 if part == "body" else 1)
 
 
+async def test_a_refused_body_behind_a_queued_request_is_dropped_once_the_router_reads_again(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    """A 413 read behind a queued request: its body is read and dropped from when the router
+    reads again, not from when its head came, so that the client gets to send it and read
+    every answer (closing on unread bytes would reset the connection under them)."""
+    # A stream of about 2.5 s: longer than the 2 s a refused body is read and dropped.
+    fake = await start_fake("m", behaviour=Behaviour(tokens=25, token_delay=0.1))
+    # (A short head timeout makes the deadlines' sweep run often.)
+    server = await start_router([replica_entry("r0", fake)], max_body_bytes=1000, header_timeout_seconds=0.4)
+    long_stream = post(orjson.dumps({**CHAT, "stream": True, "max_tokens": 25}))
+    # Far more than the sockets' buffers hold: sent only as the router reads it.
+    size = 16 * 1024 * 1024
+    too_large = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Length: %d\r\n\r\n" % size
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(long_stream + GET_MODELS + too_large)
+        streamed = await wire.answer(timeout=10)
+        assert streamed.status == 200 and streamed.complete
+        wire.send(b"x" * size)
+        await asyncio.wait_for(wire.writer.drain(), 10)
+        assert (await wire.answer()).status == 200
+        assert (await wire.answer()).status == 413
+        assert await wire.closed() == b""
+    assert len(fake.seen) == 1
+
+
 # Per-request fields of a pipelined head ------------------------------------------------------
 
 
