@@ -31,6 +31,9 @@ def error_response(exc: ClientFacingError) -> Reply:
     headers = [JSON]
     if exc.retry_after is not None:
         headers.append((b"Retry-After", b"%d" % exc.retry_after))
+    if exc.status == 401:
+        # RFC 9110 11.6.1: a 401 names the scheme that would be accepted.
+        headers.append((b"WWW-Authenticate", b"Bearer"))
     return Reply(exc.status, error_body(exc.status, exc.message, exc.type, exc.code, exc.param), headers)
 
 

@@ -195,6 +195,14 @@ class ApiKeys:
                 return
         raise Unauthorized("Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.")
 
+    def refusal(self, request: Request) -> Reply | None:
+        """check() as the client port's head check: the 401 to answer, or None."""
+        try:
+            self.check(request)
+        except Unauthorized as exc:
+            return error_response(exc)
+        return None
+
 
 class Proxy:
     def __init__(
@@ -259,6 +267,24 @@ class Proxy:
                 writer.answer(self.not_found(request))
         else:
             writer.answer(self.not_found(request))
+
+    def refuse_keyless_body(self, request: Request) -> Reply | None:
+        """The client port's head check while api_keys is set: a request that announces a body
+        and has no valid key is refused from its head (401), before a byte of the body is read
+        or a 100 sent, so that clients without a key never hold the bodies' shared budget.
+
+        The server answers it in its turn and closes; its access-log line is written here.
+        """
+        reply = self.keys.refusal(request)
+        if reply is not None and self.access_log is not None:
+            entry = Entry(
+                request.request_id.decode("ascii"), request.connection.client, request.method, request.path, 0
+            )
+            entry.status = reply.status
+            # The body's bytes, as a stream counts them: the head is the server's to write, later.
+            entry.bytes_out = len(reply.body)
+            self.access_log.write(entry)
+        return reply
 
     async def dispatch_logged(self, request: Request, writer: Writer) -> None:
         """dispatch(), with the request's line written to the access log when it ends."""

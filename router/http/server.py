@@ -7,12 +7,14 @@ port needs a few routes of plain HTTP/1.1, so this module does only that,
 and holds the line a hostile client pushes on:
 
 - requests are parsed by llhttp in strict mode (the parser aiohttp uses):
-  conflicting lengths, chunked with anything after it, bare LF, obs-fold,
-  NUL, a negative length are 400 and the connection is closed. RFC 9112's
-  other musts are checked on top: one valid Host on HTTP/1.1 (400),
-  Transfer-Encoding on HTTP/1.0 (400), only HTTP/1.0 and 1.1 (505), CONNECT
-  (405); an Upgrade is ignored and the request answered as HTTP/1.1
-  (RFC 9110 7.8);
+  conflicting lengths, bare LF, obs-fold, NUL, a negative length are 400
+  and the connection is closed. RFC 9110's and 9112's other rules are
+  checked on top: one valid Host on HTTP/1.1 (400), no userinfo in the
+  target (400), Transfer-Encoding on HTTP/1.0 (400), a final coding other
+  than chunked or chunked twice (400), any coding but chunked (501), a
+  method other than RFC 9110's and PATCH (501), HTTP/1.x above 1.1 served
+  as 1.1 and other majors refused (505), CONNECT (405); an Upgrade is
+  ignored and the request answered as HTTP/1.1 (RFC 9110 7.8);
 - heads are bounded as their bytes arrive, not once a field is complete
   (httptools joins a field's pieces with `+=`, quadratic for an endless
   line): a target over 8 KiB is 414, a header line over 8 KiB, a head over
@@ -42,6 +44,7 @@ and holds the line a hostile client pushes on:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import enum
 import itertools
@@ -127,6 +130,26 @@ _SLASH = ord("/")
 # uri-host [ ":" port ] (RFC 9110 7.2, RFC 3986 3.2.2): a reg-name, an IPv4
 # address or a bracketed IP literal. Empty is allowed (no authority).
 _HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.vV]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]*)(?::[0-9]*)?")
+
+# RFC 9110's methods and PATCH (RFC 5789): any other is one the router does not
+# implement, 501 (RFC 9110 9.1); llhttp knows more (WebDAV's, QUERY, ...) and
+# refuses the rest outright.
+_METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"CONNECT", b"OPTIONS", b"TRACE", b"PATCH"})
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+# A request line (RFC 9112 3, split on runs of SP as RFC 9112 3 allows), and
+# the start of one: a method token and the space after it.
+_REQUEST_LINE = re.compile(_TOKEN + rb" +[!-~]+ +HTTP/[0-9]\.[0-9]")
+_METHOD_SP = re.compile(_TOKEN + rb" ")
+# An absolute-form target with userinfo (RFC 9110 4.2.4: to be treated as an error).
+_USERINFO = re.compile(rb"[A-Za-z][A-Za-z0-9+.\-]*://[^/?#@]*@")
+# llhttp's settings, the same for every parser of a request stream. Whether a
+# connection persists is decided from the head (RFC 9112 9.3): llhttp's own
+# view heeds Proxy-Connection and trailers. Versions and transfer codings are
+# judged by on_headers_complete (RFC 9110 2.5: HTTP/1.2 is served as 1.1;
+# RFC 9112 6.1 and 6.3), never left to llhttp's lenient reading: a request
+# whose coding llhttp does not take for chunked, but RFC 9110 does (OWS,
+# an empty list element), is read as chunked by a fresh parser (on_body).
+_LENIENCIES = {"lenient_keep_alive": True, "lenient_version": True, "lenient_transfer_encoding": True}
 
 
 def reason_of(status: int) -> bytes:
@@ -225,6 +248,11 @@ class Reply:
 
 Handler = Callable[[Request, "Writer"], Awaitable[None]]
 
+# Judges a request by its head, before any of its body is read or a 100 sent
+# (the app's API keys): a Reply refuses it. Called only for a head that announces
+# a body, with the Request as it will be (its id and target) but no body yet.
+HeadCheck = Callable[[Request], "Reply | None"]
+
 
 def _head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]], framing: bytes) -> bytes:
     lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
@@ -237,6 +265,17 @@ def _head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]], framin
         lines.append(b"Date: " + http_date() + b"\r\n")
     lines.append(framing)
     return b"".join(lines)
+
+
+def _request_target(pieces: list[bytes]) -> bytes:
+    """The target as the handler gets it: no fragment, in origin form."""
+    target = b"".join(pieces) if len(pieces) != 1 else pieces[0]
+    if _HASH in target:
+        # A fragment is the client's own business (RFC 9110 7.1).
+        target = target.split(b"#", 1)[0]
+    if target[0] != _SLASH and target[:4].lower() == b"http":
+        target = _origin_form(target)
+    return target
 
 
 def _origin_form(target: bytes) -> bytes:
@@ -253,18 +292,84 @@ def _origin_form(target: bytes) -> bytes:
 
 
 class _Refused(Exception):
-    """Raised in a parser callback: the request gets `status`, then the connection closes."""
+    """Raised in a parser callback: the request gets `status`, then the connection closes.
 
-    def __init__(self, status: int, reason: str, message: str, code: str | None = None) -> None:
+    `reason` names the protocol error counted and logged (none for a head check's
+    refusal, `reply`, which is no protocol error); `request_id` is the refused
+    request's own, when it got one.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        code: str | None = None,
+        *,
+        reply: Reply | None = None,
+        request_id: bytes = b"",
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
         self.message = message
         self.code = code
+        self.reply = reply
+        self.request_id = request_id
 
 
 class _StopParsing(Exception):
     """Raised in a parser callback to stop parsing what follows a request that ended the reading."""
+
+
+class _Unframed(Exception):
+    """Raised in on_body: llhttp reads a chunked body as one that runs to the close (see _LENIENCIES)."""
+
+
+class _Begins:
+    """A probe parser's protocol: counts the messages begun."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_message_begin(self) -> None:
+        self.count += 1
+
+
+def _begins(data: bytes) -> int:
+    counter = _Begins()
+    parser = httptools.HttpRequestParser(counter)
+    parser.set_dangerous_leniencies(**_LENIENCIES)
+    with contextlib.suppress(httptools.HttpParserError, httptools.HttpParserUpgrade):
+        parser.feed_data(data)
+    return counter.count
+
+
+def unknown_method(data: bytes) -> bool:
+    """`data` was read from a message boundary, and llhttp refused a method in it: is that
+    method a token, in a request line (or the start of one still arriving)? Then it is a
+    method the router does not know (501), not bytes that are no request at all (400).
+
+    llhttp says neither where the refused message began nor what its method was; a
+    probe parser fed ever longer starts of `data` finds the byte that began it. This runs
+    only for a refused method, at most a dozen probes over a read's 4 KiB slice. (A
+    method split across reads before its space is judged as it stands, and is 400.)
+    """
+    total = _begins(data)
+    low, high = 1, len(data)
+    while low < high:
+        middle = (low + high) // 2
+        if _begins(data[:middle]) >= total:
+            high = middle
+        else:
+            low = middle + 1
+    start = low - 1
+    end = data.find(b"\r\n", start)
+    if end < 0:
+        return _METHOD_SP.match(data, start) is not None
+    return _REQUEST_LINE.fullmatch(data, start, end) is not None
 
 
 class Reading(enum.Enum):
@@ -319,6 +424,7 @@ class Connection(asyncio.Protocol):
         "_backlog",
         "_body",
         "_body_size",
+        "_chunk_framed",
         "_chunked",
         "_client",
         "_continue_owed",
@@ -326,6 +432,7 @@ class Connection(asyncio.Protocol):
         "_deadline_kind",
         "_doomed",
         "_doomed_head_only",
+        "_doomed_request_id",
         "_drained",
         "_framing",
         "_headers",
@@ -344,8 +451,9 @@ class Connection(asyncio.Protocol):
         "_synthetic",
         "_target",
         "_target_size",
+        "_unframed",
         "_upgrade_framing",
-        "_version_11",
+        "_head_version_11",
         "_write_deadline",
         "answering",
         "parser",
@@ -376,7 +484,13 @@ class Connection(asyncio.Protocol):
         # The body being read is chunked; bytes of framing read since its last data.
         self._chunked = False
         self._framing = 0
-        self._version_11 = True
+        # llhttp has read a chunk-size line of the chunked body being read (on_chunk_header):
+        # until then, body bytes may be the raw chunks of a coding llhttp did not take for
+        # chunked, and are handed to a fresh parser that does (_unframed).
+        self._chunk_framed = False
+        self._unframed: bytes | None = None
+        # The version of the head being read; an answer's own is its Writer's.
+        self._head_version_11 = True
         # An ignored Upgrade: llhttp hands the body over as the new protocol's
         # bytes, so a fresh parser is fed this framing to read it as a body.
         self._upgrade_framing: bytes | None = None
@@ -391,6 +505,7 @@ class Connection(asyncio.Protocol):
         # closes: a bad request behind good ones is answered in its turn.
         self._doomed: Reply | None = None
         self._doomed_head_only = False
+        self._doomed_request_id = b""
         # A `100 Continue` owed to the request still arriving, sent when it is
         # the one being answered (never into another request's answer).
         self._continue_owed = False
@@ -422,10 +537,7 @@ class Connection(asyncio.Protocol):
 
     def _new_parser(self) -> httptools.HttpRequestParser:
         parser = httptools.HttpRequestParser(self)
-        # Whether the connection persists is decided here, from the head
-        # (RFC 9112 9.3); llhttp's own view heeds Proxy-Connection and
-        # trailers. What follows a request that closes is never read anyway.
-        parser.set_dangerous_leniencies(lenient_keep_alive=True)
+        parser.set_dangerous_leniencies(**_LENIENCIES)
         return parser
 
     def __repr__(self) -> str:
@@ -444,19 +556,21 @@ class Connection(asyncio.Protocol):
         self._arm(self.server.header_timeout, _D_HEAD)
 
     def data_received(self, data: bytes) -> None:
-        if self.reading is _R_STOPPED:
+        reading = self.reading
+        if reading is _R_STOPPED:
             # After `Connection: close` or a refusal: whatever follows is not read.
             return
         if len(data) > _SLICE:
             self._feed_slices(data)
             return
         body_before = self._body_size
+        in_head = self._in_head
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
             data = self._upgraded(data, exc.args[0])
         except httptools.HttpParserError as exc:
-            self._parse_failed(exc)
+            data = self._parse_failed(exc, data, reading is _R_HEAD and not in_head)
         # A whole request in one read (the usual case) ends here: reading the
         # next head, not in one. Deadlines are armed only for what is unfinished.
         reading = self.reading
@@ -464,7 +578,7 @@ class Connection(asyncio.Protocol):
             if self._in_head:
                 self._count_head_bytes(data)
         elif reading is _R_BODY:
-            if not self._deadline and not self._continue_owed:
+            if not self._deadline and not self._continue_owed and not self._pending:
                 self._arm(self.server.body_timeout, _D_BODY)
             if self._chunked:
                 if self._body_size != body_before:
@@ -488,11 +602,12 @@ class Connection(asyncio.Protocol):
                 return
 
     def _upgraded(self, data: bytes, offset: int) -> bytes:
-        """The request is complete (its Upgrade ignored); what follows is HTTP/1.1
-        again: its body, if it has one, then more requests. The bytes parsed last."""
+        """The request is complete (its Upgrade ignored), or its body is to be read
+        anew (_unframed); what follows is HTTP/1.1 again: the body, if there is one,
+        then more requests, for a fresh parser. The bytes parsed last."""
         while True:
             data = data[offset:]
-            self._after_upgrade()
+            in_body = self._after_upgrade()
             if not data or self.reading is _R_STOPPED:
                 return data
             try:
@@ -501,7 +616,7 @@ class Connection(asyncio.Protocol):
                 offset = exc.args[0]
                 continue
             except httptools.HttpParserError as exc:
-                self._parse_failed(exc)
+                return self._parse_failed(exc, data, not in_body)
             return data
 
     def _count_framing_bytes(self, data: bytes) -> None:
@@ -526,8 +641,11 @@ class Connection(asyncio.Protocol):
     def _count_head_bytes(self, data: bytes) -> None:
         """A head still arriving: its deadline runs; its current line and whole size are bounded now."""
         if self._deadline_kind is not _D_HEAD or not self._deadline:
-            # The head's first read that did not end it: its deadline and line count begin.
-            self._arm(self.server.header_timeout, _D_HEAD)
+            # The head's first read that did not end it: its line count begins, and
+            # its deadline too, unless the router stopped reading behind a queued
+            # request (then it begins when the router reads again: _resume_reading).
+            if not self._pending:
+                self._arm(self.server.header_timeout, _D_HEAD)
             self._line = 0
         newline = data.rfind(b"\n")
         self._line = len(data) - newline - 1 if newline >= 0 else self._line + len(data)
@@ -606,13 +724,14 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._deadline = 0.0
         if self._synthetic:
+            # The same body read on by a fresh parser: its deadline, if it runs, runs on.
             self._synthetic = False
             self.reading = _R_BODY
-            if not self._continue_owed:
+            if not self._deadline and not self._continue_owed and not self._pending:
                 self._arm(self.server.body_timeout, _D_BODY)
             return
+        self._deadline = 0.0
         if self.reading is _R_DISCARD:
             return
         headers = self._headers
@@ -622,13 +741,25 @@ class Connection(asyncio.Protocol):
             raise self._refused(431, "head_too_large", f"The request head is larger than {MAX_HEAD} bytes.")
         parser = self.parser
         version = parser.get_http_version()
-        version_11 = version == "1.1"
-        if not version_11 and version != "1.0":
+        if version == "1.1":
+            version_11 = True
+        elif version == "1.0":
+            version_11 = False
+        elif version[:2] == "1.":
+            # RFC 9110 2.5: a higher minor version is read as the highest one the
+            # router speaks, and answered in it.
+            version_11 = True
+        else:
             raise self._refused(505, "http_version", f"HTTP/{version} is not supported; use HTTP/1.1.")
-        self._version_11 = version_11
+        self._head_version_11 = version_11
         # The method as this head says it: after an ignored Upgrade another
         # parser reads the body, and its method is not the request's.
         self._method = method = parser.get_method()
+        if method not in _METHODS:
+            shown = method.decode("latin-1")
+            raise self._refused(501, "unknown_method", f"The method {shown!r} is not implemented.")
+        if self._target and self._target[0][0] != _SLASH and _USERINFO.match(b"".join(self._target)):
+            raise self._refused(400, "userinfo", "The request target has userinfo (user@host): refused.")
         # One pass over the names: most are none of these, told by one lookup.
         hosts = 0
         host = b""
@@ -656,7 +787,8 @@ class Connection(asyncio.Protocol):
             elif kind == _F_CODINGS:
                 if codings is None:
                     codings = []
-                codings += [c.strip() for c in value.lower().split(b",") if c.strip()]
+                # A list (RFC 9110 5.6.1): OWS around elements, empty elements ignored.
+                codings += [c.strip(b" \t") for c in value.lower().split(b",") if c.strip(b" \t")]
             elif kind == _F_EXPECT:
                 expect = value.lower() == b"100-continue"
             elif kind == _F_CONNECTION:
@@ -686,16 +818,12 @@ class Connection(asyncio.Protocol):
             self._keep_alive_request = b"close" not in tokens and (version_11 or b"keep-alive" in tokens)
         self.reading = _R_BODY
         if codings is not None:
-            if codings != [b"chunked"]:
-                # RFC 9112 6.1: chunked must be the final coding, and the router
-                # decodes no other: forwarding such a body would mislabel it.
-                shown = ", ".join(c.decode("latin-1") for c in codings)
-                raise self._refused(
-                    501, "transfer_encoding", f"Transfer-Encoding {shown!r} is not supported; only chunked."
-                )
             if not version_11:
                 raise self._refused(400, "transfer_encoding_http_1_0", "Transfer-Encoding is not allowed in HTTP/1.0.")
+            if codings != [b"chunked"]:
+                raise self._transfer_codings_refused(codings)
             self._chunked = True
+            self._chunk_framed = False
             self._framing = 0
             self._line = 0
         elif self._chunked:
@@ -711,13 +839,17 @@ class Connection(asyncio.Protocol):
                 self._upgrade_framing = b"Transfer-Encoding: chunked\r\n"
         server = self.server
         if length is not None:
-            if length > server.max_body_bytes:
-                message = f"The request body is {length} bytes; the limit is {server.max_body_bytes}."
-                self._refuse(_Refused(413, "body_too_large", message, "request_too_large"))
-                return
             if not length:
                 return
         elif codings is None:
+            return
+        # A body is announced. The app's head check (its keys) comes before any
+        # other judgment of it: a client it refuses learns nothing more.
+        if server.head_check is not None and self._refused_by_head_check(server.head_check):
+            return
+        if length is not None and length > server.max_body_bytes:
+            message = f"The request body is {length} bytes; the limit is {server.max_body_bytes}."
+            self._refuse(_Refused(413, "body_too_large", message, "request_too_large"))
             return
         if server.buffered >= server.max_buffered_body_bytes:
             # Counted as bytes arrive, not as announced: a head that promises
@@ -733,9 +865,39 @@ class Connection(asyncio.Protocol):
                 # deadline runs until the 100 is out.
                 self._continue_owed = True
 
+    def _refused_by_head_check(self, head_check: HeadCheck) -> bool:
+        """The head check, for a request whose body is still to come: True when it refused it."""
+        # The id it is judged under is the one it keeps, answered or refused.
+        self._request_id = request_id = self._request_id or self.server.new_request_id()
+        request = Request(
+            self,
+            self._method.decode("ascii", "replace"),
+            _request_target(self._target),
+            self._headers,
+            b"",
+            self._keep_alive_request,
+            self._head_version_11,
+            0,
+            request_id,
+            self._captured,
+        )
+        reply = head_check(request)
+        if reply is None:
+            return False
+        self._refuse(_Refused(reply.status, "", "", reply=reply, request_id=request_id))
+        return True
+
+    def on_chunk_header(self) -> None:
+        self._chunk_framed = True
+
     def on_body(self, body: bytes) -> None:
         if self.reading is not _R_BODY:
             return
+        if self._chunked and not self._chunk_framed:
+            # llhttp did not take the coding for chunked (a trailing HTAB or
+            # comma): it reads to the close, and these are the raw chunks.
+            self._unframed = body
+            raise _Unframed
         self._body_size += len(body)
         server = self.server
         if self._body_size > server.max_body_bytes:
@@ -769,20 +931,14 @@ class Connection(asyncio.Protocol):
             # Not the end: llhttp skipped an upgraded request's body; the
             # fresh parser reads it (see _after_upgrade).
             return
-        target = b"".join(self._target) if len(self._target) != 1 else self._target[0]
-        if _HASH in target:
-            # A fragment is the client's own business (RFC 9110 7.1).
-            target = target.split(b"#", 1)[0]
-        if target[0] != _SLASH and target[:4].lower() == b"http":
-            target = _origin_form(target)
         request = Request(
             self,
             self._method.decode("ascii", "replace"),
-            target,
+            _request_target(self._target),
             self._headers,
             b"".join(self._body),
             self._keep_alive_request,
-            self._version_11,
+            self._head_version_11,
             self._reserved_current,
             self._request_id or self.server.new_request_id(),
             self._captured,
@@ -804,18 +960,21 @@ class Connection(asyncio.Protocol):
                 # bodies of max_body_bytes are held per connection.
                 self.transport.pause_reading()
 
-    def _after_upgrade(self) -> None:
-        """A fresh parser after an ignored Upgrade, primed to read the request's body if it has one."""
+    def _after_upgrade(self) -> bool:
+        """A fresh parser after an ignored Upgrade, primed to read the request's body if it has
+        one (the same for a body to be read anew); True when primed."""
         framing = self._upgrade_framing
         self._upgrade_framing = None
         self.parser = self._new_parser()
         if framing is None or self.reading is not _R_BODY:
-            return
+            return False
         self._synthetic = True
+        head = b"POST / HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n"
         try:
-            self.parser.feed_data(b"POST / HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n")
+            self.parser.feed_data(head)
         except httptools.HttpParserError as exc:  # pragma: no cover (the framing is ours and valid)
-            self._parse_failed(exc)
+            self._parse_failed(exc, head, False)
+        return True
 
     # Running requests ---------------------------------------------------------------
 
@@ -825,9 +984,8 @@ class Connection(asyncio.Protocol):
 
     async def _run(self, request: Request) -> None:
         self._keep_alive = request.keep_alive and not self.server.stopping
-        self._version_11 = request.version_11
         # (`request` is found by name in this frame: see running_request().)
-        writer = Writer(self, request.method == "HEAD", request.request_id)
+        writer = Writer(self, request.method == "HEAD", request.request_id, request.version_11)
         try:
             await self.server.handler(request, writer)
         except asyncio.CancelledError:
@@ -888,10 +1046,9 @@ class Connection(asyncio.Protocol):
                 self.data_received(backlog)
                 if self._backlog or self._pending or self.stopped:
                     return
-            if self.transport is not None:
-                # Nothing queued ahead now: read on (the next head, or the body
-                # of one whose head came meanwhile). Never while anything waits.
-                self.transport.resume_reading()
+            # Nothing queued ahead now: read on (the next head, or the body of
+            # one whose head came meanwhile). Never while anything waits.
+            self._resume_reading()
             return
         if self._doomed is not None:
             self._answer_doomed()
@@ -907,12 +1064,36 @@ class Connection(asyncio.Protocol):
         elif not self._in_head and self.reading is _R_HEAD:
             self._arm(self.server.keepalive_timeout, _D_IDLE)
 
+    def _resume_reading(self) -> None:
+        """Read again after a queued request; what the client was sending gets its deadline from now.
+
+        While the router does not read, the client cannot be late: a head or
+        body begun in the read that queued a request has no deadline until here,
+        nor has the window in which a refused body is read and dropped.
+        """
+        if self.transport is not None:
+            self.transport.resume_reading()
+        if self._deadline:
+            return
+        if self._in_head:
+            self._arm(self.server.header_timeout, _D_HEAD)
+        elif self.reading is _R_BODY and not self._continue_owed:
+            self._arm(self.server.body_timeout, _D_BODY)
+        elif self.reading is _R_DISCARD:
+            self._arm(_DISCARD_SECONDS, _D_DISCARD)
+
     def _write_continue(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _write_stream_head(
-        self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], length: int | None, no_body: bool
+        self,
+        status: int,
+        reason: bytes,
+        headers: list[tuple[bytes, bytes]],
+        length: int | None,
+        no_body: bool,
+        version_11: bool,
     ) -> bool:
         """A stream's head; True when its body is chunked."""
         chunked = False
@@ -920,7 +1101,7 @@ class Connection(asyncio.Protocol):
             framing = b"Content-Length: %d\r\n" % length if length is not None and status not in (204, 304) else b""
         elif length is not None:
             framing = b"Content-Length: %d\r\n" % length
-        elif self._version_11:
+        elif version_11:
             framing = b"Transfer-Encoding: chunked\r\n"
             chunked = True
         else:
@@ -929,7 +1110,7 @@ class Connection(asyncio.Protocol):
             self._keep_alive = False
         if not self._keep_alive:
             framing += b"Connection: close\r\n"
-        elif not self._version_11:
+        elif not version_11:
             framing += b"Connection: keep-alive\r\n"
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(_head(status, reason, headers, framing + b"\r\n"))
@@ -971,18 +1152,42 @@ class Connection(asyncio.Protocol):
         self._refusal = _Refused(status, reason, message)
         return self._refusal
 
-    def _parse_failed(self, exc: httptools.HttpParserError) -> None:
+    def _parse_failed(self, exc: httptools.HttpParserError, data: bytes, at_boundary: bool) -> bytes:
+        """llhttp stopped in `data` (fed from a message boundary or not): refuse, or read on
+        where a callback asked for it. The bytes parsed last."""
         refusal, self._refusal = self._refusal, None
         if refusal is None:
+            unframed, self._unframed = self._unframed, None
+            if unframed is not None:
+                # The raw chunks and what follows them, read anew by a parser that knows them for chunked.
+                self._upgrade_framing = b"Transfer-Encoding: chunked\r\n"
+                return self._upgraded(unframed, 0)
             if self.reading is _R_STOPPED or self.reading is _R_DISCARD:
                 # Bytes after a request that closes the connection, or in a
                 # dropped body: not read, and no more answers owed for them.
                 self.reading = _R_STOPPED
                 if self.answering is _A_IDLE and not self._pending and self._doomed is None:
                     self._close()
-                return
-            refusal = _Refused(400, "invalid_http", f"The request is not valid HTTP/1.1: {exc}.")
+                return data
+            if isinstance(exc, httptools.HttpParserInvalidMethodError) and at_boundary and unknown_method(data):
+                refusal = _Refused(501, "unknown_method", "The request's method is not implemented.")
+            else:
+                refusal = _Refused(400, "invalid_http", f"The request is not valid HTTP/1.1: {exc}.")
         self._refuse(refusal)
+        return data
+
+    def _transfer_codings_refused(self, codings: list[bytes]) -> _Refused:
+        shown = ", ".join(c.decode("latin-1") for c in codings) or "(none)"
+        if not codings or codings[-1] != b"chunked":
+            # RFC 9112 6.3: the body's length cannot be known: 400, then close.
+            return self._refused(
+                400, "transfer_encoding", f"Transfer-Encoding {shown!r} does not end in chunked: no length."
+            )
+        if b"chunked" in codings[:-1]:
+            # RFC 9112 6.1: never chunked twice (one reader would decode it once, another twice).
+            return self._refused(400, "transfer_encoding", f"Transfer-Encoding {shown!r} applies chunked twice.")
+        # RFC 9112 6.1: a coding the router does not decode (forwarding the body would mislabel it).
+        return self._refused(501, "transfer_encoding", f"Transfer-Encoding {shown!r} is not supported; only chunked.")
 
     def _buffers_full(self) -> _Refused:
         return _Refused(
@@ -995,26 +1200,35 @@ class Connection(asyncio.Protocol):
     def _refuse(self, refusal: _Refused) -> None:
         """Answer `refusal` after the requests ahead of it, then close.
 
-        A refused body (413, 503) is read on and dropped for a short while, so
-        that a client that sends before it reads gets to read the answer.
+        A refused body (401 from the head check, 413, 503) is read on and dropped
+        for a short while, so that a client that sends before it reads gets to
+        read the answer (nginx reads such a body whole and keeps the connection;
+        the router gives no more of its time to a body it will not take).
         """
         server = self.server
-        server.protocol_errors.record(refusal.reason, f"{refusal.status} to {self!r}: {refusal.message}")
+        if refusal.reason:
+            server.protocol_errors.record(refusal.reason, f"{refusal.status} to {self!r}: {refusal.message}")
         self._body = []
         self._unreserve(self._reserved_current)
         self._reserved_current = 0
         self._continue_owed = False
         self._upgrade_framing = None
         self._in_head = False
-        discard = refusal.status in (413, 503) and self.reading is _R_BODY
-        self._doomed = server.error(refusal.status, refusal.message, code=refusal.code)
+        discard = refusal.status in (401, 413, 503) and self.reading is _R_BODY
+        reply = refusal.reply
+        self._doomed = reply if reply is not None else server.error(refusal.status, refusal.message, code=refusal.code)
+        self._doomed_request_id = refusal.request_id
         # A refused HEAD gets its answer's head only (RFC 9110 9.3.2), as any HEAD does.
         # (llhttp keeps the previous request's method until a new one is read:
         # only a request line begun, its target arriving, has its own.)
         self._doomed_head_only = bool(self._target) and self.parser.get_method() == b"HEAD"
         if discard:
             self.reading = _R_DISCARD
-            self._arm(_DISCARD_SECONDS, _D_DISCARD)
+            if self._pending:
+                # Not read while a request is queued: the window opens when the router reads again.
+                self._disarm()
+            else:
+                self._arm(_DISCARD_SECONDS, _D_DISCARD)
         else:
             self.reading = _R_STOPPED
             self._disarm()
@@ -1027,8 +1241,8 @@ class Connection(asyncio.Protocol):
         reply, self._doomed = self._doomed, None
         assert reply is not None
         self._keep_alive = False
-        self._version_11 = True
-        Writer(self, self._doomed_head_only, self.server.new_request_id()).answer(reply)
+        request_id = self._doomed_request_id or self.server.new_request_id()
+        Writer(self, self._doomed_head_only, request_id, True).answer(reply)
         if self.reading is not _R_DISCARD:
             self._close()
         # A DISCARD connection closes when the refused body ends, or at its deadline.
@@ -1173,13 +1387,26 @@ class Writer:
     writer, with no change in the handler.
     """
 
-    __slots__ = ("_chunked", "_connection", "_head_only", "_left", "_no_body", "_request_id", "entry", "phase")
+    __slots__ = (
+        "_chunked",
+        "_connection",
+        "_head_only",
+        "_left",
+        "_no_body",
+        "_request_id",
+        "_version_11",
+        "entry",
+        "phase",
+    )
 
-    def __init__(self, connection: Connection, head_only: bool, request_id: bytes) -> None:
+    def __init__(self, connection: Connection, head_only: bool, request_id: bytes, version_11: bool) -> None:
         self._connection = connection
         self._head_only = head_only
         # Sent back on every answer (X-Request-Id).
         self._request_id = request_id
+        # The request's own version, not the connection's: the head of the next
+        # request may be read (and its version with it) while this answer is written.
+        self._version_11 = version_11
         self.phase = _NEW
         # The access log's entry, when it is kept: the writer fills in the
         # status and counts the bytes written.
@@ -1205,7 +1432,7 @@ class Writer:
         body = reply.body
         if not connection._keep_alive:
             persistence = b"Connection: close\r\n"
-        elif connection._version_11:
+        elif self._version_11:
             persistence = b""
         else:
             # HTTP/1.0 closes by default: say that this one stays open.
@@ -1242,7 +1469,9 @@ class Writer:
         self._no_body = self._head_only or status in (204, 304) or 100 <= status < 200
         self._left = -1 if length is None else length
         headers = [*headers, (b"X-Request-Id", self._request_id)]
-        self._chunked = self._connection._write_stream_head(status, reason, headers, length, self._no_body)
+        self._chunked = self._connection._write_stream_head(
+            status, reason, headers, length, self._no_body, self._version_11
+        )
 
     def write(self, data: bytes) -> bool:
         """One piece of the body; True when the client's buffer is full (await drain())."""
@@ -1341,10 +1570,13 @@ class Server:
         write_stall_timeout: float = 30.0,
         max_buffered_body_bytes: int = 1 << 30,
         captured: Iterable[bytes] = (),
+        head_check: HeadCheck | None = None,
     ) -> None:
         """`captured`: header names whose values the handler reads (Request.captured), picked out
-        in the pass over the head that the server makes anyway, instead of a search per request."""
+        in the pass over the head that the server makes anyway, instead of a search per request.
+        `head_check`: see HeadCheck; None costs nothing per request."""
         self.handler = handler
+        self.head_check = head_check
         # The request fields the server reads, and those it captures for the handler.
         self.fields = dict(_FIELDS)
         for name in captured:

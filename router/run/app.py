@@ -181,6 +181,8 @@ class RouterServer(Listening):
             max_buffered_body_bytes=config.max_buffered_body_bytes,
             # Read in the server's own pass over each head, not searched for per request.
             captured=[m.session_header.encode() for m in config.models.values() if m.routing == "session"],
+            # Keys are checked from the head when a body follows: nothing of it is read without one.
+            head_check=proxy.refuse_keyless_body if proxy.keys.active else None,
             error=server_error,
             log_exception=log.exception,
         )

@@ -319,6 +319,23 @@ async def test_the_access_log_has_one_line_per_request_field_by_field(
     assert "messages" not in text and "Bearer" not in text
 
 
+async def test_a_body_refused_for_want_of_a_key_has_its_access_log_line(
+    start_fake: StartFake, start_router: StartRouter, tmp_path: Path
+) -> None:
+    """Refused from its head (its body never read), the request still has its line, under its id."""
+    fake = await start_fake("m")
+    log_path = tmp_path / "access.log"
+    server = await start_router([replica_entry("r0", fake)], access_log=str(log_path), api_keys=["sk-right"])
+    status, headers, answer = await post_json(server, "/v1/chat/completions", CHAT, **{"X-Request-Id": "keyless"})
+    assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    assert headers["X-Request-Id"] == "keyless"
+    await wait_for(lambda: log_path.exists() and len(lines(log_path)) == 1, timeout=5)
+    line = lines(log_path)[0]
+    assert line["id"] == "keyless" and line["status"] == 401 and line["bytes_in"] == 0
+    assert line["method"] == "POST" and line["path"] == "/v1/chat/completions" and line["attempts"] == 0
+    assert fake.seen == []
+
+
 async def test_rotating_the_access_log_with_sighup_under_load_loses_no_line(
     serve: Serve, start_fake: StartFake, tmp_path: Path
 ) -> None:

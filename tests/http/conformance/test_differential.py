@@ -466,13 +466,16 @@ def _head_policy(p: Parsed) -> str | None:
         or len(fields) > MAX_HEADERS
     ):
         return "header line, head or field count over the router's limit: 431 (RFC 6585 5)"
-    if p.version not in (b"1.0", b"1.1"):
-        return "HTTP version other than 1.0 and 1.1: 505 (RFC 9110 15.6.6); h11 takes any digit.digit"
+    if not p.version.startswith(b"1."):
+        # (A higher 1.x is served as 1.1, RFC 9110 2.5, as h11 reads it: no refusal allowed.)
+        return "HTTP major version other than 1: 505 (RFC 9110 15.6.6); h11 takes any digit.digit"
     if p.method == b"CONNECT":
         return "CONNECT: 405, the router is no forward proxy (RFC 9110 9.3.6)"
     if p.method not in _STANDARD_METHODS:
         # llhttp knows a fixed list of methods and refuses the rest.
         return "a method outside RFC 9110's: RFC 9110 9.1 lets a server refuse one it does not recognise"
+    if re.match(rb"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@]*@", p.target):
+        return "userinfo in an absolute-form target: RFC 9110 4.2.4, to be treated as an error"
     if any(_URI_HOST.fullmatch(value) is None for value in p.values(b"host")):
         return "invalid Host value: 400 (RFC 9112 3.2); h11 does not check it"
     lengths = [value for name, value in fields if name == b"content-length"]
@@ -881,6 +884,10 @@ _CODINGS = (
     b"chunked, chunked",
     b"chunked;q=1",
     b"x, chunked",
+    b"chunked\t",
+    b"chunked,",
+    b"\tchunked , ",
+    b"",
 )
 
 _SIZE_FORMS: dict[str, Callable[[int], bytes]] = {
@@ -1006,6 +1013,7 @@ def _request(draw: st.DrawFn, index: int) -> bytes:
             (1, b"/nope"),
             (1, b"*"),
             (1, b"http://router/v1/chat/completions"),
+            (1, b"http://user@router/v1/chat/completions"),
             (1, b"/v1/chat/completions?q=" + b"a" * (MAX_LINE + 10)),
             (1, b"/v1/chat/completions?\x7f"),
             (1, b"/v1/chat/completions?\xff"),
@@ -1220,6 +1228,20 @@ PINNED = {
     "control character": b"GET /v1/models HTTP/1.1\r\nHost: r\r\nX-Ctl: a\x01b\r\n\r\n" + _GET_MODELS,
     "invalid Host": b"GET /v1/models HTTP/1.1\r\nHost: a/b@c\r\n\r\n" + _GET_MODELS,
     "HTTP/2.0 request line": b"GET /v1/models HTTP/2.0\r\nHost: r\r\n\r\n" + _GET_MODELS,
+    # RFC 9110 2.5: a higher minor version is served as HTTP/1.1, and the connection persists.
+    "HTTP/1.2 request line": b"GET /v1/models HTTP/1.2\r\nHost: r\r\n\r\n" + _GET_MODELS,
+    # RFC 9110 5.5 and 5.6.1: OWS and empty elements around chunked leave it chunked
+    # (llhttp reads them as another coding; the router reads the body anew as chunked).
+    "OWS after chunked": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\t\r\n\r\n"
+        b'd\r\n{"model":"m"}\r\n0\r\n\r\n' + _GET_MODELS
+    ),
+    "a comma after chunked": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked,\r\n\r\n"
+        b'd\r\n{"model":"m"}\r\n0\r\n\r\n' + _GET_MODELS
+    ),
+    "unknown method behind a request": _GET_MODELS + b"FOO /v1/models HTTP/1.1\r\nHost: r\r\n\r\n" + _GET_MODELS,
+    "userinfo in an absolute-form target": b"GET http://u:p@r/v1/models HTTP/1.1\r\nHost: r\r\n\r\n" + _GET_MODELS,
     "unknown method": b"FOO /v1/models HTTP/1.1\r\nHost: r\r\n\r\n" + _GET_MODELS,
     "CONNECT": b"CONNECT /v1/models HTTP/1.1\r\nHost: r\r\n\r\n" + _GET_MODELS,
     "whitespace after a chunk size": (

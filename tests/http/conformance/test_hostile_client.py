@@ -17,7 +17,7 @@ import pytest
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.helpers import protocol_errors, wait_for
-from tests.http.conformance.wire import CHAT, Wire, post, stream_post
+from tests.http.conformance.wire import CHAT, Answer, Exchange, StartRaw, Wire, chunk, post, sse_head, stream_post
 
 # Desync -----------------------------------------------------------------------------------
 
@@ -514,4 +514,253 @@ async def test_upgrade_with_expect_behind_a_long_answer_gets_its_100(
         # The body deadline did not run while the 100 was owed: no 408.
         assert (await wire.answer()).status == 100
         wire.send(body)
+        assert (await wire.answer()).status == 200
+
+
+# Deadlines run only while the router reads ---------------------------------------------------
+
+
+GET_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: router\r\n\r\n"
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+async def test_a_request_read_behind_a_queued_one_is_not_timed_out_while_the_router_waits(
+    start_fake: StartFake, start_router: StartRouter, part: str
+) -> None:
+    """A stream runs, a second request is queued behind it and part of a third came in the same
+    read: the router stops reading there, so the third's head or body deadline may run only once
+    it reads again (a client is not late for bytes the router is not taking)."""
+    # A stream of about 1.2 s, longer than the deadlines and their sweep.
+    fake = await start_fake("m", behaviour=Behaviour(tokens=12, token_delay=0.1))
+    server = await start_router([replica_entry("r0", fake)], header_timeout_seconds=0.5, body_timeout_seconds=0.5)
+    long_stream = post(orjson.dumps({**CHAT, "stream": True, "max_tokens": 12}))
+    third = post() if part == "body" else GET_MODELS
+    cut = third.index(b"\r\n\r\n") + 10 if part == "body" else third.index(b"Host")
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(long_stream + GET_MODELS + third[:cut])
+        streamed = await wire.answer()
+        assert streamed.status == 200 and streamed.complete
+        wire.send(third[cut:])
+        assert (await wire.answer()).status == 200
+        assert (await wire.answer()).status == 200
+    assert len(fake.seen) == (2 if part == "body" else 1)
+
+
+async def test_a_refused_body_behind_a_queued_request_is_dropped_once_the_router_reads_again(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    """A 413 read behind a queued request: its body is read and dropped from when the router
+    reads again, not from when its head came, so that the client gets to send it and read
+    every answer (closing on unread bytes would reset the connection under them)."""
+    # A stream of about 2.5 s: longer than the 2 s a refused body is read and dropped.
+    fake = await start_fake("m", behaviour=Behaviour(tokens=25, token_delay=0.1))
+    # (A short head timeout makes the deadlines' sweep run often.)
+    server = await start_router([replica_entry("r0", fake)], max_body_bytes=1000, header_timeout_seconds=0.4)
+    long_stream = post(orjson.dumps({**CHAT, "stream": True, "max_tokens": 25}))
+    # Far more than the sockets' buffers hold: sent only as the router reads it.
+    size = 16 * 1024 * 1024
+    too_large = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Length: %d\r\n\r\n" % size
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(long_stream + GET_MODELS + too_large)
+        streamed = await wire.answer(timeout=10)
+        assert streamed.status == 200 and streamed.complete
+        wire.send(b"x" * size)
+        await asyncio.wait_for(wire.writer.drain(), 10)
+        assert (await wire.answer()).status == 200
+        assert (await wire.answer()).status == 413
+        assert await wire.closed() == b""
+    assert len(fake.seen) == 1
+
+
+# Per-request fields of a pipelined head ------------------------------------------------------
+
+
+@pytest.mark.parametrize("versions", [("1.0", "1.1"), ("1.1", "1.0")])
+async def test_a_pipelined_head_does_not_change_the_version_of_the_answer_being_written(
+    start_raw: StartRaw, start_router: StartRouter, versions: tuple[str, str]
+) -> None:
+    """A stream's framing follows its own request's version (RFC 9112 6.1: never chunked to an
+    HTTP/1.0 client), whatever the version of a head read while its answer waits."""
+    first, second = (v.encode() for v in versions)
+    release = asyncio.Event()
+
+    async def answer(exchange: Exchange) -> None:
+        await release.wait()
+        await exchange.write(sse_head() + chunk(b"data: 1\n\n") + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+    replica = await start_raw(answer)
+    server = await start_router([{"id": "r0", "model": "m", "url": replica.url}])
+    client_server = server._client_server
+    assert client_server is not None
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(stream_post(version=first, extra=b"Connection: keep-alive\r\n"))
+        await wait_for(lambda: len(replica.requests) == 1)
+        # The next head arrives and is read while the stream waits for its replica.
+        wire.send(b"GET /v1/models HTTP/" + second + b"\r\nHost: router\r\n\r\n")
+        await wait_for(lambda: any(c._pending for c in client_server.connections))
+        release.set()
+        streamed = await wire.answer()
+        assert streamed.status == 200 and streamed.complete
+        assert streamed.body.endswith(b"data: [DONE]\n\n")
+        if first == b"1.0":
+            # No chunks to HTTP/1.0: the close ends the body, and nothing follows it.
+            assert streamed.framing == "close" and streamed.header(b"transfer-encoding") is None
+            assert streamed.header(b"connection") == b"close"
+        else:
+            assert streamed.framing == "chunked" and streamed.header(b"connection") is None
+            listing = await wire.answer()
+            assert listing.status == 200 and listing.json()["object"] == "list"
+            # HTTP/1.0 without keep-alive: this answer closes the connection.
+            assert listing.header(b"connection") == b"close"
+            assert await wire.closed() == b""
+
+
+# What RFC 9110 and 9112 answer to odd request lines and codings ------------------------------
+
+_CHAT_BODY = orjson.dumps(CHAT)
+_CHUNKED_CHAT = b"%x\r\n%b\r\n0\r\n\r\n" % (len(_CHAT_BODY), _CHAT_BODY)
+
+
+def coded_post(codings: bytes) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: " + codings + b"\r\n\r\n" + _CHUNKED_CHAT
+    )
+
+
+REFUSED = {
+    # RFC 9110 15.6.6: 505 is for a major version the server does not speak.
+    # (nginx 1.22 also answers 505 to HTTP/2.0 and 3.0.)
+    "HTTP/3.0": (b"GET /v1/models HTTP/3.0\r\nHost: router\r\n\r\n", 505),
+    # RFC 9110 9.1: a method the server does not recognise or implement is 501.
+    # nginx 1.22 passes any upper-case method on to its upstream, and answers
+    # 400 to a lower-case one; the router serves none of them.
+    "unknown method": (b"FOO /v1/models HTTP/1.1\r\nHost: router\r\n\r\n", 501),
+    "method in lower case": (b"get /v1/models HTTP/1.1\r\nHost: router\r\n\r\n", 501),
+    "a method llhttp knows, not HTTP's": (b"PROPFIND /v1/models HTTP/1.1\r\nHost: router\r\n\r\n", 501),
+    "not a request line": (b"GARBAGE\r\n\r\n", 400),
+    # RFC 9110 4.2.4: userinfo in an http(s) URI is to be treated as an error (nginx: 400).
+    "userinfo in the target": (post(path=b"http://user:secret@router/v1/chat/completions"), 400),
+    # RFC 9112 6.3: with Transfer-Encoding on a request whose final coding is not
+    # chunked, the length cannot be known: 400, then close. (nginx 1.22 answers
+    # 501 to every value but "chunked": it reads no list.)
+    "identity": (coded_post(b"identity"), 400),
+    "gzip alone": (coded_post(b"gzip"), 400),
+    "chunked, then another coding": (coded_post(b"chunked, gzip"), 400),
+    "an empty Transfer-Encoding": (coded_post(b""), 400),
+    # RFC 9112 6.1: chunked MUST NOT be applied twice (read once or twice: a smuggling vector).
+    "chunked twice": (coded_post(b"chunked, chunked"), 400),
+    # RFC 9112 6.1: chunked is final, but a coding before it is one the router does not decode: 501.
+    "gzip, chunked": (coded_post(b"gzip, chunked"), 501),
+}
+
+
+@pytest.mark.parametrize("ahead", [0, 1], ids=["first", "behind a request"])
+@pytest.mark.parametrize("name", list(REFUSED))
+async def test_what_rfc_9110_and_9112_answer_is_answered(
+    start_fake: StartFake, start_router: StartRouter, name: str, ahead: int
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    data, status = REFUSED[name]
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(GET_MODELS * ahead + data)
+        for _ in range(ahead):
+            assert (await wire.answer()).status == 200
+        answer = await wire.answer()
+        assert answer.status == status
+        assert answer.json()["error"]["message"]  # type: ignore[index]
+        assert answer.header(b"connection") == b"close"
+        assert await wire.closed() == b""
+    assert fake.seen == []
+
+
+async def test_a_higher_minor_version_is_served_as_http_1_1(start_fake: StartFake, start_router: StartRouter) -> None:
+    """RFC 9110 2.5: HTTP/1.2 is read as the highest 1.x the router speaks (nginx 1.22 does the same)."""
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post(version=b"1.2") + post(version=b"1.9"))
+        for _ in range(2):
+            answer = await wire.answer()
+            assert answer.status == 200 and answer.head.startswith(b"HTTP/1.1 200")
+            # Persistent, as HTTP/1.1 is.
+            assert answer.header(b"connection") is None
+    assert len(fake.seen) == 2
+
+
+@pytest.mark.parametrize("codings", [b"chunked\t", b"chunked \t ", b"\tchunked\t", b"chunked,", b", chunked , "])
+async def test_whitespace_and_empty_elements_around_chunked_are_chunked(
+    start_fake: StartFake, start_router: StartRouter, codings: bytes
+) -> None:
+    """RFC 9110 5.5 and 5.6.1: OWS around a field value and empty list elements are no part of it.
+
+    llhttp takes a trailing HTAB or comma for another coding; nginx 1.22 answers 501 to both.
+    The body is read as chunked all the same, and the request behind it where it begins.
+    """
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(coded_post(codings) + GET_MODELS)
+        assert (await wire.answer()).status == 200
+        listing = await wire.answer()
+        assert listing.status == 200 and listing.json()["object"] == "list"
+    assert [seen.body for seen in fake.seen] == [_CHAT_BODY]
+
+
+# Clients without a key ----------------------------------------------------------------------
+
+
+def assert_unauthorized(answer: Answer) -> None:
+    assert answer.status == 401
+    # RFC 9110 11.6.1: a 401 carries a challenge.
+    assert answer.header(b"www-authenticate") == b"Bearer"
+    assert answer.json()["error"]["code"] == "invalid_api_key"  # type: ignore[index]
+
+
+async def test_a_body_without_a_key_is_refused_from_its_head_and_holds_no_buffer(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], api_keys=["sk-right"], max_buffered_body_bytes=3000)
+    keyless = post(orjson.dumps({**CHAT, "pad": "x" * 2800}))
+    async with await Wire.open(server.client_address) as stranger:
+        # Most of a body that would take nearly all of the budget, and no key.
+        stranger.send(keyless[:-20])
+        refused = await stranger.answer()
+        assert_unauthorized(refused)
+        # Nothing of the body was read or kept: the connection closes after the answer.
+        assert refused.header(b"connection") == b"close"
+        async with await Wire.open(server.client_address) as wire:
+            wire.send(post(extra=b"Authorization: Bearer sk-right\r\n"))
+            assert (await wire.answer()).status == 200
+        # The rest of the body is dropped as it comes; then the connection closes.
+        stranger.send(keyless[-20:])
+        assert await stranger.closed() == b""
+    assert len(fake.seen) == 1
+
+
+async def test_a_body_without_a_key_gets_401_instead_of_100_continue(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], api_keys=["sk-right"])
+    body = orjson.dumps(CHAT)
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(post(body, extra=b"Expect: 100-continue\r\nAuthorization: Bearer sk-wrong\r\n")[: -len(body)])
+        assert_unauthorized(await wire.answer())
+    assert fake.seen == []
+
+
+async def test_a_request_without_a_key_or_a_body_gets_401_and_the_connection_stays(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], api_keys=["sk-right"])
+    async with await Wire.open(server.client_address) as wire:
+        wire.send(GET_MODELS)
+        refused = await wire.answer()
+        assert_unauthorized(refused)
+        assert refused.header(b"connection") is None
+        wire.send(b"GET /v1/models HTTP/1.1\r\nHost: router\r\nAuthorization: Bearer sk-right\r\n\r\n")
         assert (await wire.answer()).status == 200
