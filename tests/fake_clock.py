@@ -1,7 +1,7 @@
 """A clock that moves only when the test moves it: router.core.clock's `Clock` on fake time.
 
-The pool and its holds read time and set their timers through one
-`Clock`; given this one, a test decides when a deadline passes or a probe's
+The pool, its holds and the wake calls read time and set their timers
+through one `Clock`; given this one, a test decides when a deadline passes or a probe's
 pause is over, and waits no real time for it. Calls due at once (a delay of
 0) still go through the event loop, in a later turn, as the real clock's do.
 """

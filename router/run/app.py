@@ -91,7 +91,7 @@ class RouterServer(Listening):
         process, ticks, pushes and exports usage, and runs the replica-set
         sources. `config_path`: the file SIGHUP reads the replicas from.
         `sources`: where the replica set comes from (default: what `config` names).
-        `clock`: the one clock of the pool and its holds (a fake one in tests)."""
+        `clock`: the one clock of the pool, its holds and the wake calls (a fake one in tests)."""
         self.config = config
         self.worker_socket = worker_socket
         self.sources = sources if sources is not None else build_sources(config, config_path)
@@ -169,6 +169,7 @@ class RouterServer(Listening):
                 token=config.admin_token,
                 registry=self.registry,
                 held_now=held_now,
+                clock=self.clock,
             )
 
         # The client port's own HTTP/1.1 server (server.py): the request
