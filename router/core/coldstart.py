@@ -110,6 +110,7 @@ class ColdStart:
         self._expiries: dict[str, tuple[float, Timer]] = {}
 
     def hold(self, model: str, seconds: float) -> Hold:
+        """A request for the cold `model`, held up to `seconds` for a replica that answers: `async with` it."""
         now = self._clock.now()
         return Hold(self, model, seq=self._seq(), since=now, deadline=now + seconds)
 

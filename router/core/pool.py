@@ -26,7 +26,7 @@ from collections.abc import Container, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from router.core.clock import Clock, LoopClock
-from router.core.coldstart import ColdStart, Hold
+from router.core.coldstart import ColdStart
 from router.core.config import ReplicaConfig
 from router.core.ejection import EjectionPolicy, Ejections
 from router.core.picking import Routing
@@ -49,6 +49,8 @@ class Limits:
 
 
 class Pool:
+    """The replicas of every model, as the data path takes and gives them back; the one door to its parts."""
+
     def __init__(
         self,
         replicas: Iterable[ReplicaConfig] = (),
@@ -100,6 +102,18 @@ class Pool:
         )
         # Models whose held requests wait for a replica that answers.
         self._cold = self._cold_start.spells
+        # The parts' own doors, as the pool's: a caller reaches them with no call in between.
+        self.hold = self._cold_start.hold
+        self.end_holds = self._cold_start.end_holds
+        self.held = self._cold_start.held
+        self.oldest_held = self._cold_start.oldest_held
+        self.held_models = self._cold_start.held_models
+        self.try_eject = self._ejections.try_eject
+        self.eject = self._ejections.eject
+        self.readmit = self._ejections.readmit
+        self.retry_after = self._ejections.retry_after
+        self.set_draining = self._set.set_draining
+        self.configs = self._set.configs
         self.set_replicas(replicas)
 
     # The hot path -----------------------------------------------------------
@@ -221,10 +235,6 @@ class Pool:
                 del self._waiting[model]
         return replica, waiter.expired
 
-    def hold(self, model: str, seconds: float) -> Hold:
-        """A request for the cold `model`, held up to `seconds` for a replica that answers (router.core.coldstart)."""
-        return self._cold_start.hold(model, seconds)
-
     def waiting(self, model: str) -> int:
         """Requests waiting for a replica of `model` now."""
         queue = self._waiting.get(model)
@@ -272,28 +282,11 @@ class Pool:
         lowest = candidates.lowest_load
         return bool(self.limits.per_replica) and lowest is not None and lowest >= self.limits.per_replica
 
-    # Held requests (router.core.coldstart) ------------------------------------
-
-    def end_holds(self) -> int:
-        """Shutting down: every held request's wait ends now. How many there were."""
-        return self._cold_start.end_holds()
-
-    def held(self, model: str) -> int:
-        """Requests held for `model` now, waiting (a probe trying a replica is not counted meanwhile)."""
-        return self._cold_start.held(model)
-
-    def oldest_held(self, model: str) -> float | None:
-        """Monotonic time the oldest request still held for `model` began waiting."""
-        return self._cold_start.oldest_held(model)
-
-    def held_models(self) -> list[str]:
-        return self._cold_start.held_models()
+    # Counters, demand and health -------------------------------------------------
 
     def asked(self, model: str) -> None:
         """A request for `model` found nothing to serve it now: demand the control plane should see."""
         self.tallies.asked(model, self._now())
-
-    # Counters and health (router.core.ejection) ---------------------------------
 
     def count_response(self, replica: Replica, status: int) -> None:
         """A replica's answer, by status class ("2xx", ...)."""
@@ -321,25 +314,7 @@ class Pool:
             return False
         return self._ejections.try_eject(replica, f"{replica.failures_in_row} failures in a row")
 
-    def try_eject(self, replica: Replica, why: str) -> bool:
-        """Eject `replica` unless that would take out more than half of its model."""
-        return self._ejections.try_eject(replica, why)
-
-    def eject(self, replica: Replica, seconds: float) -> None:
-        self._ejections.eject(replica, seconds)
-
-    def readmit(self, replica: Replica, why: str = "ejection time is up") -> None:
-        """End an ejection (its time is up, or a health check saw it healthy)."""
-        self._ejections.readmit(replica, why)
-
-    def retry_after(self, models: Iterable[str]) -> int:
-        """Seconds after which a request for `models`, refused now, may find a replica (Retry-After)."""
-        return self._ejections.retry_after(models)
-
     # The desired set (router.core.replicas) -------------------------------------
-
-    def set_draining(self, replica_id: str, draining: bool) -> Replica | None:
-        return self._set.set_draining(replica_id, draining)
 
     def set_replicas(self, configs: Iterable[ReplicaConfig]) -> SetDiff:
         """Make `configs` the desired set, atomically (no await in here); removed replicas drain."""
@@ -364,9 +339,6 @@ class Pool:
 
     def serves(self, model: str) -> bool:
         return model in self._models
-
-    def configs(self) -> list[ReplicaConfig]:
-        return self._set.configs()
 
 
 def _expire(waiter: Waiter) -> None:
