@@ -295,7 +295,19 @@ class Hold:
     another request may probe). Its replica goes back to the pool there.
     """
 
-    __slots__ = ("deadline", "model", "seq", "since", "_cold_start", "_ended", "_probe", "_replica", "_seen", "_tried")
+    __slots__ = (
+        "deadline",
+        "model",
+        "seq",
+        "since",
+        "_cold_start",
+        "_ended",
+        "_entered",
+        "_probe",
+        "_replica",
+        "_seen",
+        "_tried",
+    )
 
     def __init__(self, cold_start: ColdStart, model: str, *, seq: int, since: float, deadline: float) -> None:
         self._cold_start = cold_start
@@ -309,6 +321,8 @@ class Hold:
         self._probe: ColdSpell | None = None
         self._seen: _Seen | None = None
         self._tried = False
+        # Tries are handed out only inside `async with`, whose exit ends the last one.
+        self._entered = False
         # Why it ended without a replica: "timeout" or "shutdown".
         self._ended: str | None = None
 
@@ -318,6 +332,8 @@ class Hold:
 
     async def replica(self) -> Replica | None:
         """The next replica to try, once one may answer; None at the deadline. Ends the try before it."""
+        if not self._entered:
+            raise RuntimeError("a hold hands out replicas only inside `async with`, whose exit gives them back")
         if self._ended is not None:
             raise RuntimeError(f"the hold of {self.model!r} has ended ({self._ended})")
         self._end_try()
@@ -348,12 +364,14 @@ class Hold:
             self._cold_start.end_try(self.model, replica, self._probe, self._seen)
 
     async def __aenter__(self) -> Hold:
+        self._entered = True
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._end_try()
+        self._entered = False
         if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
             outcome: str | None = "client_gone"
         elif self._ended is not None:

@@ -283,3 +283,13 @@ async def test_a_request_handed_its_replica_while_warm_ends_no_probe_of_a_later_
         clock.advance(PROBE_CAP_SECONDS)
         assert await behind is not None
     await asyncio.gather(*tasks)
+
+
+async def test_a_hold_hands_out_no_replica_outside_async_with() -> None:
+    """Only the exit of `async with` gives a try's replica back, so no try may begin outside one."""
+    clock = FakeClock()
+    pool = cold_pool(clock)
+    hold = pool.hold("m", 60)
+    with pytest.raises(RuntimeError, match="async with"):
+        await hold.replica()
+    assert pool.in_flight == 0 and pool.held("m") == 0
