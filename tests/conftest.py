@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from router.core.clock import Clock
 from router.core.config import parse_config
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
@@ -59,7 +60,10 @@ async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
 async def start_router() -> AsyncIterator[StartRouter]:
     servers: list[RouterServer] = []
 
-    async def start(replicas: Sequence[dict[str, Any]] = (), **settings: Any) -> RouterServer:
+    async def start(
+        replicas: Sequence[dict[str, Any]] = (), *, clock: Clock | None = None, **settings: Any
+    ) -> RouterServer:
+        """A router on 127.0.0.1 port 0 with `settings`; `clock`: a fake one for its pool (tests/fake_clock.py)."""
         raw: dict[str, Any] = {
             "listen": "127.0.0.1:0",
             "admin_listen": "127.0.0.1:0",
@@ -69,7 +73,7 @@ async def start_router() -> AsyncIterator[StartRouter]:
             "replicas": list(replicas),
         }
         config = parse_config(raw, "<test>", environ={})
-        server = RouterServer(config, registry=CollectorRegistry())
+        server = RouterServer(config, registry=CollectorRegistry(), clock=clock)
         await server.start()
         servers.append(server)
         return server

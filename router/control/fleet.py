@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from router.core.config import ReplicaConfig
-from router.core.pool import Pool, SetDiff
+from router.core.pool import Pool
+from router.core.replicas import SetDiff
 from router.core.usage import UsageSnapshot
 
 

@@ -14,7 +14,8 @@ import logging
 
 import aiohttp
 
-from router.core.pool import Pool, Replica, ReplicaState
+from router.core.pool import Pool
+from router.core.replicas import Replica, ReplicaState
 
 log = logging.getLogger("router.control.health")
 

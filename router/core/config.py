@@ -4,12 +4,14 @@ Every mistake becomes a `ConfigError` whose message names the file, the key
 and what is wrong, so that an operator can fix it from one line of output.
 The replica-set validation is shared with the admin API's endpoint pushes,
 which must reject exactly what the config file would reject.
+
+Here: the settings and tables, each key declared once, and how a file
+becomes a Config. Each single value is checked in router.core.config_checks.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import math
 import os
 import re
 import socket
@@ -21,6 +23,7 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
+from router.core import config_checks as check
 from router.core.errors import ConfigError
 from router.core.picking import DEFAULT_POLICY, POLICIES
 
@@ -49,56 +52,8 @@ class ReplicaConfig:
         return {"id": self.id, "model": self.model, "url": self.url, "labels": dict(self.labels)}
 
 
-class _Where:
-    """Builds the `file: key: problem` prefix of every message."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def error(self, key: str, problem: str) -> ConfigError:
-        return ConfigError(f"{self.source}: {key}: {problem}")
-
-
-def _type_name(value: object) -> str:
-    return {
-        bool: "a boolean",
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        list: "an array",
-        dict: "a table",
-    }.get(type(value), type(value).__name__)
-
-
-def _string(where: _Where, key: str, value: object, *, empty_ok: bool = False) -> str:
-    if not isinstance(value, str):
-        raise where.error(key, f"must be a string, got {_type_name(value)}")
-    if not empty_ok and not value.strip():
-        raise where.error(key, "must not be empty")
-    if any(ch in value for ch in "\r\n\x00"):
-        raise where.error(key, "must not contain CR, LF or NUL")
-    return value
-
-
-def _boolean(where: _Where, key: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise where.error(key, f"must be true or false, got {_type_name(value)}")
-    return value
-
-
-def _number(where: _Where, key: str, value: object, *, minimum: float, integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        kind = "an integer" if integer else "a number"
-        raise where.error(key, f"must be {kind}, got {_type_name(value)}")
-    if integer and not isinstance(value, int):
-        raise where.error(key, f"must be an integer, got {value!r}")
-    if not math.isfinite(value) or value < minimum:
-        raise where.error(key, f"must be at least {minimum:g}, got {value!r}")
-    return value
-
-
-def parse_address(where: _Where, key: str, value: object) -> Address:
-    text = _string(where, key, value)
+def parse_address(where: check.Where, key: str, value: object) -> Address:
+    text = check.string(where, key, value)
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
         raise where.error(key, f"must be host:port, got {text!r}")
@@ -109,34 +64,8 @@ def parse_address(where: _Where, key: str, value: object) -> Address:
     return Address(host, int(port_text))
 
 
-def check_url(where: _Where, key: str, value: object) -> str:
-    """A replica base URL: http(s), a host, no credentials, no query or fragment.
-
-    The proxy appends the client's `/v1/...` path to it, so anything that could
-    redirect a request elsewhere (userinfo, a query, a fragment) is refused.
-    """
-    text = _string(where, key, value)
-    if any(ch.isspace() for ch in text):
-        raise where.error(key, f"must not contain whitespace, got {text!r}")
-    try:
-        parts = urlsplit(text)
-        port = parts.port
-    except ValueError as exc:
-        raise where.error(key, f"is not a valid URL ({exc}): {text!r}") from exc
-    if parts.scheme not in ("http", "https"):
-        raise where.error(key, f"must start with http:// or https://, got {text!r}")
-    if not parts.hostname:
-        raise where.error(key, f"has no host: {text!r}")
-    if parts.username is not None or parts.password is not None:
-        raise where.error(key, "must not carry credentials (user:password@)")
-    if parts.query or parts.fragment or text.endswith(("?", "#")):
-        raise where.error(key, f"must not have a query or fragment: {text!r}")
-    del port  # parsed only so that a bad port is reported here
-    return text.rstrip("/")
-
-
-def _replica_url(where: _Where, key: str, value: object) -> str:
-    url = check_url(where, key, value)
+def _replica_url(where: check.Where, key: str, value: object) -> str:
+    url = check.url(where, key, value)
     # The client's path (/v1/chat/completions) is appended to the base URL:
     # one ending in /v1 would send every request to /v1/v1/... and get 404s.
     if urlsplit(url).path.rstrip("/").endswith("/v1"):
@@ -145,31 +74,6 @@ def _replica_url(where: _Where, key: str, value: object) -> str:
             f"ends in /v1: give the base URL without it (the router appends the client's /v1/... path), got {url!r}",
         )
     return url
-
-
-def _string_list(where: _Where, key: str, value: object) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        raise where.error(key, f"must be an array of strings, got {_type_name(value)}")
-    return tuple(_string(where, f"{key}[{i}]", item) for i, item in enumerate(value))
-
-
-def _optional_url(where: _Where, key: str, value: object) -> str:
-    text = _string(where, key, value, empty_ok=True)
-    return check_url(where, key, text) if text else ""
-
-
-def _paths(where: _Where, key: str, value: object) -> tuple[str, ...]:
-    paths = _string_list(where, key, value)
-    for i, path in enumerate(paths):
-        _path(where, f"{key}[{i}]", path)
-    return paths
-
-
-def _optional_path(where: _Where, key: str, value: object) -> str:
-    text = _string(where, key, value, empty_ok=True)
-    if "\x00" in text:
-        raise where.error(key, "must not contain NUL")
-    return text
 
 
 # The POST paths routed by the model they name: what vLLM and SGLang serve.
@@ -192,13 +96,6 @@ ROUTED_PATHS = (
     "/v1/audio/speech",
     "/v1/images/generations",
 )
-
-
-def _path(where: _Where, key: str, value: object) -> str:
-    path = _string(where, key, value)
-    if not path.startswith("/") or "?" in path or "#" in path or " " in path:
-        raise where.error(key, f"must be a path starting with /, got {path!r}")
-    return path
 
 
 # The label on a model's EndpointSlices (copied there from its Service) that names the model.
@@ -255,22 +152,22 @@ class ModelConfig:
 @dataclass(frozen=True, slots=True)
 class Setting:
     # (where, key, raw value) -> the value; raises ConfigError naming the key.
-    parse: Callable[[_Where, str, object], Any]
+    parse: Callable[[check.Where, str, object], Any]
     help: str
     # The value when the key is absent or empty, if not the default (the host name, an env var).
     fallback: Callable[[Mapping[str, str]], Any] | None = None
 
 
-def _setting(default: Any, parse: Callable[[_Where, str, object], Any], help_: str, **kw: Any) -> Any:
+def _setting(default: Any, parse: Callable[[check.Where, str, object], Any], help_: str, **kw: Any) -> Any:
     return field(default=default, metadata={"setting": Setting(parse, help_, **kw)})
 
 
 def _seconds(default: float, help_: str, *, minimum: float = 0.001) -> Any:
-    return _setting(default, lambda w, k, v: _number(w, k, v, minimum=minimum), help_)
+    return _setting(default, lambda w, k, v: check.number(w, k, v, minimum=minimum), help_)
 
 
 def _count(default: int, help_: str, *, minimum: int = 0) -> Any:
-    return _setting(default, lambda w, k, v: int(_number(w, k, v, minimum=minimum, integer=True)), help_)
+    return _setting(default, lambda w, k, v: int(check.number(w, k, v, minimum=minimum, integer=True)), help_)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,22 +177,22 @@ class Config:
     admin_listen: Address = _setting(Address("127.0.0.1", 9090), parse_address, "admin API and /metrics")  # noqa: RUF009
     router_name: str = _setting(
         "",
-        _string,
+        check.string,
         "names this router in the usage map (default: hostname)",
         fallback=lambda env: socket.gethostname() or "router",
     )
     tick_seconds: float = _seconds(5.0, "usage snapshot period; may be fractional", minimum=0.01)
     admin_token: str = _setting(
         "",
-        lambda w, k, v: _string(w, k, v, empty_ok=True),
+        lambda w, k, v: check.string(w, k, v, empty_ok=True),
         "or env ROUTER_ADMIN_TOKEN; required on mutating admin calls when set",
         fallback=lambda env: env.get("ROUTER_ADMIN_TOKEN", ""),
     )
     api_keys: tuple[str, ...] = _setting(
-        (), _string_list, "client keys (Authorization: Bearer ...); empty = no client auth"
+        (), check.string_list, "client keys (Authorization: Bearer ...); empty = no client auth"
     )
     max_body_bytes: int = _count(32 * 1024 * 1024, "larger request bodies get 413", minimum=1)
-    usage_push_url: str = _setting("", _optional_url, "optional: POST the usage map here each tick")
+    usage_push_url: str = _setting("", check.optional_url, "optional: POST the usage map here each tick")
     # A replica that does not accept within this is treated as down and the request retried.
     connect_timeout_seconds: float = _seconds(5.0, "TCP connect to a replica")
     # Generous: a busy engine queues requests before its first token. Never applied to a body.
@@ -333,18 +230,20 @@ class Config:
     ejection_max_seconds: float = _seconds(300.0, "")
     # A 2xx readmits an ejected replica early; anything else, or no answer, ejects a ready one.
     health_check_interval_seconds: float = _seconds(0.0, "active checks of every replica; 0 = off", minimum=0.0)
-    health_check_path: str = _setting("/health", _path, 'a 2xx is healthy ("/v1/models" for llama.cpp)')
+    health_check_path: str = _setting("/health", check.path, 'a 2xx is healthy ("/v1/models" for llama.cpp)')
     health_check_timeout_seconds: float = _seconds(2.0, "")
-    routed_paths: tuple[str, ...] = _setting(ROUTED_PATHS, _paths, "POST paths routed by the model their body names")
+    routed_paths: tuple[str, ...] = _setting(
+        ROUTED_PATHS, check.paths, "POST paths routed by the model their body names"
+    )
     remembered_responses: int = _count(100_000, "response ids kept with the replica that made them (/v1/responses)")
     # Replica ids are internal: only an operator who wants them in answers turns this on.
-    expose_replica_header: bool = _setting(False, _boolean, "X-Router-Replica: the replica that answered")
+    expose_replica_header: bool = _setting(False, check.boolean, "X-Router-Replica: the replica that answered")
     access_log: str = _setting(
-        "", _optional_path, 'off; "-" for stdout, or a file (reopened on SIGHUP): one JSON line a request'
+        "", check.optional_path, 'off; "-" for stdout, or a file (reopened on SIGHUP): one JSON line a request'
     )
     # Scale from zero: told when a model's first request is held, so that it can start a replica.
     wake_url: str = _setting(
-        "", _optional_url, 'optional: POST {"router", "model", "held", "since"} here when a request is held'
+        "", check.optional_url, 'optional: POST {"router", "model", "held", "since"} here when a request is held'
     )
     wake_cooldown_seconds: float = _seconds(10.0, "at most one wake call per model this often while requests stay held")
     replicas: tuple[ReplicaConfig, ...] = ()
@@ -397,13 +296,13 @@ _OWN_HEADERS = frozenset(
 )
 
 
-def _labels(where: _Where, key: str, value: object) -> Mapping[str, LabelValue]:
+def _labels(where: check.Where, key: str, value: object) -> Mapping[str, LabelValue]:
     if not isinstance(value, dict):
-        raise where.error(key, f"must be a table, got {_type_name(value)}")
+        raise where.error(key, f"must be a table, got {check.type_name(value)}")
     out: dict[str, LabelValue] = {}
     for name, item in value.items():
         if not isinstance(item, str | int | float | bool):
-            raise where.error(f"{key}.{name}", f"must be a string, number or boolean, got {_type_name(item)}")
+            raise where.error(f"{key}.{name}", f"must be a string, number or boolean, got {check.type_name(item)}")
         out[name] = item
     # The labels `router ctl status` reads: a wrong one would drop the replica's GPUs silently.
     if "gpus" in out:
@@ -418,35 +317,26 @@ def _labels(where: _Where, key: str, value: object) -> Mapping[str, LabelValue]:
     return MappingProxyType(out)
 
 
-def _table(where: _Where, key: str, value: object, allowed: set[str]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise where.error(key, f"must be a table, got {_type_name(value)}")
-    for name in value:
-        if name not in allowed:
-            raise where.error(f"{key}.{name}", "unknown key")
-    return value
-
-
-def parse_replicas(where: _Where, key: str, value: object) -> tuple[ReplicaConfig, ...]:
+def parse_replicas(where: check.Where, key: str, value: object) -> tuple[ReplicaConfig, ...]:
     """Validate a whole replica set (config file or endpoint push)."""
     if not isinstance(value, list):
-        raise where.error(key, f"must be an array of tables, got {_type_name(value)}")
+        raise where.error(key, f"must be an array of tables, got {check.type_name(value)}")
     seen: dict[str, int] = {}
     out: list[ReplicaConfig] = []
     for index, raw in enumerate(value):
         item_key = f"{key}[{index}]"
-        _table(where, item_key, raw, _REPLICA_KEYS)
+        check.table(where, item_key, raw, _REPLICA_KEYS)
         for name in ("id", "model", "url"):
             if name not in raw:
                 raise where.error(f"{item_key}.{name}", "is required")
-        replica_id = _string(where, f"{item_key}.id", raw["id"])
+        replica_id = check.string(where, f"{item_key}.id", raw["id"])
         if replica_id in seen:
             raise where.error(f"{item_key}.id", f"duplicate replica id {replica_id!r} (also {key}[{seen[replica_id]}])")
         seen[replica_id] = index
         out.append(
             ReplicaConfig(
                 id=replica_id,
-                model=_string(where, f"{item_key}.model", raw["model"]),
+                model=check.string(where, f"{item_key}.model", raw["model"]),
                 url=_replica_url(where, f"{item_key}.url", raw["url"]),
                 labels=_labels(where, f"{item_key}.labels", raw.get("labels", {})),
             )
@@ -454,33 +344,35 @@ def parse_replicas(where: _Where, key: str, value: object) -> tuple[ReplicaConfi
     return tuple(out)
 
 
-def _models(where: _Where, value: object, replicas: tuple[ReplicaConfig, ...]) -> Mapping[str, ModelConfig]:
+def _models(where: check.Where, value: object, replicas: tuple[ReplicaConfig, ...]) -> Mapping[str, ModelConfig]:
     if not isinstance(value, dict):
-        raise where.error("models", f"must be a table, got {_type_name(value)}")
+        raise where.error("models", f"must be a table, got {check.type_name(value)}")
     served = {r.model for r in replicas}
     declared = set(value) | served
     alias_owner: dict[str, str] = {}
     out: dict[str, ModelConfig] = {}
     for name, raw in value.items():
         key = f'models."{name}"'
-        _table(where, key, raw, _MODEL_KEYS)
-        aliases = _string_list(where, f"{key}.aliases", raw.get("aliases", []))
-        fallbacks = _string_list(where, f"{key}.fallbacks", raw.get("fallbacks", []))
-        routing = _string(where, f"{key}.routing", raw.get("routing", DEFAULT_POLICY))
-        cold_start = _number(where, f"{key}.cold_start_seconds", raw.get("cold_start_seconds", 0.0), minimum=0.0)
-        max_held = int(_number(where, f"{key}.max_held", raw.get("max_held", 100), minimum=1, integer=True))
+        check.table(where, key, raw, _MODEL_KEYS)
+        aliases = check.string_list(where, f"{key}.aliases", raw.get("aliases", []))
+        fallbacks = check.string_list(where, f"{key}.fallbacks", raw.get("fallbacks", []))
+        routing = check.string(where, f"{key}.routing", raw.get("routing", DEFAULT_POLICY))
+        cold_start = check.number(where, f"{key}.cold_start_seconds", raw.get("cold_start_seconds", 0.0), minimum=0.0)
+        max_held = int(check.number(where, f"{key}.max_held", raw.get("max_held", 100), minimum=1, integer=True))
         if routing not in POLICIES:
             known = ", ".join(repr(name) for name in POLICIES)
             raise where.error(f"{key}.routing", f"unknown policy {routing!r} (known: {known})")
-        session_header = _string(where, f"{key}.session_header", raw.get("session_header", "X-Session-Id"))
+        session_header = check.string(where, f"{key}.session_header", raw.get("session_header", "X-Session-Id"))
         if not _TOKEN.fullmatch(session_header):
             raise where.error(f"{key}.session_header", f"{session_header!r} is not a valid header name")
         if session_header.lower() in _OWN_HEADERS:
             raise where.error(
                 f"{key}.session_header", f"{session_header!r} is a header the router reads or sets itself"
             )
-        prefix_chars = _number(where, f"{key}.prefix_chars", raw.get("prefix_chars", 1024), minimum=1, integer=True)
-        balance_factor = _number(where, f"{key}.balance_factor", raw.get("balance_factor", 1.25), minimum=1.0)
+        prefix_chars = check.number(
+            where, f"{key}.prefix_chars", raw.get("prefix_chars", 1024), minimum=1, integer=True
+        )
+        balance_factor = check.number(where, f"{key}.balance_factor", raw.get("balance_factor", 1.25), minimum=1.0)
         for i, alias in enumerate(aliases):
             if alias in declared:
                 raise where.error(f"{key}.aliases[{i}]", f"alias {alias!r} shadows the model of that name")
@@ -512,7 +404,7 @@ def _models(where: _Where, value: object, replicas: tuple[ReplicaConfig, ...]) -
 
 
 def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str] | None = None) -> Config:
-    where = _Where(source)
+    where = check.Where(source)
     env = os.environ if environ is None else environ
     for key in raw:
         if key not in _TOP_KEYS and key not in _OTHER_COMMANDS_TABLES:
@@ -546,36 +438,22 @@ _KUBERNETES_KEYS = {"namespace", "selector", "selector_on", "port", "model_label
 # RFC 1123 labels (namespaces), IANA service names (named ports), label keys: what the API server accepts.
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-_LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
-def _label_key(where: _Where, key: str, value: object) -> str:
-    text = _string(where, key, value)
-    prefix, _, name = text.rpartition("/")
-    if (
-        not _LABEL_NAME.fullmatch(name)
-        or len(name) > 63
-        or ("/" in text and (not _LABEL_PREFIX.fullmatch(prefix) or len(prefix) > 253))
-    ):
-        raise where.error(key, f"is not a Kubernetes label key (like 'router.llm/model' or 'gpu_class'): {text!r}")
-    return text
-
-
-def _discovery(where: _Where, value: object) -> KubernetesDiscovery:
-    table = _table(where, "discovery", value, _DISCOVERY_KEYS)
+def _discovery(where: check.Where, value: object) -> KubernetesDiscovery:
+    table = check.table(where, "discovery", value, _DISCOVERY_KEYS)
     if "kubernetes" not in table:
         raise where.error("discovery.kubernetes", "is required in [discovery] (the only kind of discovery)")
     key = "discovery.kubernetes"
-    raw = _table(where, key, table["kubernetes"], _KUBERNETES_KEYS)
+    raw = check.table(where, key, table["kubernetes"], _KUBERNETES_KEYS)
     for name in ("selector", "port"):
         if name not in raw:
             raise where.error(f"{key}.{name}", "is required")
-    selector = _string(where, f"{key}.selector", raw["selector"])
+    selector = check.string(where, f"{key}.selector", raw["selector"])
     port_raw = raw["port"]
     port: str | int
     if isinstance(port_raw, str):
-        port = _string(where, f"{key}.port", port_raw)
+        port = check.string(where, f"{key}.port", port_raw)
         if not _PORT_NAME.fullmatch(port) or len(port) > 15:
             raise where.error(
                 f"{key}.port", f"must be a port number or a port name of the EndpointSlices, got {port!r}"
@@ -585,25 +463,25 @@ def _discovery(where: _Where, value: object) -> KubernetesDiscovery:
             raise where.error(f"{key}.port", f"must be 1-65535, got {port_raw}")
         port = port_raw
     else:
-        raise where.error(f"{key}.port", f"must be a port number or name, got {_type_name(port_raw)}")
+        raise where.error(f"{key}.port", f"must be a port number or name, got {check.type_name(port_raw)}")
     namespace = None
     if "namespace" in raw:
-        namespace = _string(where, f"{key}.namespace", raw["namespace"])
+        namespace = check.string(where, f"{key}.namespace", raw["namespace"])
         if not _DNS_LABEL.fullmatch(namespace) or len(namespace) > 63:
             raise where.error(f"{key}.namespace", f"is not a namespace name: {namespace!r}")
     labels_raw = raw.get("labels_from", [])
     if not isinstance(labels_raw, list):
-        raise where.error(f"{key}.labels_from", f"must be an array of label keys, got {_type_name(labels_raw)}")
-    labels_from = tuple(_label_key(where, f"{key}.labels_from[{i}]", item) for i, item in enumerate(labels_raw))
-    kubeconfig = _string(where, f"{key}.kubeconfig", raw["kubeconfig"]) if "kubeconfig" in raw else None
-    selector_on = _string(where, f"{key}.selector_on", raw.get("selector_on", SELECTOR_ON[0]))
+        raise where.error(f"{key}.labels_from", f"must be an array of label keys, got {check.type_name(labels_raw)}")
+    labels_from = tuple(check.label_key(where, f"{key}.labels_from[{i}]", item) for i, item in enumerate(labels_raw))
+    kubeconfig = check.string(where, f"{key}.kubeconfig", raw["kubeconfig"]) if "kubeconfig" in raw else None
+    selector_on = check.string(where, f"{key}.selector_on", raw.get("selector_on", SELECTOR_ON[0]))
     if selector_on not in SELECTOR_ON:
         raise where.error(f"{key}.selector_on", f"must be 'endpointslices' or 'pods', got {selector_on!r}")
     return KubernetesDiscovery(
         selector=selector,
         port=port,
         namespace=namespace,
-        model_label=_label_key(where, f"{key}.model_label", raw.get("model_label", DEFAULT_MODEL_LABEL)),
+        model_label=check.label_key(where, f"{key}.model_label", raw.get("model_label", DEFAULT_MODEL_LABEL)),
         labels_from=labels_from,
         kubeconfig=kubeconfig,
         selector_on=selector_on,
@@ -625,9 +503,9 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> C
     return parse_config(raw, source, environ)
 
 
-def replicas_where(source: str) -> _Where:
+def replicas_where(source: str) -> check.Where:
     """The message prefix for a replica set that does not come from a file."""
-    return _Where(source)
+    return check.Where(source)
 
 
 def is_loopback(host: str) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from router.core.pool import ReplicaState
+from router.core.replicas import ReplicaState
 from router.core.usage import Demand, ReplicaUsage, UsageSnapshot
 
 Key = tuple[str, str, str]  # (id, url, model): one replica; an id whose URL changed is another

@@ -22,7 +22,8 @@ from typing import Any, NamedTuple, Protocol, cast
 
 from router.core.config import LabelValue
 from router.core.picking import AFFINITY_OUTCOMES
-from router.core.pool import Pool, Replica, ReplicaState
+from router.core.pool import Pool
+from router.core.replicas import Replica, ReplicaState
 
 log = logging.getLogger("router.core.usage")
 

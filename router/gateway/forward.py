@@ -25,7 +25,8 @@ from router.core.errors import (
     UpstreamResetError,
     UpstreamTimeout,
 )
-from router.core.pool import Pool, Replica
+from router.core.pool import Pool
+from router.core.replicas import Replica
 from router.gateway.answers import error_body, error_response, replica_answer
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
 from router.http.codings import StreamDecoder, decoded

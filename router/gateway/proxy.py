@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from router.core.coldstart import HoldEnded
 from router.core.config import Config
 from router.core.errors import (
     BadRequest,
@@ -33,7 +34,9 @@ from router.core.errors import (
     UpstreamTimeout,
     quoted,
 )
-from router.core.pool import MAX_NAME_BYTES, HoldEnded, HoldTicket, Pool, Replica
+from router.core.pool import Pool
+from router.core.replicas import Replica
+from router.core.tallies import MAX_NAME_BYTES
 from router.gateway.access_log import AccessLog, Entry
 from router.gateway.affinity import Affinity
 from router.gateway.answers import JSON, error_body, error_response
@@ -577,81 +580,66 @@ class Proxy:
         read from the client, never copied per try.
         """
         pool = self.pool
-        tallies = pool.tallies
         pool.asked(model)
         retry_after = max(1, min(30, round(cold_start / 4)))
         max_held = self.max_held[model]
         if pool.held(model) >= max_held:
-            tallies.hold_ended(model, "overflow")
+            pool.tallies.hold_ended(model, "overflow")
             raise ModelCold(
                 f"The model '{model}' is starting, and {max_held} requests already wait for it; retry shortly.",
                 retry_after=retry_after,
             )
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        deadline = began + cold_start
         if self.waker is not None:
             self.waker.held(model)
         body = request.body if model == requested else with_model(request.body, obj, model)
-        ticket: HoldTicket | None = None
-        try:
+        # The hold ends every try it hands out and counts how the request left it.
+        async with pool.hold(model, cold_start) as hold:
             while True:
                 try:
-                    replica, ticket = await pool.hold(model, deadline=deadline, ticket=ticket)
+                    replica = await hold.replica()
                 except HoldEnded:
-                    tallies.hold_ended(model, "shutdown")
                     raise ModelCold(
                         f"The router is shutting down; the model '{model}' was still starting.", retry_after=1
                     ) from None
                 if replica is None:
-                    tallies.hold_ended(model, "timeout")
                     raise ModelCold(
                         f"No replica of '{model}' answered within {cold_start:g} s; it is still starting.",
                         retry_after=retry_after,
                     )
-                held = loop.time() - began
+                held = hold.held_seconds()
                 if writer.entry is not None:
                     writer.entry.held_seconds = held
                     writer.entry.attempts += 1
                     writer.entry.served_model = model
                     writer.entry.replica = replica.id
-                ended = False
-                try:
-                    failed = await self.forwarder.attempt(
-                        request,
-                        writer,
-                        replica,
-                        body,
-                        headers,
-                        model,
-                        stream,
-                        [(b"X-Router-Held-Seconds", b"%.3f" % held)],
-                    )
-                    ended = True
-                finally:
-                    pool.release(replica)
-                    if not ended:
-                        pool.probe_over(model)
+                failed = await self.forwarder.attempt(
+                    request,
+                    writer,
+                    replica,
+                    body,
+                    headers,
+                    model,
+                    stream,
+                    [(b"X-Router-Held-Seconds", b"%.3f" % held)],
+                )
                 if failed is not None and failed.retryable and failed.loading:
                     # Still loading: the next try after a pause, this request first in line.
-                    pool.still_cold(model)
+                    hold.still_loading()
                     continue
-                pool.probe_over(model)
-                tallies.hold_ended(model, "served")
+                if failed is None:
+                    hold.answered()
                 self.metrics.observe_held(model, held)
                 if failed is not None:
                     _answer_failed(writer, failed)
                 return
-        except asyncio.CancelledError:
-            tallies.hold_ended(model, "client_gone")
-            raise
 
     async def _wait(
         self, model: str, avoid: Replica | None, refused: set[Replica], key: bytes | None
     ) -> Replica | None:
         """Every replica of `model` is at its limit: wait in its queue for one (503 after the timeout)."""
-        deadline = asyncio.get_running_loop().time() + self._queue_timeout
-        replica, timed_out = await self.pool.acquire_or_wait(model, avoid, refused, deadline=deadline, key=key)
+        replica, timed_out = await self.pool.acquire_or_wait(
+            model, avoid, refused, wait_seconds=self._queue_timeout, key=key
+        )
         if timed_out:
             self.pool.tallies.refused_overloaded(model)
             raise Overloaded(

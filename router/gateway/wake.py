@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter
+
+from router.core.clock import Clock, LoopClock, Timer
 
 log = logging.getLogger("router.gateway.wake")
 
@@ -37,16 +38,19 @@ class Waker:
         token: str,
         registry: CollectorRegistry,
         held_now: Callable[[str], tuple[int, float | None]],
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
     ) -> None:
-        """`held_now(model)`: requests held for it now and since when (Unix seconds) the oldest waits."""
+        """`held_now(model)`: requests held for it now and since when (Unix seconds) the oldest waits.
+
+        `clock`: the pool's, so that the cooldown runs on the same time as the holds.
+        """
         self.session = session
         self.url = url
         self.router = router
         self.cooldown = cooldown
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.held_now = held_now
-        self.clock = clock
+        self.clock = clock if clock is not None else LoopClock()
         self.calls = Counter(
             "router_wake_calls",
             "Calls to wake_url for a model with held requests, by result: ok, refused (not 2xx), unreachable.",
@@ -55,14 +59,14 @@ class Waker:
         )
         # Per model: when the last call went out, and the re-check while requests stay held.
         self._last_call: dict[str, float] = {}
-        self._rechecks: dict[str, asyncio.TimerHandle] = {}
+        self._rechecks: dict[str, Timer] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._last_logged = float("-inf")
 
     def held(self, model: str) -> None:
         """A request for `model` was just held: call now unless a call went out within the cooldown."""
         last = self._last_call.get(model)
-        now = self.clock()
+        now = self.clock.now()
         if last is not None and now - last < self.cooldown:
             return
         self._last_call[model] = now
@@ -70,7 +74,7 @@ class Waker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if model not in self._rechecks:
-            self._rechecks[model] = asyncio.get_running_loop().call_later(self.cooldown, self._recheck, model)
+            self._rechecks[model] = self.clock.call_at(now + self.cooldown, lambda: self._recheck(model))
 
     def _recheck(self, model: str) -> None:
         del self._rechecks[model]
@@ -94,7 +98,7 @@ class Waker:
             result, detail = "unreachable", str(exc) or type(exc).__name__
         self.calls.labels(model, result).inc()
         if result != "ok":
-            now = self.clock()
+            now = self.clock.now()
             if now - self._last_logged >= _LOG_EVERY_SECONDS:
                 self._last_logged = now
                 log.warning("wake call for %s to %s failed: %s", model, self.url, detail)

@@ -33,9 +33,11 @@ from router.control.sources import (
     reload_all,
     sources_ready,
 )
+from router.core.clock import Clock, LoopClock
 from router.core.config import Config
+from router.core.ejection import EjectionPolicy
 from router.core.picking import Routing
-from router.core.pool import EjectionPolicy, Limits, Pool
+from router.core.pool import Limits, Pool
 from router.core.usage import Ticker
 from router.gateway.access_log import AccessLog
 from router.gateway.answers import server_error
@@ -78,7 +80,7 @@ class RouterServer(Listening):
         *,
         registry: CollectorRegistry | None = None,
         wall: Callable[[], float] = time.time,
-        mono: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
         worker_socket: str | None = None,
         config_path: str | None = None,
         sources: list[ReplicaSource] | None = None,
@@ -88,15 +90,17 @@ class RouterServer(Listening):
         private Unix socket for the supervisor, and the supervisor, not this
         process, ticks, pushes and exports usage, and runs the replica-set
         sources. `config_path`: the file SIGHUP reads the replicas from.
-        `sources`: where the replica set comes from (default: what `config` names)."""
+        `sources`: where the replica set comes from (default: what `config` names).
+        `clock`: the one clock of the pool, its holds and the wake calls (a fake one in tests)."""
         self.config = config
         self.worker_socket = worker_socket
         self.sources = sources if sources is not None else build_sources(config, config_path)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.started_at = wall()
+        self.clock = clock = clock if clock is not None else LoopClock()
         self.pool = Pool(
             initial_set(self.sources),
-            clock=mono,
+            clock=clock,
             ejection=EjectionPolicy(
                 config.ejection_failures, config.ejection_base_seconds, config.ejection_max_seconds
             ),
@@ -105,7 +109,7 @@ class RouterServer(Listening):
         )
         self.sinks = Sinks()
         self._wall = wall
-        self._mono = mono
+        self._mono = clock.now
         self.fleet: LocalFleet | None = None
         self.ticker: Ticker | None = None
         self.proxy: Proxy | None = None
@@ -165,6 +169,7 @@ class RouterServer(Listening):
                 token=config.admin_token,
                 registry=self.registry,
                 held_now=held_now,
+                clock=self.clock,
             )
 
         # The client port's own HTTP/1.1 server (server.py): the request

@@ -28,8 +28,8 @@ from router.core.config import Address, parse_address, replicas_where
 from router.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    # The `file: key: problem` builder of router.core.config, reused so that both read alike.
-    from router.core.config import _Where
+    # The `file: key: problem` builder of the router's config, reused so that both read alike.
+    from router.core.config_checks import Where
 
 SECTION = "scaler"
 
@@ -77,7 +77,7 @@ def server_url(server: str) -> str:
     return text
 
 
-def _seconds(where: _Where, key: str, value: object, minimum: float) -> float:
+def _seconds(where: Where, key: str, value: object, minimum: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise where.error(key, f"must be a number of seconds, got {type(value).__name__}")
     if not math.isfinite(value) or value < minimum:
@@ -85,7 +85,7 @@ def _seconds(where: _Where, key: str, value: object, minimum: float) -> float:
     return float(value)
 
 
-def _servers(where: _Where, key: str, value: object) -> tuple[str, ...]:
+def _servers(where: Where, key: str, value: object) -> tuple[str, ...]:
     if not isinstance(value, list):
         raise where.error(key, f"must be an array of strings, got {type(value).__name__}")
     out = []
@@ -100,7 +100,7 @@ def _servers(where: _Where, key: str, value: object) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _token(where: _Where, key: str, value: object) -> str:
+def _token(where: Where, key: str, value: object) -> str:
     if not isinstance(value, str):
         raise where.error(key, f"must be a string, got {type(value).__name__}")
     if any(ch in value for ch in "\r\n\x00"):
@@ -108,7 +108,7 @@ def _token(where: _Where, key: str, value: object) -> str:
     return value
 
 
-def _dns(where: _Where, key: str, value: object) -> Address | None:
+def _dns(where: Where, key: str, value: object) -> Address | None:
     if value == "":
         return None
     address = parse_address(where, key, value)
@@ -117,7 +117,7 @@ def _dns(where: _Where, key: str, value: object) -> Address | None:
     return address
 
 
-_PARSERS: dict[str, Callable[[_Where, str, object], object]] = {
+_PARSERS: dict[str, Callable[[Where, str, object], object]] = {
     "servers": _servers,
     "servers_from_dns": _dns,
     "listen": parse_address,

@@ -38,7 +38,7 @@ from router.control.discovery import (
 )
 from router.core.config import KubernetesDiscovery, ReplicaConfig, parse_config
 from router.core.errors import ConfigError
-from router.core.pool import ReplicaState
+from router.core.replicas import ReplicaState
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from tests.control.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice, matches, pod

@@ -16,6 +16,7 @@ from router.core.config import ReplicaConfig
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
+from tests.fake_clock import FakeClock
 from tests.helpers import CHAT, get_json, post, run_ctl, samples, scrape, wait_for
 
 
@@ -158,11 +159,13 @@ async def test_consecutive_failures_eject_and_the_replica_comes_back(
 ) -> None:
     failing = await start_fake("m", behaviour=Behaviour(fail_status=502, fail_body=b"bad gateway"))
     healthy = await start_fake("m")
+    clock = FakeClock()
     server = await start_router(
         [replica_entry("bad", failing), replica_entry("good", healthy)],
         ejection_failures=3,
         ejection_base_seconds=0.4,
         tick_seconds=0.05,
+        clock=clock,
     )
     sent = 0
     while (await states(server))["bad"] != "ejected":
@@ -175,7 +178,7 @@ async def test_consecutive_failures_eject_and_the_replica_comes_back(
         await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
     assert len(failing.seen) == 3
     failing.behaviour.fail_status = None
-    await asyncio.sleep(0.45)
+    clock.advance(0.4)  # the ejection's time is up
     sent = 0
     while not (len(failing.seen) > 3 and (await states(server))["bad"] == "ready"):
         await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))

@@ -18,6 +18,7 @@ from router.core.usage import Ticker, UsageSnapshot
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
+from tests.fake_clock import FakeClock
 from tests.helpers import CHAT, get_json, post, run_ctl, samples, scrape, wait_for
 
 
@@ -178,22 +179,22 @@ def test_a_failing_sink_is_counted_and_never_starves_the_others(caplog: pytest.L
 def test_stamps_become_unix_seconds_at_the_tick() -> None:
     from router.core.config import ReplicaConfig
 
-    mono = [100.0]
-    pool = Pool([ReplicaConfig("r", "m", "http://127.0.0.1:1")], clock=lambda: mono[0])
+    clock = FakeClock(100.0)
+    pool = Pool([ReplicaConfig("r", "m", "http://127.0.0.1:1")], clock=clock)
     ticker = Ticker(
         pool,
         [],
         router="x",
         started_at=5000.0,
         tick_seconds=1.0,
-        wall=lambda: 5000.0 + mono[0] - 100.0,
-        mono=lambda: mono[0],
+        wall=lambda: 5000.0 + clock.now() - 100.0,
+        mono=clock.now,
     )
     replica = pool.acquire("m")
     assert replica is not None
-    mono[0] = 103.0
+    clock.advance(3.0)
     pool.release(replica)
-    mono[0] = 110.0
+    clock.advance(7.0)
     (usage,) = ticker.tick().replicas
     assert usage.last_used == pytest.approx(5000.0)
     assert usage.quiet_seconds(5010.0) == pytest.approx(10.0)

@@ -9,20 +9,11 @@ from collections import Counter
 import pytest
 
 from router.core.config import ReplicaConfig
+from router.core.ejection import EjectionPolicy
 from router.core.picking import LeastLoaded
-from router.core.pool import EjectionPolicy, Pool, ReplicaState
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def deadline(seconds: float) -> float:
-    return asyncio.get_running_loop().time() + seconds
+from router.core.pool import Limits, Pool
+from router.core.replicas import ReplicaState
+from tests.fake_clock import FakeClock
 
 
 def configs(model: str, n: int, prefix: str = "r") -> list[ReplicaConfig]:
@@ -62,7 +53,7 @@ def test_acquire_counts_and_stamps_in_the_same_step() -> None:
     got = pool.acquire("m")
     assert got is replica
     assert (replica.in_flight, replica.requests, replica.last_used) == (1, 1, 50.0)
-    clock.now = 60.0
+    clock.advance(10.0)
     pool.release(replica)
     assert (replica.in_flight, replica.last_used) == (0, 50.0)
 
@@ -142,7 +133,7 @@ def test_ejection_after_consecutive_failures_never_more_than_half() -> None:
     assert states.count(ReplicaState.EJECTED) == 2
     ejected = next(r for r in replicas if r is not None and r.state is ReplicaState.EJECTED)
     assert all(pool.acquire("m") is not ejected for _ in range(10))
-    clock.now += 10.0
+    clock.advance(10.0)
     assert any(pool.acquire("m") is ejected for _ in range(50))
     assert ejected.state is ReplicaState.READY
 
@@ -153,17 +144,17 @@ def test_ejection_time_doubles_in_a_row_and_resets_after_success() -> None:
     replica = pool.get("r0")
     assert replica is not None
     pool.record_failure(replica)
-    assert replica.ejected_until == pytest.approx(clock.now + 10.0)
-    clock.now += 10.0
+    assert replica.ejected_until == pytest.approx(clock.now() + 10.0)
+    clock.advance(10.0)
     pool.acquire("m")
     assert replica.state is ReplicaState.READY
     pool.record_failure(replica)
-    assert replica.ejected_until == pytest.approx(clock.now + 20.0)
-    clock.now += 20.0
+    assert replica.ejected_until == pytest.approx(clock.now() + 20.0)
+    clock.advance(20.0)
     pool.acquire("m")
     pool.record_success(replica)
     pool.record_failure(replica)
-    assert replica.ejected_until == pytest.approx(clock.now + 10.0)
+    assert replica.ejected_until == pytest.approx(clock.now() + 10.0)
 
 
 def test_the_last_replica_is_never_ejected() -> None:
@@ -206,14 +197,12 @@ def test_excluded_replicas_are_never_picked_again_for_the_request() -> None:
 
 
 async def test_limits_refuse_beyond_capacity_and_release_wakes_a_waiter() -> None:
-    from router.core.pool import Limits
-
     pool = Pool(configs("m", 2), limits=Limits(per_replica=2, total=3))
     held = [pool.acquire("m") for _ in range(3)]
     assert all(r is not None for r in held)
     assert pool.acquire("m") is None
     assert pool.saturated("m")
-    waiter = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    waiter = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
     assert pool.waiting("m") == 1
     first = held[0]
@@ -230,15 +219,13 @@ async def test_limits_refuse_beyond_capacity_and_release_wakes_a_waiter() -> Non
 
 
 async def test_waiters_are_served_first_in_first_out_per_model() -> None:
-    from router.core.pool import Limits
-
     pool = Pool(configs("a", 1, "a") + configs("b", 1, "b"), limits=Limits(per_replica=1))
     busy_a, busy_b = pool.acquire("a"), pool.acquire("b")
     assert busy_a is not None and busy_b is not None
     order: list[str] = []
 
     async def wait(model: str, name: str) -> None:
-        replica, _ = await pool.acquire_or_wait(model, deadline=deadline(5))
+        replica, _ = await pool.acquire_or_wait(model, wait_seconds=5)
         assert replica is not None
         order.append(name)
         await asyncio.sleep(0)
@@ -259,13 +246,11 @@ async def test_waiters_are_served_first_in_first_out_per_model() -> None:
 
 
 async def test_a_waiter_that_leaves_is_removed_at_once_and_its_slot_goes_on() -> None:
-    from router.core.pool import Limits
-
     pool = Pool(configs("m", 1), limits=Limits(per_replica=1))
     busy = pool.acquire("m")
     assert busy is not None
-    leaving = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
-    staying = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    leaving = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
+    staying = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
     assert pool.waiting("m") == 2
     leaving.cancel()
@@ -278,13 +263,11 @@ async def test_a_waiter_that_leaves_is_removed_at_once_and_its_slot_goes_on() ->
 
 
 async def test_a_slot_handed_to_a_waiter_that_just_left_goes_to_the_next() -> None:
-    from router.core.pool import Limits
-
     pool = Pool(configs("m", 1), limits=Limits(per_replica=1))
     busy = pool.acquire("m")
     assert busy is not None
-    first = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
-    second = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    first = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
+    second = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
     # Handed to the first, which is cancelled before it runs: nothing may leak.
     pool.release(busy)
@@ -297,21 +280,26 @@ async def test_a_slot_handed_to_a_waiter_that_just_left_goes_to_the_next() -> No
 
 
 async def test_a_waiter_times_out_and_a_new_replica_or_an_undrain_serves_the_rest() -> None:
-    from router.core.pool import Limits
-
-    pool = Pool(configs("m", 1), limits=Limits(per_replica=1))
+    clock = FakeClock()
+    pool = Pool(configs("m", 1), clock=clock, limits=Limits(per_replica=1))
     busy = pool.acquire("m")
     assert busy is not None
-    assert await pool.acquire_or_wait("m", deadline=deadline(0.05)) == (None, True)
+    timing_out = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=0.05))
+    await asyncio.sleep(0)
+    clock.advance(0.049)
+    await asyncio.sleep(0)
+    assert not timing_out.done()  # not before its deadline
+    clock.advance(0.001)
+    assert await timing_out == (None, True)
     assert pool.waiting("m") == 0
-    waiter = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    waiter = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
     pool.set_replicas(configs("m", 2))  # r1 arrives
     replica, timed_out = await waiter
     assert replica is not None and replica.id == "r1" and not timed_out
     pool.set_draining("r1", True)
     pool.release(replica)
-    waiter = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    waiter = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
     assert pool.waiting("m") == 1
     pool.set_draining("r1", False)
@@ -320,24 +308,20 @@ async def test_a_waiter_times_out_and_a_new_replica_or_an_undrain_serves_the_res
 
 
 async def test_waiters_are_told_at_once_when_their_model_loses_every_replica() -> None:
-    from router.core.pool import Limits
-
     pool = Pool(configs("m", 1), limits=Limits(per_replica=1))
     busy = pool.acquire("m")
     assert busy is not None
-    waiter = asyncio.create_task(pool.acquire_or_wait("m", deadline=deadline(5)))
+    waiter = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
     pool.set_draining("r0", True)
     assert await asyncio.wait_for(waiter, 1) == (None, False)
 
 
 async def test_under_the_router_wide_limit_a_release_serves_another_models_waiter() -> None:
-    from router.core.pool import Limits
-
     pool = Pool(configs("a", 1, "a") + configs("b", 1, "b"), limits=Limits(total=1))
     busy = pool.acquire("a")
     assert busy is not None
-    waiter = asyncio.create_task(pool.acquire_or_wait("b", deadline=deadline(5)))
+    waiter = asyncio.create_task(pool.acquire_or_wait("b", wait_seconds=5))
     await asyncio.sleep(0)
     pool.release(busy)
     replica, _ = await waiter

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from router.core.config import ReplicaConfig
 from router.core.picking import BoundedHashRing, PolicySettings, Routing, affinity_key
-from router.core.pool import Pool, ReplicaState
+from router.core.pool import Pool
+from router.core.replicas import ReplicaState
 from router.gateway.affinity import prompt_text
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica

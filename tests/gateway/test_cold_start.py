@@ -3,7 +3,10 @@
 Through the real server, with the official `openai` SDK as the client: a
 model declared with `cold_start_seconds` and no replica (scaled to zero), a
 replica pushed that still refuses connections or answers 503 while it loads,
-a wake receiver that is slow or down, a burst, a shutdown.
+a wake receiver that is slow or down, a burst, a shutdown. Where the clock
+decides (a probe's pause, the deadline, the wake cooldown) the router runs
+on a fake clock (tests/fake_clock.py) that the test moves; the rules
+themselves are tested without sockets in tests/core/test_coldstart.py.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import orjson
 import pytest
 from aiohttp import web
 
+from router.core.coldstart import PROBE_CAP_SECONDS
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import StartFake, StartRouter, replica_entry
+from tests.fake_clock import FakeClock
 from tests.helpers import CHAT, Serve, samples, wait_for
 from tests.helpers import scrape as scrape_now
 
@@ -71,6 +76,26 @@ def held(server: RouterServer, model: str = "m") -> int:
     return server.pool.held(model)
 
 
+async def refused_tries(server: RouterServer, clock: FakeClock, count: int) -> None:
+    """Let `count` tries of the held request be refused, moving the clock over each pause between them.
+
+    A refused try puts the request back in line (held again) with the timer
+    of the next probe set, due within the cap; it ends that way, the next
+    probe waiting for the clock.
+    """
+
+    def refused() -> bool:
+        due = clock.next_call()
+        return held(server) == 1 and due is not None and due <= clock.now() + PROBE_CAP_SECONDS
+
+    for done in range(count):
+        if done:
+            due = clock.next_call()
+            assert due is not None
+            clock.advance(due - clock.now())
+        await wait_for(refused)
+
+
 async def test_a_request_for_a_model_scaled_to_zero_is_held_and_served_when_a_replica_is_pushed(
     start_fake: StartFake, start_router: StartRouter
 ) -> None:
@@ -100,15 +125,18 @@ async def test_held_while_the_pushed_replica_refuses_connections_then_served_as_
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = await start_router([{"id": "r0", "model": "m", "url": url}], models=COLD)
+    clock = FakeClock()
+    server = await start_router([{"id": "r0", "model": "m", "url": url}], models=COLD, clock=clock)
     fake = FakeReplica(models=("m",), name="loading")
     try:
         waiting = asyncio.create_task(ask(server))
         await wait_for(lambda: held(server) == 1)
-        await asyncio.sleep(0.6)  # several refused tries meanwhile
+        # Several refused tries meanwhile.
+        await refused_tries(server, clock, 4)
         assert not waiting.done()
         await fake.start(sock=sock)  # the engine starts to answer
         listening = time.perf_counter()
+        clock.advance(PROBE_CAP_SECONDS)  # the next try comes within the cap of the pauses
         raw = await waiting
         assert time.perf_counter() - listening < 0.25
         assert raw.parse().choices[0].message.content == "tok0 tok1 "
@@ -120,13 +148,15 @@ async def test_held_while_the_replica_answers_503_loading_then_served(
     start_fake: StartFake, start_router: StartRouter
 ) -> None:
     loading = await start_fake("m", behaviour=Behaviour(fail_status=503, fail_body=b'{"message": "Loading model"}'))
-    server = await start_router([replica_entry("r0", loading)], models=COLD)
+    clock = FakeClock()
+    server = await start_router([replica_entry("r0", loading)], models=COLD, clock=clock)
     waiting = asyncio.create_task(ask(server))
     await wait_for(lambda: held(server) == 1)
-    await asyncio.sleep(0.5)
+    await refused_tries(server, clock, 3)
     tries = len(loading.seen)
     assert tries >= 2  # tried again while it loads, not once
     loading.behaviour.fail_status = None
+    clock.advance(PROBE_CAP_SECONDS)
     raw = await waiting
     assert raw.parse().choices[0].message.content == "tok0 tok1 "
 
@@ -151,11 +181,17 @@ async def test_one_more_than_max_held_gets_a_fast_503_model_cold_with_retry_afte
 
 
 async def test_the_deadline_gives_503_after_cold_start_seconds_not_before(start_router: StartRouter) -> None:
-    server = await start_router([], models={"m": {"cold_start_seconds": 0.8}})
-    began = time.perf_counter()
+    clock = FakeClock(0.0)  # from 0, so that 0.8 s later reads as 0.8 exactly
+    server = await start_router([], models={"m": {"cold_start_seconds": 0.8}}, clock=clock)
+    began = clock.now()
+    asking = asyncio.create_task(ask(server))
+    await wait_for(lambda: held(server) == 1)
+    clock.advance(0.79)
+    assert held(server) == 1  # not a moment before the deadline
+    clock.advance(0.01)
     with pytest.raises(openai.APIStatusError) as raised:
-        await ask(server)
-    assert 0.8 <= time.perf_counter() - began < 3.0
+        await asking
+    assert 0.8 <= clock.now() - began < 3.0
     assert raised.value.status_code == 503
     assert raised.value.response.headers["Retry-After"]
     assert "model_cold" in raised.value.response.text
@@ -247,12 +283,14 @@ async def test_500_held_requests_make_one_wake_call_per_cooldown(
     start_router: StartRouter, wake_receiver: tuple[str, list[dict[str, Any]], dict[str, Any]]
 ) -> None:
     url, calls, switches = wake_receiver
+    clock = FakeClock()
     server = await start_router(
         [],
         models={"m": {"cold_start_seconds": 30, "max_held": 1000}},
         wake_url=url,
         wake_cooldown_seconds=0.6,
         admin_token="admin-secret",
+        clock=clock,
     )
     tasks = [asyncio.create_task(_post(server, CHAT)) for _ in range(500)]
     try:
@@ -261,9 +299,10 @@ async def test_500_held_requests_make_one_wake_call_per_cooldown(
         assert calls[0]["model"] == "m" and calls[0]["router"] == "test"
         assert calls[0]["held"] >= 1 and calls[0]["since"] is not None
         assert switches["auth"][0] == "Bearer admin-secret"
-        await asyncio.sleep(0.4)
+        clock.advance(0.4)
         assert len(calls) == 1  # within the cooldown: still one
         # Still held past the cooldown: one more call, not 500.
+        clock.advance(0.2)
         await wait_for(lambda: len(calls) == 2, timeout=3)
         assert calls[1]["held"] == 500
         text = await scrape(server)
@@ -299,9 +338,13 @@ async def test_a_wake_receiver_down_or_slow_changes_nothing_on_the_data_path(
 
 
 async def test_a_model_declared_with_no_replica_is_held_after_a_restart_not_404(start_router: StartRouter) -> None:
-    server = await start_router([], models={"m": {"cold_start_seconds": 0.3}})
+    clock = FakeClock()
+    server = await start_router([], models={"m": {"cold_start_seconds": 0.3}}, clock=clock)
+    asking = asyncio.create_task(ask(server))
+    await wait_for(lambda: held(server) == 1)
+    clock.advance(0.3)
     with pytest.raises(openai.APIStatusError) as raised:
-        await ask(server)
+        await asking
     # Known (declared), not unknown: a 503 after the hold, never a 404.
     assert raised.value.status_code == 503
 

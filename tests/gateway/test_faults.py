@@ -18,6 +18,7 @@ import pytest
 from router.tools.bench import run_load
 from router.tools.fake import Behaviour
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
+from tests.fake_clock import FakeClock
 from tests.helpers import CHAT, free_port, post, post_cut, wait_for
 
 
@@ -75,7 +76,8 @@ async def test_all_replicas_gone_then_back_recovers_without_a_restart(
 ) -> None:
     a = await start_fake("m")
     b = await start_fake("m")
-    server = await start_router([replica_entry("a", a), replica_entry("b", b)], ejection_base_seconds=0.2)
+    clock = FakeClock()
+    server = await start_router([replica_entry("a", a), replica_entry("b", b)], ejection_base_seconds=0.2, clock=clock)
     urls = (a.url, b.url)
     await a.stop()
     await b.stop()
@@ -88,7 +90,7 @@ async def test_all_replicas_gone_then_back_recovers_without_a_restart(
     for fake, url in zip((a, b), urls, strict=True):
         port = int(url.rsplit(":", 1)[1])
         await fake.start("127.0.0.1", port)
-    await asyncio.sleep(0.3)
+    clock.advance(0.3)  # past the ejection of either
     for _ in range(6):
         status, _, _ = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
         assert status == 200

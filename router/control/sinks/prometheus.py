@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from router.core.pool import ReplicaState
+from router.core.replicas import ReplicaState
 from router.core.usage import UsageSnapshot
 
 STATES = tuple(state.value for state in ReplicaState)

@@ -1,0 +1,241 @@
+"""The replica set: each replica as the data path sees it, the desired set, draining, and who may be picked.
+
+A replica changes set only here: added, changed, removed (it drains: no new
+request, and it is forgotten once its last one ends), drained by hand. Per
+model the set keeps the picking policy (router.core.picking) told of every
+ready replica, so that the pool's acquire() finds its candidates in one
+lookup. The pool owns the counts in flight and the waiters; it is told when
+a model's candidates change in a way its waiters care about.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from router.core.config import ReplicaConfig
+from router.core.origin import Origin
+from router.core.picking import POLICIES, Policy, PolicySettings, Routing
+
+
+class ReplicaState(enum.Enum):
+    READY = "ready"
+    EJECTED = "ejected"
+    DRAINING = "draining"
+    DRAINED = "drained"
+
+
+class Replica:
+    """One replica as the data path sees it. Mutated only by the pool and its parts."""
+
+    __slots__ = (
+        "config",
+        "id",
+        "model",
+        "base_url",
+        "origin",
+        "in_flight",
+        "requests",
+        "last_used",
+        "added_at",
+        "draining",
+        "removed",
+        "ejected_until",
+        "failures_in_row",
+        "ejections_in_row",
+        "ejections",
+        "recoveries",
+        "responses",
+        "errors",
+    )
+
+    def __init__(self, config: ReplicaConfig, added_at: float) -> None:
+        self.config = config
+        self.id = config.id
+        self.model = config.model
+        self.base_url = config.url
+        self.origin = Origin.parse(config.url)
+        self.in_flight = 0
+        self.requests = 0
+        # Monotonic time of the last request sent here; None until the first one.
+        self.last_used: float | None = None
+        self.added_at = added_at
+        self.draining = False
+        # Gone from the desired set; forgotten once nothing is in flight.
+        self.removed = False
+        self.ejected_until: float | None = None
+        self.failures_in_row = 0
+        self.ejections_in_row = 0
+        self.ejections = 0
+        self.recoveries = 0
+        # Upstream answers by status class ("2xx", ...) and failures by reason.
+        self.responses: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+
+    @property
+    def state(self) -> ReplicaState:
+        if self.draining or self.removed:
+            return ReplicaState.DRAINING if self.in_flight else ReplicaState.DRAINED
+        if self.ejected_until is not None:
+            return ReplicaState.EJECTED
+        return ReplicaState.READY
+
+    def __repr__(self) -> str:
+        return f"Replica({self.id!r}, model={self.model!r}, in_flight={self.in_flight})"
+
+
+@dataclass(frozen=True, slots=True)
+class SetDiff:
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    changed: tuple[str, ...]
+    unchanged: tuple[str, ...]
+
+
+_LEAST_LOADED = Routing()
+
+
+def _replica_name(replica: Replica) -> str:
+    return replica.id
+
+
+class ReplicaSet:
+    """The desired set, the replicas still leaving it, and per model the policy that picks among the ready ones.
+
+    The pool reads `models`, `candidates` and `leaving` on its hot path: they
+    are made once here and never replaced, only changed in place.
+    """
+
+    __slots__ = (
+        "by_id",
+        "candidates",
+        "ever_served",
+        "leaving",
+        "models",
+        "_affinity",
+        "_changed",
+        "_now",
+        "_per_replica",
+        "_rng",
+        "_routing",
+    )
+
+    def __init__(
+        self,
+        *,
+        now: Callable[[], float],
+        rng: random.Random,
+        routing: Mapping[str, Routing],
+        per_replica: int,
+        affinity: dict[str, list[int]],
+        changed: Callable[[str], None],
+    ) -> None:
+        """`changed(model)`: the model gained a candidate, or lost its last one (its waiters may go).
+
+        `affinity`: where each model's policy counts its first picks (Tallies.affinity).
+        """
+        self._now = now
+        self._rng = rng
+        self._routing = routing
+        self._per_replica = per_replica
+        self._affinity = affinity
+        self._changed = changed
+        self.by_id: dict[str, Replica] = {}
+        # Removed from the desired set but still finishing requests.
+        self.leaving: set[Replica] = set()
+        self.models: dict[str, list[Replica]] = {}
+        self.candidates: dict[str, Policy[Replica]] = {}
+        # Every model that had a replica since start: known, so never 404.
+        self.ever_served: set[str] = set()
+
+    def set_replicas(self, configs: Iterable[ReplicaConfig]) -> SetDiff:
+        """Make `configs` the desired set, atomically (no await in here).
+
+        A replica whose URL or model changed is a removal plus an addition; a
+        removed one drains: it takes no new request and is forgotten when its
+        last request ends. Labels alone change in place.
+        """
+        desired = {c.id: c for c in configs}
+        added: list[str] = []
+        removed: list[str] = []
+        changed: list[str] = []
+        unchanged: list[str] = []
+        for replica_id, replica in list(self.by_id.items()):
+            config = desired.get(replica_id)
+            if config is None:
+                removed.append(replica_id)
+                self._remove(replica)
+            elif (config.url, config.model) != (replica.base_url, replica.model):
+                changed.append(replica_id)
+                self._remove(replica)
+            elif config != replica.config:
+                changed.append(replica_id)
+                replica.config = config
+            else:
+                unchanged.append(replica_id)
+        now = self._now()
+        for replica_id, config in desired.items():
+            if replica_id in self.by_id:
+                continue
+            if replica_id not in changed:
+                added.append(replica_id)
+            replica = Replica(config, added_at=now)
+            self.ever_served.add(replica.model)
+            self.by_id[replica_id] = replica
+            self.models.setdefault(replica.model, []).append(replica)
+            self.refresh(replica)
+        return SetDiff(tuple(added), tuple(removed), tuple(changed), tuple(unchanged))
+
+    def set_draining(self, replica_id: str, draining: bool) -> Replica | None:
+        replica = self.by_id.get(replica_id)
+        if replica is None:
+            return None
+        replica.draining = draining
+        self.refresh(replica)
+        return replica
+
+    def _remove(self, replica: Replica) -> None:
+        replica.removed = True
+        del self.by_id[replica.id]
+        siblings = self.models[replica.model]
+        siblings.remove(replica)
+        self.refresh(replica)
+        if not siblings:
+            del self.models[replica.model]
+            del self.candidates[replica.model]
+            self._changed(replica.model)
+        if replica.in_flight:
+            self.leaving.add(replica)
+
+    def refresh(self, replica: Replica) -> None:
+        """Make `replica` a candidate of its model's policy if it is ready, and no longer one if not."""
+        candidates = self.candidates.get(replica.model)
+        if candidates is None:
+            if replica.removed:
+                return
+            routing = self._routing.get(replica.model, _LEAST_LOADED)
+            settings = PolicySettings(
+                replica.model,
+                routing.balance_factor,
+                self._per_replica,
+                _replica_name,
+                self._affinity.setdefault(replica.model, [0, 0, 0]),
+            )
+            candidates = self.candidates[replica.model] = POLICIES[routing.policy](self._rng, settings)
+        serving = replica.state is ReplicaState.READY
+        if serving and replica not in candidates:
+            candidates.add(replica, replica.in_flight)
+            # A new, readmitted or undrained replica: the model's waiters first.
+            self._changed(replica.model)
+        elif not serving:
+            candidates.discard(replica)
+            if not len(candidates):
+                # The model's last candidate left: its waiters wait for nothing now.
+                self._changed(replica.model)
+
+    # Views --------------------------------------------------------------------
+
+    def configs(self) -> list[ReplicaConfig]:
+        return [r.config for r in self.by_id.values()]

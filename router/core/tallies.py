@@ -1,0 +1,82 @@
+"""Per-model figures of the data path that belong to no replica, and the names a client may have kept.
+
+A model name in a request comes from the client: it is counted and shown
+(a Prometheus label, a row of `ctl status`) only when it could name a model,
+and only so many distinct ones, so that no client can grow a tally without
+bound.
+"""
+
+from __future__ import annotations
+
+# Demand for model names that nobody serves comes from clients and is unbounded;
+# past this many distinct names the rest are tallied under one label value.
+MAX_UNSERVED_NAMES = 100
+# ... and so is each name's size: a name is kept (a label, a tally, a row of
+# `ctl status`) only when it could name a model: printable and at most this
+# many bytes. Hugging Face repo ids stop at 96 characters; a local path may
+# run longer, and 256 bytes covers both. Entries times bytes bounds the tally.
+MAX_NAME_BYTES = 256
+OTHER_MODELS = "__other__"
+
+
+def keepable_name(name: str) -> bool:
+    """Whether a name a client sent may be kept and shown: printable, at most MAX_NAME_BYTES in UTF-8."""
+    # isprintable() first: it refuses lone surrogates, which cannot be encoded.
+    return len(name) <= MAX_NAME_BYTES and name.isprintable() and len(name.encode()) <= MAX_NAME_BYTES
+
+
+class Tallies:
+    """Per-model figures of the data path that belong to no replica."""
+
+    __slots__ = (
+        "affinity",
+        "fallbacks",
+        "hold_outcomes",
+        "last_asked",
+        "overloaded",
+        "retries",
+        "stalled",
+        "unserved",
+    )
+
+    def __init__(self) -> None:
+        # First picks of the session and prefix policies per model: [hit, spill, none]
+        # (picking.AFFINITY_OUTCOMES), counted by the model's policy itself.
+        self.affinity: dict[str, list[int]] = {}
+        # Held requests' ends, by (model, outcome): served, timeout, overflow, client_gone, shutdown.
+        self.hold_outcomes: dict[tuple[str, str], int] = {}
+        # Monotonic time a request for the model last found nothing to serve it (held, or refused).
+        self.last_asked: dict[str, float] = {}
+        self.overloaded: dict[str, int] = {}
+        self.stalled: dict[str, int] = {}
+        self.retries: dict[str, int] = {}
+        self.fallbacks: dict[tuple[str, str], int] = {}
+        self.unserved: dict[str, int] = {}
+
+    def retried(self, model: str) -> None:
+        self.retries[model] = self.retries.get(model, 0) + 1
+
+    def refused_overloaded(self, model: str) -> None:
+        self.overloaded[model] = self.overloaded.get(model, 0) + 1
+
+    def client_stalled(self, model: str) -> None:
+        self.stalled[model] = self.stalled.get(model, 0) + 1
+
+    def fell_back(self, model: str, to: str) -> None:
+        key = (model, to)
+        self.fallbacks[key] = self.fallbacks.get(key, 0) + 1
+
+    def hold_ended(self, model: str, outcome: str) -> None:
+        key = (model, outcome)
+        self.hold_outcomes[key] = self.hold_outcomes.get(key, 0) + 1
+
+    def unserved_request(self, model: str) -> None:
+        if model not in self.unserved and (len(self.unserved) >= MAX_UNSERVED_NAMES or not keepable_name(model)):
+            model = OTHER_MODELS
+        self.unserved[model] = self.unserved.get(model, 0) + 1
+
+    def asked(self, model: str, now: float) -> None:
+        """A request for `model` found nothing to serve it at `now`: demand the control plane should see."""
+        last_asked = self.last_asked
+        if model in last_asked or len(last_asked) < MAX_UNSERVED_NAMES:
+            last_asked[model] = now
