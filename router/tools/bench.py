@@ -96,7 +96,7 @@ async def run_load(
     kinds: Counter[str] = Counter()
     chunks = 0
     remaining = requests if requests is not None else -1
-    deadline = time.perf_counter() + duration if duration is not None else math.inf
+    deadline = math.inf
 
     def failed(kind: str) -> None:
         if kind in kinds or len(kinds) < MAX_ERROR_KINDS:
@@ -126,6 +126,10 @@ async def run_load(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         began = time.perf_counter()
+        # The run's time counts from here, as `seconds` does: set before the
+        # session was made, the deadline ended runs short of --duration.
+        if duration is not None:
+            deadline = began + duration
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
         seconds = time.perf_counter() - began
     latencies.sort()
