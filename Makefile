@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint setup clean bench proto soak
+.PHONY: demo test lint setup clean bench proto soak image
 
 # Under a lock: `make demo` and `make test` may run at once in a fresh clone.
 $(BIN)/router: pyproject.toml
@@ -36,6 +36,12 @@ bench: setup
 # nothing grows or leaks (docs/performance.md). CI runs its 2-minute version.
 soak: setup
 	$(BIN)/python bench/soak.py
+
+# The image (Containerfile) for router serve, scaler and ctl, with podman or
+# docker; on a machine that reaches no registry, on a base made from Debian's
+# packages (scripts/build-image says how). Prints the tag, router:<version>.
+image:
+	PYTHON=$(PYTHON) scripts/build-image
 
 # router scaler's gRPC modules from router/scaler/externalscaler.proto (committed).
 proto: setup

@@ -14,6 +14,14 @@ answers 503), and serves the held requests the moment it answers. A model
 already started is not started again; `--admin-token` (or
 ROUTER_ADMIN_TOKEN) is sent on the push and required on the wake call.
 
+Each engine runs in a process group of its own, so that a Ctrl-C meant for
+the receiver does not reach it unasked, and so that stopping it stops all
+of it (vLLM's workers are children of the command started). On SIGTERM
+(systemd, Kubernetes) or SIGINT (Ctrl-C) the receiver stops what it started:
+SIGTERM to each engine's group, SIGKILL to what is left of it after
+`--stop-grace-seconds`, then it exits 0. An engine left running after its
+receiver is gone would hold a GPU that nothing knows of.
+
 It keeps what it started in memory only: an example of the loop, not a
 control plane (on Kubernetes, `router scaler` and KEDA do this).
 """
@@ -22,11 +30,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import os
 import shlex
+import signal
 import socket
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -66,7 +78,9 @@ class Receiver:
     async def start(self, model: str) -> None:
         port = free_port()
         argv = shlex.split(self.commands[model].format(port=port, model=model))
-        process = await asyncio.create_subprocess_exec(*argv)
+        # Its own process group (and session): signals for the receiver's
+        # terminal do not reach it, and killpg reaches every process it forks.
+        process = await asyncio.create_subprocess_exec(*argv, start_new_session=True)
         entry = {"id": f"{model}-{port}", "model": model, "url": f"http://127.0.0.1:{port}"}
         self.started[model] = (process, entry)
         print(f"started {model} on port {port} (pid {process.pid}); pushing it", file=sys.stderr)
@@ -83,11 +97,51 @@ class Receiver:
             async with session.put(self.admin + "/api/v1/endpoints", json={"replicas": desired}) as resp:
                 resp.raise_for_status()
 
-    async def stop(self) -> None:
-        for process, _ in self.started.values():
-            if process.returncode is None:
-                process.terminate()
-                await process.wait()
+    async def stop(self, grace: float) -> None:
+        """SIGTERM to every engine's process group; SIGKILL to what is left of each after `grace` seconds."""
+        processes = [process for process, _ in self.started.values()]
+        for process in processes:
+            signal_group(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for process in processes:
+            # The group outlives its leader while any child of it runs.
+            while process.returncode is None or group_alive(process.pid):
+                if time.monotonic() >= deadline:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(process.wait(), 0.1)
+            signal_group(process.pid, signal.SIGKILL)
+            await process.wait()
+
+
+def signal_group(group: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, sig)
+
+
+def group_alive(group: int) -> bool:
+    """Whether any process of the group still runs.
+
+    A child whose parent died is a zombie until whoever inherited it (PID 1,
+    or this receiver when it is PID 1 in a container) reaps it, and signals
+    still reach the group meanwhile: on Linux, /proc tells zombies apart.
+    """
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # After the command's name in parentheses: state, ppid, process group, ...
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == group and state != "Z":
+            return True
+    return False
 
 
 async def main(argv: list[str]) -> None:
@@ -96,6 +150,12 @@ async def main(argv: list[str]) -> None:
     parser.add_argument("--router-admin", default="http://127.0.0.1:9090")
     parser.add_argument("--admin-token", default=os.environ.get("ROUTER_ADMIN_TOKEN", ""))
     parser.add_argument("--model", action="append", default=[], metavar="NAME=COMMAND", required=True)
+    parser.add_argument(
+        "--stop-grace-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, how long the engines get to stop before SIGKILL",
+    )
     args = parser.parse_args(argv)
     commands = dict(item.split("=", 1) for item in args.model)
     receiver = Receiver(args.router_admin, args.admin_token, commands)
@@ -105,16 +165,18 @@ async def main(argv: list[str]) -> None:
     await runner.setup()
     host, _, port = args.listen.rpartition(":")
     await web.TCPSite(runner, host, int(port)).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     print(f"wake receiver on http://{args.listen}/wake", file=sys.stderr, flush=True)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
+        print("stopping: the engines started here go too", file=sys.stderr, flush=True)
     finally:
-        await receiver.stop()
+        await receiver.stop(args.stop_grace_seconds)
         await runner.cleanup()
 
 
 if __name__ == "__main__":
-    try:
-        asyncio.run(main(sys.argv[1:]))
-    except KeyboardInterrupt:
-        pass
+    asyncio.run(main(sys.argv[1:]))

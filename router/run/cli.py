@@ -63,7 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else:
             _run(serve(config, config_path=args.config))
     except ConfigError as exc:
-        # Found only at start: where the Kubernetes API is ([discovery.kubernetes]).
+        # Found only at start: where the Kubernetes API is ([discovery.kubernetes]),
+        # or, with --workers, that no directory is writable for their sockets.
         print(f"router: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

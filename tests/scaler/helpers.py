@@ -194,3 +194,34 @@ class CannedRouter:
 
 
 Canned = Callable[[str], Awaitable[CannedRouter]]
+
+
+class Events:
+    """The KEDA stand-in's JSON lines (tests/scaler/keda_standin.py) as they come."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.seen: list[dict[str, Any]] = []
+        self.task = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.process.stdout is not None
+        async for line in self.process.stdout:
+            self.seen.append(orjson.loads(line))
+
+    async def wait(
+        self, match: Callable[[dict[str, Any]], bool], *, after: float = 0.0, timeout: float = 20.0
+    ) -> dict[str, Any]:
+        """The first event at or after `after` (Unix seconds) that matches."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for event in self.seen:
+                if event["t"] >= after and match(event):
+                    return event
+            assert self.process.returncode is None, f"the stand-in exited: {self.seen}"
+            assert time.monotonic() < deadline, f"no such event: {self.seen}"
+            await asyncio.sleep(0.02)
+
+
+def scaled(to: int) -> Callable[[dict[str, Any]], bool]:
+    return lambda e: e["event"] == "scaled" and e["replicas_to"] == to

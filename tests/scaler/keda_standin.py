@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import grpc
@@ -55,11 +56,24 @@ def emit(event: str, **fields: Any) -> None:
 class Deployment:
     """Pods of one model: fake replicas, pushed to every router on each change."""
 
-    def __init__(self, model: str, admins: Sequence[str], *, token: str, behaviour: Behaviour) -> None:
+    def __init__(
+        self,
+        model: str,
+        admins: Sequence[str],
+        *,
+        token: str,
+        behaviour: Behaviour,
+        pod_host: str = "127.0.0.1",
+        pod_address: str = "",
+    ) -> None:
         self.model = model
         self.admins = [a if "://" in a else "http://" + a for a in admins]
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.behaviour = behaviour
+        # Where the pods listen, and the name the routers reach them by (in
+        # containers: all addresses, and this container's name on the network).
+        self.pod_host = pod_host
+        self.pod_address = pod_address or pod_host
         self.pods: list[tuple[str, FakeReplica]] = []
         self._names = 0
 
@@ -72,7 +86,7 @@ class Deployment:
         while len(self.pods) < to:
             fake = FakeReplica(models=(self.model,), name=f"{self.model}-{self._names}", record=False)
             fake.behaviour = self.behaviour
-            await fake.start()
+            await fake.start(self.pod_host, 0)
             self.pods.append((f"{self.model}-{self._names}", fake))
             self._names += 1
         gone = self.pods[to:]
@@ -84,7 +98,7 @@ class Deployment:
             await fake.stop()
 
     async def push(self) -> None:
-        ours = [{"id": pod, "model": self.model, "url": fake.url} for pod, fake in self.pods]
+        ours = [{"id": pod, "model": self.model, "url": self.url(fake)} for pod, fake in self.pods]
         async with aiohttp.ClientSession(headers=self.headers) as session:
             for admin in self.admins:
                 async with session.get(admin + "/api/v1/endpoints") as resp:
@@ -94,6 +108,9 @@ class Deployment:
                     if resp.status != 200:
                         raise RuntimeError(f"{admin}: push answered {resp.status}: {await resp.text()}")
         emit("pushed", routers=len(self.admins), replicas=[r["id"] for r in ours])
+
+    def url(self, fake: FakeReplica) -> str:
+        return f"http://{self.pod_address}:{urlsplit(fake.url).port}"
 
     async def stop(self) -> None:
         for _, fake in self.pods:
@@ -190,7 +207,14 @@ class KedaStandIn:
 
 async def main_async(args: argparse.Namespace) -> None:
     behaviour = Behaviour(tokens=args.tokens, token_delay=args.token_delay)
-    deployment = Deployment(args.model, args.router_admin, token=args.token, behaviour=behaviour)
+    deployment = Deployment(
+        args.model,
+        args.router_admin,
+        token=args.token,
+        behaviour=behaviour,
+        pod_host=args.pod_host,
+        pod_address=args.pod_address,
+    )
     stand_in = KedaStandIn(args, deployment)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -223,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=int, default=1, help="the Deployment's replicas at start")
     parser.add_argument("--tokens", type=int, default=16, help="the fake replicas' tokens per answer at most")
     parser.add_argument("--token-delay", type=float, default=0.05, help="the fake replicas' seconds per token")
+    parser.add_argument("--pod-host", default="127.0.0.1", help="the address the fake replicas listen on")
+    parser.add_argument("--pod-address", default="", help="the host the routers reach them at (default: --pod-host)")
     return parser
 
 

@@ -1,10 +1,10 @@
-"""deploy/keda: the scaler's Deployment and Service, a ScaledObject per model, the vLLM Deployment it scales.
+"""deploy/kubernetes/keda: the routers, the scaler, a ScaledObject per model, the vLLM Deployment it scales.
 
-Checked offline like the rest of deploy/: the Kubernetes kinds with
-kubernetes-validate, the ScaledObject against a schema of KEDA's fields
-(scaledobject.schema.json beside this file; kubernetes-validate knows no
-CRD), and the pieces against each other and against the scaler's own
-command line and metadata rules.
+Rendered by kustomize and checked offline like the rest of deploy/: the
+Kubernetes kinds with kubernetes-validate, the ScaledObject against a
+schema of KEDA's fields (scaledobject.schema.json beside this file;
+kubernetes-validate knows no CRD), and the pieces against each other and
+against the scaler's own command line and metadata rules.
 """
 
 from __future__ import annotations
@@ -24,24 +24,22 @@ from router.core.config import load_config, parse_config
 from router.scaler.main import build_parser, settings_from
 from router.scaler.view import parse_metadata
 from tests.control.kube_api import matches
+from tests.deploy.manifests import named, of_kind, render, router_toml
 
 ROOT = Path(__file__).resolve().parents[2]
-KEDA = ROOT / "deploy" / "keda"
-MANIFESTS = sorted(KEDA.glob("*.yaml"))
 SCHEMA = json.loads((Path(__file__).resolve().parent / "scaledobject.schema.json").read_text())
 
 
 def documents() -> list[dict[str, Any]]:
-    return [doc for path in MANIFESTS for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return render("keda")
 
 
 def kind(name: str) -> list[dict[str, Any]]:
-    return [doc for doc in documents() if doc["kind"] == name]
+    return of_kind(documents(), name)
 
 
 def by_name(name: str, kind_: str) -> dict[str, Any]:
-    (doc,) = [d for d in kind(kind_) if d["metadata"]["name"] == name]
-    return doc
+    return named(documents(), kind_, name)
 
 
 def test_the_kubernetes_kinds_validate_strictly() -> None:
@@ -51,7 +49,8 @@ def test_the_kubernetes_kinds_validate_strictly() -> None:
             continue
         kubernetes_validate.validate(doc, kubernetes_validate.utils.latest_version(), strict=True)
         checked += 1
-    assert checked == 4
+    # Three Deployments, four Services, the ConfigMap, and the ServiceAccount, Role and RoleBinding.
+    assert checked == 11
 
 
 def test_every_scaled_object_matches_keda_s_fields() -> None:
@@ -112,8 +111,7 @@ def test_the_scaler_deployment_runs_router_scaler_with_ports_and_probes_that_mat
     assert {e["name"] for e in container["env"]} == {"ROUTER_ADMIN_TOKEN"}
     # Every router pod through the headless admin Service, the one Prometheus scrapes too.
     assert settings.servers_from_dns is not None
-    admin = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "service.yaml").read_text())
-    (headless,) = [s for s in admin if s and s["spec"].get("clusterIP") == "None"]
+    (headless,) = [s for s in kind("Service") if s["spec"].get("clusterIP") == "None"]
     assert settings.servers_from_dns.host.split(".")[0] == headless["metadata"]["name"]
     assert settings.servers_from_dns.port == headless["spec"]["ports"][0]["port"]
     service = by_name("router-scaler", "Service")
@@ -134,18 +132,36 @@ def test_the_readme_s_router_settings_for_the_loop_are_valid_and_point_at_the_sc
     assert config.models[model].cold_start_seconds > 0
 
 
-def test_routers_with_discovery_find_the_scaled_pods_through_their_service(tmp_path: Path) -> None:
-    """The pods KEDA starts reach the routers with no push: the discovery example's selector finds their Service."""
-    router = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "discovery" / "router.yaml").read_text())
-    (configmap,) = [d for d in router if d and d["kind"] == "ConfigMap"]
+def test_the_routers_hold_requests_for_the_scaled_model_and_wake_the_scaler(tmp_path: Path) -> None:
+    """The overlay's router.toml: requests held (cold_start_seconds, max_held) and wake_url at the scaler's /wake."""
     path = tmp_path / "router.toml"
-    path.write_text(configmap["data"]["router.toml"])
+    path.write_text(router_toml(documents()))
+    config = load_config(path, environ={})
+    service = by_name("router-scaler", "Service")
+    http_port = {p["name"]: p["port"] for p in service["spec"]["ports"]}["http"]
+    assert config.wake_url == f"http://router-scaler.default.svc.cluster.local:{http_port}/wake"
+    (scaled,) = kind("ScaledObject")
+    model = config.models[scaled["spec"]["triggers"][0]["metadata"]["model"]]
+    (vllm,) = by_name(scaled["spec"]["scaleTargetRef"]["name"], "Deployment")["spec"]["template"]["spec"]["containers"]
+    # Held at least as long as the engine may take to start answering.
+    startup = vllm["startupProbe"]
+    assert model.cold_start_seconds >= startup["periodSeconds"] * startup["failureThreshold"]
+    assert model.max_held > 0
+
+
+def test_routers_with_discovery_find_the_scaled_pods_through_their_service(tmp_path: Path) -> None:
+    """The pods KEDA starts reach the routers with no push: the routers' selector finds their Service."""
+    path = tmp_path / "router.toml"
+    path.write_text(router_toml(documents()))
     discovery = load_config(path, environ={}).discovery
     assert discovery is not None
+    pod = by_name("router", "Deployment")["spec"]["template"]["spec"]
+    (account,) = kind("ServiceAccount")
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
     (scaled,) = kind("ScaledObject")
     model = scaled["spec"]["triggers"][0]["metadata"]["model"]
     target = by_name(scaled["spec"]["scaleTargetRef"]["name"], "Deployment")["spec"]["template"]
-    (service,) = [s for s in kind("Service") if s["metadata"]["name"] != "router-scaler"]
+    (service,) = [s for s in kind("Service") if not s["metadata"]["name"].startswith("router")]
     # Kubernetes copies a Service's labels onto its EndpointSlices: these are what the routers select.
     labels = service["metadata"]["labels"]
     assert matches(discovery.selector, labels)

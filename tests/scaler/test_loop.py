@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,40 +24,9 @@ import orjson
 import pytest
 
 from tests.helpers import free_port
-from tests.scaler.helpers import Routers
+from tests.scaler.helpers import Events, Routers, scaled
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Events:
-    """The stand-in's JSON lines as they come."""
-
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
-        self.seen: list[dict[str, Any]] = []
-        self.task = asyncio.get_running_loop().create_task(self._read())
-
-    async def _read(self) -> None:
-        assert self.process.stdout is not None
-        async for line in self.process.stdout:
-            self.seen.append(orjson.loads(line))
-
-    async def wait(
-        self, match: Callable[[dict[str, Any]], bool], *, after: float = 0.0, timeout: float = 20.0
-    ) -> dict[str, Any]:
-        """The first event at or after `after` (Unix seconds) that matches."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for event in self.seen:
-                if event["t"] >= after and match(event):
-                    return event
-            assert self.process.returncode is None, f"the stand-in exited: {self.seen}"
-            assert time.monotonic() < deadline, f"no such event: {self.seen}"
-            await asyncio.sleep(0.02)
-
-
-def scaled(to: int) -> Callable[[dict[str, Any]], bool]:
-    return lambda e: e["event"] == "scaled" and e["replicas_to"] == to
 
 
 @contextlib.asynccontextmanager

@@ -7,14 +7,43 @@ a set older than an acknowledged push.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
 from router.core.config import ReplicaConfig, parse_replicas, replicas_where
+from router.core.errors import ConfigError
 from router.run.app import RouterServer
+
+
+def make_runtime(environ: Mapping[str, str]) -> Path:
+    """A new directory, private to this user, for the workers' sockets, reports and the state file.
+
+    Under systemd's `RuntimeDirectory=` it is made in `$RUNTIME_DIRECTORY`
+    (removed by systemd at stop, whatever happened); elsewhere in the
+    temporary directory, as Python's tempfile finds it: `$TMPDIR`, else
+    /tmp, /var/tmp, /usr/tmp, the working directory. A read-only root with
+    none of them writable (a container without a /tmp volume) is a mistake
+    of the deployment, said in one line rather than as a traceback.
+    """
+    # systemd passes a colon-separated list when a unit names several directories.
+    given = environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
+    try:
+        # mkdtemp makes it 0700: only this user reaches the workers' sockets.
+        return Path(tempfile.mkdtemp(prefix="router-workers-", dir=given))
+    except OSError as exc:
+        found = (
+            f"$RUNTIME_DIRECTORY ({given}) is not one ({exc.strerror})"
+            if given
+            else "none of $TMPDIR, /tmp, /var/tmp, /usr/tmp and the working directory is one"
+        )
+        raise ConfigError(
+            f"--workers needs a writable directory for its workers' sockets and state, and {found}: "
+            "set TMPDIR to a writable directory, or mount one at /tmp (with a read-only root: an emptyDir or a tmpfs)"
+        ) from exc
 
 
 @dataclass(frozen=True)

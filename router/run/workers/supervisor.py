@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,7 +34,7 @@ from router.run.app import SNAPSHOT_PATH, Listening, run_until_signalled
 from router.run.session import make_session
 from router.run.worker_metrics import METRICS_PATH, MergedCollector, Report, SampleKey, merge, retire
 from router.run.workers.ports import reserve_port
-from router.run.workers.state import Paths, write_state
+from router.run.workers.state import Paths, make_runtime, write_state
 
 log = logging.getLogger("router.run.workers")
 
@@ -122,10 +122,10 @@ class Supervisor(Listening):
 
     async def start(self) -> None:
         config = self.config
+        # First: without a place for the workers' sockets nothing may listen.
+        self._runtime = make_runtime(os.environ)
         self._hold = reserve_port(config.listen.host, config.listen.port)
         self.client_address = (config.listen.host, self._hold.getsockname()[1])
-        # mkdtemp makes it 0700: only this user reaches the workers' sockets.
-        self._runtime = Path(tempfile.mkdtemp(prefix="router-workers-"))
         self._write_state()
         self._session = make_session(config)
         self.sinks = build_sinks(config, self._session)
