@@ -10,7 +10,7 @@ import pytest
 
 from router.core.config import load_config
 from router.run.cli import build_parser
-from tests.control.kube_api import matches
+from tests.control.discovery.kube_api import matches
 from tests.test_deploy import documents
 
 DISCOVERY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes" / "discovery"
