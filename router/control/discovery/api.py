@@ -10,8 +10,6 @@ errors do; `Gone` is the one of them that only a new list can get past.
 
 from __future__ import annotations
 
-from typing import Any
-
 import aiohttp
 import orjson
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -35,7 +33,7 @@ def api_problem(exc: ApiException) -> str:
     return f"HTTP {exc.status}: {message}".strip()
 
 
-async def read_body(response: object, kind: str) -> dict[str, Any]:
+async def read_body(response: object, kind: str) -> object:
     """A list's JSON; ApiException with the API server's Status for an answer that is not 2xx, or not JSON."""
     # With _preload_content=False the library hands over aiohttp's response
     # (its stubs do not say so) and leaves the status to us.
@@ -48,12 +46,9 @@ async def read_body(response: object, kind: str) -> dict[str, Any]:
         error.body = body
         raise error
     try:
-        doc = orjson.loads(body)
+        return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ApiException(status=response.status, reason=f"the {kind} list is not JSON: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise ApiException(status=response.status, reason=f"the {kind} list is not a JSON object")
-    return doc
 
 
 def describe(exc: BaseException) -> str:

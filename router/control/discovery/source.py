@@ -39,6 +39,7 @@ from router.control.discovery.parse import (
     SliceView,
     desired_set,
     join_pods,
+    object_name,
     parse_slice,
     read_pod,
     slice_members,
@@ -187,12 +188,12 @@ class KubernetesSource:
 
     # Reading and warning ----------------------------------------------------------
 
-    def _read_slice(self, obj: Mapping[str, Any]) -> SliceRead:
+    def _read_slice(self, obj: Mapping[str, object]) -> SliceRead:
         read = parse_slice(obj, self.settings, self.access.namespace)
         if self.on_pods:
             # Every slice of the namespace: most hold no selected pod, and owe no warning (join_pods says why).
             return read
-        name = str(obj["metadata"]["name"])
+        name = object_name(obj, "EndpointSlice")
         problem = slice_members(read, self.settings).problem
         self._warn(
             ("endpointslices", name),

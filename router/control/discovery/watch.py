@@ -12,7 +12,8 @@ the outage's length, and the watch says so: it is not `synced`, its
 staleness grows, and a log line is written at the first failure and then
 every `report_every` seconds. Errors that end a cycle: the library's
 `ApiException`, aiohttp's `ClientError`, `OSError` and `TimeoutError` from
-the network, `ConfigException` from credentials that cannot be loaded, and
+the network, `ConfigException` from credentials that cannot be loaded,
+`MalformedObject` from an answer the parse cannot read, and
 `FleetUnavailable` from a fleet that could not apply a change; the next
 cycle starts after a capped backoff.
 """
@@ -24,7 +25,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import aiohttp
 from kubernetes_asyncio import client as k8s
@@ -33,6 +34,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config.config_exception import ConfigException
 
 from router.control.discovery.api import Gone, api_problem, describe, read_body
+from router.control.discovery.parse import MalformedObject, read_event, read_list
 from router.control.fleet import FleetUnavailable
 
 # One logger for the whole of discovery: operators filter on it.
@@ -84,7 +86,7 @@ class Watch(Generic[T]):
         kind: str,
         plural: str,
         selector: str | None,
-        read: Callable[[Mapping[str, Any]], T],
+        read: Callable[[Mapping[str, object]], T],
         lister: Callable[[k8s.ApiClient], Lister],
         *,
         namespace: str,
@@ -150,7 +152,7 @@ class Watch(Generic[T]):
                 log.warning("discovery: %s; listing and applying again", exc)
                 reason, began = "error", None
                 failures += 1
-            except (ApiException, aiohttp.ClientError, OSError, TimeoutError, ConfigException) as exc:
+            except (ApiException, aiohttp.ClientError, OSError, TimeoutError, ConfigException, MalformedObject) as exc:
                 reason, began = "error", None
                 failures += 1
                 self._lost(exc, hooks.kept())
@@ -179,16 +181,13 @@ class Watch(Generic[T]):
             _preload_content=False,
             _request_timeout=aiohttp.ClientTimeout(total=60, sock_connect=10),
         )
-        doc = await read_body(response, self.kind)
-        self.objects = {item["metadata"]["name"]: self.read(item) for item in doc.get("items") or []}
+        listed = read_list(await read_body(response, self.kind), self.kind)
+        self.objects = {name: self.read(obj) for name, obj in listed.items}
         self.listed = True
         await hooks.apply()
         self._confirm(hooks.kept())
-        version = doc.get("metadata", {}).get("resourceVersion")
-        if not isinstance(version, str) or not version:
-            raise ApiException(status=0, reason=f"the {self.kind} list carries no resourceVersion")
-        self.version = version
-        return version
+        self.version = listed.version
+        return listed.version
 
     async def _watch(self, lister: Lister, hooks: Hooks, version: str) -> None:
         """Apply each event from `version` on until the watch ends; raise Gone on 410."""
@@ -213,28 +212,25 @@ class Watch(Generic[T]):
                     raise Gone(api_problem(exc)) from exc
                 raise
 
-    async def _event(self, event: Mapping[str, Any], hooks: Hooks) -> None:
+    async def _event(self, raw: object, hooks: Hooks) -> None:
         """Bring the view up to one event, and the fleet's set when it changed anything the router reads."""
-        kind = event.get("type")
-        obj = event.get("raw_object") or {}
-        metadata = obj.get("metadata") or {}
-        if kind in ("ADDED", "MODIFIED"):
-            name = metadata["name"]
-            read = self.read(obj)
+        event = read_event(raw, self.kind)
+        if event.type in ("ADDED", "MODIFIED") and event.name is not None:
+            read = self.read(event.obj)
             # Pods change status far more often than labels: most events change nothing the router reads.
-            changed = self.objects.get(name) != read
-            self.objects[name] = read
-        elif kind == "DELETED":
-            changed = self.objects.pop(metadata["name"], None) is not None
-        elif kind == "BOOKMARK":
+            changed = self.objects.get(event.name) != read
+            self.objects[event.name] = read
+        elif event.type == "DELETED" and event.name is not None:
+            changed = self.objects.pop(event.name, None) is not None
+        elif event.type == "BOOKMARK":
             changed = False
         else:
-            log.warning("ignored a watch event of unknown type %r", kind)
+            log.warning("ignored a watch event of unknown type %r", event.type)
             return
         if changed:
             await hooks.apply()
-        if isinstance(metadata.get("resourceVersion"), str):
-            self.version = metadata["resourceVersion"]
+        if event.version is not None:
+            self.version = event.version
         self._confirm(hooks.kept())
 
     def _confirm(self, kept: int) -> None:

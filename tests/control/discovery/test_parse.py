@@ -1,12 +1,37 @@
-"""EndpointSlices and Pods to replicas: the pure parse, on the recorded documents, without an API server."""
+"""EndpointSlices and Pods to replicas: the pure parse on the recorded documents and on broken ones, no API server."""
 
 from __future__ import annotations
 
+import copy
+import re
 from dataclasses import replace
+from typing import Any
 
-from router.control.discovery.parse import Member, SliceView, desired_set, join_pods, parse_slice, read_pod, read_slice
+import orjson
+import pytest
+
+from router.control.discovery.parse import (
+    MalformedObject,
+    Member,
+    SliceView,
+    desired_set,
+    join_pods,
+    parse_slice,
+    read_event,
+    read_list,
+    read_pod,
+    read_slice,
+)
 from router.core.config import KubernetesDiscovery, ReplicaConfig
-from tests.control.discovery.recorded import ON_PODS, SELECTOR, SETTINGS, recorded_list, recorded_pods
+from tests.control.discovery.recorded import (
+    ON_PODS,
+    SELECTOR,
+    SETTINGS,
+    recorded_list,
+    recorded_pod_watch,
+    recorded_pods,
+    recorded_watch,
+)
 
 # EndpointSlices to replicas -------------------------------------------------------
 
@@ -144,3 +169,103 @@ def test_a_selected_pod_whose_slices_lack_the_port_or_any_model_label_is_no_repl
         "models",
     )
     assert set(views) == {"q"} and problems == {}
+
+
+# Lists, watch events, and objects not shaped as the API serves them ---------------------
+
+
+def test_a_list_is_read_by_object_name_with_its_resource_version() -> None:
+    listed = read_list(recorded_list(), "EndpointSlice")
+    assert [name for name, _ in listed.items] == ["llama-8b-x7kq2", "qwen-7b-m2v8d"]
+    assert listed.version == "48213"
+    pods = read_list(recorded_pods(), "Pod")
+    assert [name for name, _ in pods.items] == [p["metadata"]["name"] for p in recorded_pods()["items"]]
+
+
+@pytest.mark.parametrize("lines", [recorded_watch(), recorded_pod_watch()], ids=["endpointslices", "pods"])
+def test_watch_events_carry_their_type_name_and_resource_version(lines: list[bytes]) -> None:
+    """The recorded streams as the library yields them (the object's JSON as raw_object); bookmarks name nothing."""
+    events = [orjson.loads(line) for line in lines]
+    read = [read_event({"type": e["type"], "raw_object": e["object"]}, "x") for e in events if e["type"] != "ERROR"]
+    assert [(e.type, e.name is not None, e.version) for e in read] == [
+        (e["type"], e["type"] != "BOOKMARK", e["object"]["metadata"]["resourceVersion"])
+        for e in events
+        if e["type"] != "ERROR"
+    ]
+    assert read[0].name == events[0]["object"]["metadata"]["name"]
+
+
+def _llama() -> dict[str, Any]:
+    item: dict[str, Any] = copy.deepcopy(recorded_list()["items"][0])
+    return item
+
+
+@pytest.mark.parametrize(
+    ("break_it", "field"),
+    [
+        (lambda s: s["endpoints"][0].update(addresses=["10.244.1.17/admin"]), "endpoints[0].addresses[0]"),
+        (lambda s: s["endpoints"][0].update(addresses=["10.244.1.17:9000"]), "endpoints[0].addresses[0]"),
+        (lambda s: s["endpoints"][0].update(addresses=[""]), "endpoints[0].addresses[0]"),
+        (lambda s: s.update(addressType="IPv6"), "is not an IPv6 address"),
+        (lambda s: s["endpoints"][0].update(addresses=[17]), "endpoints[0].addresses[0] is not a string"),
+        (lambda s: s["endpoints"][3].update(conditions={"ready": "true"}), "endpoints[3].conditions.ready"),
+        (lambda s: s["endpoints"][0].update(targetRef=["Pod"]), "endpoints[0].targetRef is not an object"),
+        (lambda s: s["ports"][0].update(port=True), "ports[0].port is not a port number"),
+        (lambda s: s["ports"][0].update(port=70000), "ports[0].port is not a port number"),
+        (lambda s: s.update(endpoints={"a": 1}), "endpoints is not an array"),
+        (lambda s: s["metadata"]["labels"].update({"router.llm/model": 3}), "label router.llm/model"),
+        (lambda s: s["metadata"].update(labels="app=x"), "metadata.labels is not an object"),
+    ],
+)
+def test_a_slice_not_shaped_as_the_api_serves_it_is_malformed_and_the_error_names_the_field(
+    break_it: Any, field: str
+) -> None:
+    """Never a replica with a URL that points elsewhere, nor a TypeError from deep in the parse."""
+    item = _llama()
+    break_it(item)
+    with pytest.raises(MalformedObject, match=r"^EndpointSlice llama-8b-x7kq2: ") as caught:
+        read_slice(item, SETTINGS, "models")
+    assert field in str(caught.value)
+
+
+def test_an_ipv6_zone_or_an_ipv4_address_in_an_ipv6_slice_is_malformed() -> None:
+    qwen = copy.deepcopy(recorded_list()["items"][1])
+    for address in ("fe80::1%eth0", "10.0.0.1", "[fd00::1]"):
+        qwen["endpoints"][0]["addresses"] = [address]
+        with pytest.raises(MalformedObject, match="is not an IPv6 address"):
+            parse_slice(qwen, SETTINGS, "models")
+
+
+def test_a_named_port_without_a_number_is_no_port_and_another_entry_of_the_name_may_have_one() -> None:
+    item = _llama()
+    item["ports"] = [{"name": "http", "protocol": "TCP"}]
+    assert read_slice(item, SETTINGS, "models").problem == "has no port named 'http'"
+    item["ports"].append({"name": "http", "port": 8001})
+    assert {m.config.url.rsplit(":", 1)[1] for m in read_slice(item, SETTINGS, "models").members} == {"8001"}
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ([], "the Pod list is not an object"),
+        ({"items": {}, "metadata": {"resourceVersion": "7"}}, "the Pod list's items is not an array"),
+        ({"items": [{"metadata": {}}]}, "a Pod has no metadata.name"),
+        ({"items": [7]}, "a Pod is not an object"),
+        # Read as empty, these would take every replica out of the set.
+        (None, "the Pod list is not an object"),
+        ({"items": []}, "the Pod list carries no resourceVersion"),
+        ({"items": [], "metadata": {"resourceVersion": ""}}, "the Pod list carries no resourceVersion"),
+    ],
+)
+def test_a_list_not_shaped_as_the_api_serves_it_is_malformed(doc: object, message: str) -> None:
+    with pytest.raises(MalformedObject, match=f"^{re.escape(message)}$"):
+        read_list(doc, "Pod")
+
+
+def test_a_watch_event_without_a_type_or_a_named_object_is_malformed() -> None:
+    with pytest.raises(MalformedObject, match="has no type"):
+        read_event({"raw_object": {}}, "Pod")
+    with pytest.raises(MalformedObject, match=r"has no metadata\.name"):
+        read_event({"type": "DELETED", "raw_object": {"metadata": {"resourceVersion": "3"}}}, "Pod")
+    unknown = read_event({"type": "SURPRISE", "raw_object": None}, "Pod")
+    assert (unknown.type, unknown.name, unknown.version) == ("SURPRISE", None, None)

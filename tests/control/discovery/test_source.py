@@ -274,3 +274,34 @@ async def test_pushes_are_refused_with_409_and_drains_still_work(
             assert resp.status == 200, await resp.text()
     replica = server.pool.get(f"{NS}/pod-a")
     assert replica is not None and replica.state is ReplicaState.DRAINED
+
+
+async def test_a_slice_whose_address_is_no_address_keeps_the_set_and_names_the_field(
+    kube: FakeKubernetesApi,
+    pods: Pods,
+    discovery: tuple[RouterServer, KubernetesSource],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An endpoint address with a path in it would route to another port and path: the slice is read as the API
+    unreadable (set kept and served, an error counted, the field named in the log) until it is fixed."""
+    server, source = discovery
+    a, b = await pods.add("pod-a"), await pods.add("pod-b")
+    kube.put(model_slice("llama", "m", [a], pods.port))
+    wanted = expect({"a": ("m", a)}, pods.port)
+    await in_sync(server, wanted)
+    caplog.set_level(logging.WARNING, "router.control.discovery")
+    bad = model_slice("llama", "m", [a, b], pods.port)
+    bad["endpoints"][1]["addresses"] = [f"{b.address}/admin"]
+    kube.put(bad)
+    await wait_for(lambda: "endpoints[1].addresses[0]" in caplog.text)
+    assert f"'{b.address}/admin' is not an IPv4 address or a host name" in caplog.text
+    assert router_set(server) == wanted
+    # Counted as the next cycle begins, after the backoff.
+    await wait_for(lambda: source.relists["error"] >= 1 and source.stale_seconds() > 0)
+    assert router_set(server) == wanted
+    await traffic(server, ["m"])
+    # Fixed: the set follows and is current again.
+    kube.put(model_slice("llama", "m", [a, b], pods.port))
+    await in_sync(server, expect({"a": ("m", a), "b": ("m", b)}, pods.port))
+    await wait_for(lambda: source.stale_seconds() == 0.0)
+    await settled(server, pods, [], ["m"])
