@@ -9,7 +9,7 @@ An `exclusive` source owns the whole set: endpoint pushes are refused
 while it runs, so that two writers never fight over one set.
 
 The sources: the config file's [[replicas]], or Kubernetes discovery
-(router/control/discovery.py: EndpointSlices, exclusive).
+(router/control/discovery/: EndpointSlices, exclusive).
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def build_sources(config: Config, config_path: str | None) -> list[ReplicaSource
     """
     if config.discovery is not None:
         # Imported here: the Kubernetes client is loaded only where discovery is on.
-        from router.control.discovery import KubernetesSource, resolve_access  # noqa: PLC0415
+        from router.control.discovery.access import resolve_access  # noqa: PLC0415
+        from router.control.discovery.source import KubernetesSource  # noqa: PLC0415
 
         return [KubernetesSource(config.discovery, resolve_access(config.discovery, os.environ))]
     return [ConfigFileSource(config, config_path)]

@@ -8,7 +8,7 @@ from typing import Any
 
 from router.core.config import load_config
 from router.run.cli import build_parser
-from tests.control.kube_api import matches
+from tests.control.discovery.kube_api import matches
 from tests.deploy.manifests import KUBERNETES, container_of, named, of_kind, pod_of, render, router_toml
 
 

@@ -15,7 +15,7 @@ Deployment with `minReplicaCount: 0`:
 - between 1 and N, as the HPA: GetMetricSpec once, GetMetrics every
   `pollingInterval`, and size to ceil(value / target) within [1, max].
 
-The Deployment's pods are fake replicas (router/tools/fake.py) on free loopback
+The Deployment's pods are fake replicas (router/tools/fake/) on free loopback
 ports, a new name for each pod as Kubernetes gives; every change is pushed
 to every router (PUT /api/v1/endpoints: the set the routers have, with this
 model's replicas replaced), which is how replicas reach routers that run

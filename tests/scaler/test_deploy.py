@@ -23,7 +23,7 @@ import yaml
 from router.core.config import load_config, parse_config
 from router.scaler.main import build_parser, settings_from
 from router.scaler.view import parse_metadata
-from tests.control.kube_api import matches
+from tests.control.discovery.kube_api import matches
 from tests.deploy.manifests import named, of_kind, render, router_toml
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -28,7 +28,7 @@ from tests.helpers import free_port
 
 
 def fake_replica(image: str, *options: str) -> list[str]:
-    """`podman run`'s arguments for the fake replica (router/tools/fake.py) in the image: one place, for a rename."""
+    """`podman run`'s arguments for the fake replica (router/tools/fake/) in the image: one place, for a rename."""
     return ["--entrypoint", "python", image, "-m", "router.tools.fake", "--host", "0.0.0.0", *options]
 
 

@@ -1,0 +1,121 @@
+"""The fleet of `--workers`: each change to the replica set written down, then sent to every worker.
+
+The supervisor's answer to the one door for changing the set (`Fleet`):
+a change goes first into the state file that a (re)starting worker loads,
+then to every worker that is up; the call answers once each has taken it,
+or raises `FleetUnavailable` naming those that did not. A worker that is
+starting has its admin socket up before it reads the state file, so it
+either gets the call or reads the new state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from router.control.fleet import FleetUnavailable
+from router.core.config import ReplicaConfig
+from router.core.merging import merged_state
+from router.core.usage import UsageSnapshot
+from router.run.workers.processes import WorkerProcesses
+from router.run.workers.state import write_state
+
+log = logging.getLogger("router.run.workers")
+
+
+class SupervisedFleet:
+    """The replica set of every worker at once, and the supervisor's combined view of them."""
+
+    def __init__(
+        self,
+        processes: WorkerProcesses,
+        initial: tuple[ReplicaConfig, ...],
+        *,
+        collect: Callable[[], Awaitable[UsageSnapshot | None]],
+        metrics: Callable[[], Awaitable[bytes]],
+    ) -> None:
+        self.processes = processes
+        # desired: what a (re)starting worker loads; current: what every live
+        # worker has acknowledged, which GET /api/v1/endpoints answers.
+        self.desired = initial
+        self.current = initial
+        self.draining: set[str] = set()
+        self._collect = collect
+        self._metrics = metrics
+        self._changes = asyncio.Lock()
+
+    def write_state(self) -> None:
+        """The set and drains into the state file of the workers' runtime directory."""
+        assert self.processes.runtime is not None, "the runtime directory first"
+        write_state(self.processes.runtime, self.desired, self.draining)
+
+    async def snapshot(self) -> UsageSnapshot:
+        snapshot = await self._collect()
+        if snapshot is None:
+            raise FleetUnavailable("Not every worker reported its usage; try again.")
+        return snapshot
+
+    async def configs(self) -> tuple[ReplicaConfig, ...]:
+        return self.current
+
+    async def metrics(self) -> bytes:
+        return await self._metrics()
+
+    async def set_replicas(self, configs: tuple[ReplicaConfig, ...]) -> dict[str, Any]:
+        async with self._changes:
+            self.desired = configs
+            self.draining &= {c.id for c in configs}
+            self.write_state()
+            body = orjson.dumps({"replicas": [c.as_json() for c in configs]})
+            try:
+                answers = await self._everywhere("PUT", "/api/v1/endpoints", body)
+            finally:
+                # Those that answered have it; one that did not restarts with it.
+                self.current = configs
+        diff: dict[str, Any] = orjson.loads(answers[0][1])
+        log.info(
+            "replica set applied by %d workers: %d added, %d removed, %d changed",
+            len(answers),
+            len(diff["added"]),
+            len(diff["removed"]),
+            len(diff["changed"]),
+        )
+        return diff
+
+    async def set_draining(self, replica_id: str, draining: bool) -> dict[str, Any] | None:
+        async with self._changes:
+            if draining:
+                self.draining.add(replica_id)
+            else:
+                self.draining.discard(replica_id)
+            self.write_state()
+            body = orjson.dumps({"state": "draining" if draining else "ready"})
+            answers = await self._everywhere("POST", f"/api/v1/replicas/{replica_id}/state", body)
+        found = [orjson.loads(data) for status, data in answers if status == 200]
+        if not found:
+            self.draining.discard(replica_id)
+            return None
+        in_flight = sum(a["in_flight"] for a in found)
+        return {"id": replica_id, "state": merged_state([a["state"] for a in found], in_flight), "in_flight": in_flight}
+
+    async def _everywhere(self, method: str, path: str, body: bytes) -> list[tuple[int, bytes]]:
+        """Send one change to every worker that is up; raise if a live one did not take it."""
+        targets = [w for w in self.processes.workers if w.running]
+        answers = await asyncio.gather(*(w.call(method, path, body) for w in targets), return_exceptions=True)
+        taken: list[tuple[int, bytes]] = []
+        missed: list[str] = []
+        for worker, answer in zip(targets, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if worker.live:
+                    missed.append(f"worker {worker.index}: {answer!r}")
+            elif answer[0] >= 500:
+                missed.append(f"worker {worker.index}: HTTP {answer[0]}")
+            else:
+                taken.append(answer)
+        if missed:
+            raise FleetUnavailable("Not every worker took the change: " + "; ".join(missed))
+        return taken

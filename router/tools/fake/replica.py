@@ -1,0 +1,180 @@
+"""`FakeReplica`: one fake engine's aiohttp app, its routes, and what it records of what it saw.
+
+The endpoints live with their concern (`inference`, `responses`, `echo`);
+the replica holds the state they share: the switches (`behaviour`), the
+requests seen, the counters a test waits on, the Responses API's store and
+the prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import socket
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from router.tools.fake.echo import ECHOED, TRANSCRIBED, Echo
+from router.tools.fake.inference import Inference
+from router.tools.fake.responses import ResponsesApi
+from router.tools.fake.switches import Behaviour, Seen
+
+
+@dataclass
+class FakeReplica:
+    models: Sequence[str] = ("fake-model",)
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    name: str = "fake"
+    # Seconds an idle keep-alive connection stays open (uvicorn's default is 5).
+    keepalive_timeout: float = 75.0
+    record: bool = True
+    # Reported to SGLang's and vLLM's routers, which otherwise fetch a tokenizer from a hub.
+    tokenizer_path: str = ""
+    seen: list[Seen] = field(default_factory=list)
+    cancelled: int = 0
+    # GET /health requests answered (the router's active checks), which `seen` does not record.
+    health_checks: int = 0
+    active: int = 0
+    completed: int = 0
+    url: str = ""
+    # Responses this replica created, by id (the Responses API's store).
+    responses: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The prefix cache (Behaviour.prefix_cache_blocks): block hashes, least recently used first.
+    kv_cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    # Prompt tokens seen, and how many of them the prefix cache held.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    # Larger request bodies get 413: at least what a router in front lets through.
+    max_body_bytes: int = 64 * 1024 * 1024
+    _runner: web.AppRunner | None = None
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def app(self) -> web.Application:
+        # aiohttp refuses a body of exactly client_max_size bytes.
+        app = web.Application(client_max_size=self.max_body_bytes + 1)
+        inference, responses, echo = Inference(self), ResponsesApi(self), Echo(self)
+        app.router.add_post("/v1/chat/completions", inference.chat)
+        app.router.add_post("/v1/completions", inference.completions)
+        app.router.add_post("/v1/embeddings", inference.embeddings)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/responses", responses.create)
+        app.router.add_get("/v1/responses/{id}", responses.stored)
+        app.router.add_post("/v1/responses/{id}/cancel", responses.stored)
+        app.router.add_get("/v1/responses/{id}/input_items", responses.stored)
+        for path in ECHOED:
+            app.router.add_post(path, echo.echo)
+        for path in TRANSCRIBED:
+            app.router.add_post(path, echo.transcribe)
+        app.router.add_post("/v1/audio/speech", echo.speech)
+        app.router.add_get("/health", self._health)
+        # What SGLang's and vLLM's own routers probe before they route (bench/compare.py).
+        app.router.add_get("/get_model_info", self._engine_info)
+        app.router.add_get("/get_server_info", self._engine_info)
+        app.router.add_get("/model_info", self._engine_info)
+        app.router.add_get("/server_info", self._engine_info)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None) -> str:
+        self._runner = web.AppRunner(
+            self.app(), handler_cancellation=True, keepalive_timeout=self.keepalive_timeout, access_log=None
+        )
+        await self._runner.setup()
+        site: web.BaseSite
+        if sock is not None:
+            site = web.SockSite(self._runner, sock)
+        else:
+            site = web.TCPSite(self._runner, host, port, reuse_port=port != 0)
+        await site.start()
+        bound = self._runner.addresses[-1]
+        self.url = f"http://{bound[0]}:{bound[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def kill(self) -> None:
+        """Stop as a killed engine does: every connection reset at once, nothing finished, the port refusing."""
+        runner = self._runner
+        if runner is None:
+            return
+        if runner.server is not None:
+            for handler in list(runner.server.connections):
+                transport = handler.transport
+                if transport is not None:
+                    transport.abort()
+        # With no connection left, the runner's graceful shutdown has nothing to wait for.
+        await runner.cleanup()
+        self._runner = None
+
+    # What the endpoints share ---------------------------------------------------------
+
+    async def begin(self, request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
+        """Read and record an inference request, then apply the switches: its JSON object, or the answer instead."""
+        body = await request.read()
+        if self.record:
+            self.remember(request, body)
+        b = self.behaviour
+        if b.stall:
+            await asyncio.Event().wait()
+        if b.first_token_delay:
+            await asyncio.sleep(b.first_token_delay)
+        if b.fail_status is not None:
+            return {}, web.Response(status=b.fail_status, body=b.fail_body, content_type=b.fail_content_type)
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return {}, web.json_response(
+                {"error": {"message": "bad json", "type": "invalid_request_error", "param": None, "code": None}},
+                status=400,
+            )
+        if not isinstance(obj, dict):
+            return {}, web.json_response(
+                {"error": {"message": "not an object", "type": "invalid_request_error", "param": None, "code": None}},
+                status=400,
+            )
+        return obj, None
+
+    def remember(self, request: web.Request, body: bytes) -> None:
+        self.seen.append(Seen(request.path_qs, dict(request.headers), body))
+
+    def headers(self) -> dict[str, str]:
+        return {"X-Served-By": self.name, **self.behaviour.extra_headers}
+
+    def received(self, body: bytes) -> dict[str, Any]:
+        return {"served_by": self.name, "body_bytes": len(body), "body_sha256": hashlib.sha256(body).hexdigest()}
+
+    def tokens(self, obj: dict[str, Any]) -> int:
+        """The tokens of an answer: what the request asks for, at most `behaviour.tokens`."""
+        wanted = obj.get("max_tokens") or obj.get("max_completion_tokens")
+        if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0:
+            return min(wanted, self.behaviour.tokens)
+        return self.behaviour.tokens
+
+    def next_id(self) -> int:
+        """A number for the next answer's id, unique within this replica."""
+        return next(self._ids)
+
+    # Its own endpoints ----------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
+        if self.behaviour.fail_status is not None:
+            return web.Response(status=503, text="unhealthy")
+        return web.Response(text="ok")
+
+    async def _engine_info(self, request: web.Request) -> web.Response:
+        model = self.models[0]
+        info = {"model_path": model, "tokenizer_path": self.tokenizer_path or model, "is_generation": True}
+        return web.Response(body=orjson.dumps(info), content_type="application/json")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": self.name} for m in self.models]
+        return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
