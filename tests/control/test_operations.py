@@ -174,6 +174,9 @@ async def test_consecutive_failures_eject_and_the_replica_comes_back(
         sent += 1
         assert sent < 200
     assert len(failing.seen) == 3
+    # Each failed attempt counts in the replica's row (what `router ctl top` shows per second).
+    rows = {r["id"]: r for r in await get_json(server.admin_url + "/api/v1/replicas")}
+    assert (rows["bad"]["errors"], rows["good"]["errors"]) == (3, 0)
     for _ in range(5):
         await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
     assert len(failing.seen) == 3
