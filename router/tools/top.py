@@ -38,6 +38,7 @@ SORT_KEYS: dict[str, tuple[str, str]] = {
 }
 SORT_NAMES = {name.replace(" ", "-").replace("/", "-per-"): key for key, (name, _) in SORT_KEYS.items()}
 TEXT_FIELDS = {"id", "model", "state"}
+STATE_ORDER = ("ready", "ejected", "draining", "drained")
 MIN_WIDTH = 60
 
 
@@ -212,13 +213,17 @@ def render(
     """The screen as lines, none longer than `width`."""
     width = max(width, MIN_WIDTH)
     totals = frame.totals()
-    states = ", ".join(f"{n} {state}" for state, n in sorted(totals["states"].items()))
+    order = {state: i for i, state in enumerate(STATE_ORDER)}
+    states = ", ".join(
+        f"{n} {state}" for state, n in sorted(totals["states"].items(), key=lambda s: (order.get(s[0], 9), s[0]))
+    )
     clock = time.strftime("%H:%M:%S", time.localtime(frame.generated_at))
     up = human_duration((now if now is not None else frame.generated_at) - frame.watching_since)
     name, _ = SORT_KEYS[sort]
     direction = "reversed" if reverse else ("A-Z" if SORT_KEYS[sort][1] in TEXT_FIELDS else "most first")
     lines = [
-        f"router {frame.router}  {clock}  watching {up}  replicas {len(frame.replicas)}: {states or 'none'}",
+        f"router {frame.router}  {clock}  watching {up}",
+        f"replicas {len(frame.replicas)}: {states or 'none'}",
         f"req/s {_rate(totals['requests_per_second'])}  err/s {_rate(totals['errors_per_second'])}  "
         f"in flight {totals['in_flight']}  queued {totals['queued']}  held {totals['held']}",
     ]

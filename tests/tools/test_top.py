@@ -131,7 +131,7 @@ def test_models_held_with_no_replica_and_asked_for_in_vain_are_shown() -> None:
     # No replica, so no request reached one: 0 per second is known even in a first frame.
     assert cold.split() == ["cold", "0/0", "0", "0", "2", "4s", "0.0"]
     assert "asked for, no replica: ghost (7)" in lines
-    assert "held 2" in lines[1]
+    assert "held 2" in lines[2]
 
 
 async def ctl_top(*args: str, timeout: float = 30) -> tuple[int, str]:
@@ -180,6 +180,7 @@ async def test_once_prints_one_frame_with_rates_and_json_for_scripts(
     assert by_id["busy"]["requests_per_second"] > 0 and by_id["quiet"]["requests_per_second"] == 0
     assert by_id["quiet"]["last_used_seconds_ago"] is None
     assert doc["totals"]["states"] == {"ready": 2}
+    assert text.splitlines()[1] == "replicas 2: 2 ready"
 
 
 async def test_without_a_terminal_it_prints_plain_frames_each_interval(
@@ -295,6 +296,7 @@ async def test_top_under_tmux_shows_the_fleet_live_sorts_on_keys_and_quits_on_q(
         assert re.search(r"^chat-idle +chat +drain", screen, re.MULTILINE), screen
         assert re.search(r"^cold +0/0 +0 +0 +1 ", screen, re.MULTILINE), screen
         assert "held 1" in screen
+        assert re.search(r"^replicas 3: 1 ready, 1 ejected, 1 drain", screen, re.MULTILINE), screen
         assert max(len(line) for line in screen.splitlines()) <= 80
         await tmux.run("send-keys", "-t", "top", "r")
         screen = await tmux.until(r"^sort: req/s \(most first\)")
