@@ -64,6 +64,8 @@ def replica_rows(snapshot: UsageSnapshot, now: float) -> list[dict[str, Any]]:
                 "state": r.state,
                 "in_flight": r.in_flight,
                 "requests": r.requests,
+                # Attempts that got no usable answer (connect, reset, timeout, a refusing status).
+                "errors": sum(r.errors.values()),
                 "last_used": r.last_used,
                 "idle_seconds": -1.0 if quiet is None else round(quiet, 3),
                 "quiet_for_seconds": None if quiet_for is None else round(quiet_for, 3),

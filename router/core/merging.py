@@ -104,7 +104,10 @@ def combine(
     grouped: dict[Key, list[ReplicaUsage]] = {}
     tallies: dict[str, dict[Any, int]] = {name: dict(memory.retired_tallies.get(name, {})) for name in _TALLIES}
     demand: dict[str, Demand] = {}
+    # A gauge: the live workers' queues add up, and a dead worker's queue is gone with it.
+    queued: dict[str, int] = {}
     for snapshot in snapshots:
+        _add_into(queued, snapshot.queued)
         for model, d in snapshot.demand.items():
             # Held requests add up; the oldest wait and the latest ask win.
             known = demand.get(model)
@@ -171,6 +174,7 @@ def combine(
         hold_outcomes=MappingProxyType(tallies["hold_outcomes"]),
         affinity=MappingProxyType(tallies["affinity"]),
         demand=MappingProxyType(demand),
+        queued=MappingProxyType(queued),
     )
 
 

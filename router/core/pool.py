@@ -240,6 +240,10 @@ class Pool:
         queue = self._waiting.get(model)
         return len(queue) if queue else 0
 
+    def queued(self) -> dict[str, int]:
+        """Requests waiting now, by model (only models with some)."""
+        return {model: len(queue) for model, queue in self._waiting.items() if queue}
+
     def _oldest_seq(self, model: str) -> int:
         queue = self._waiting[model]
         return next(iter(queue)).seq if queue else -1

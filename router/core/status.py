@@ -28,6 +28,8 @@ class ModelStatus:
     draining: int
     in_flight: int
     requests_per_second: float
+    # Requests waiting now for a slot under the limits.
+    queued: int
     # "yes": a request within the idle window; "no": every replica known quiet
     # for longer; "unknown": neither can be said.
     asked: str
@@ -159,6 +161,7 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
                 draining=sum(1 for r in replicas if r.state in ("draining", "drained")),
                 in_flight=sum(r.in_flight for r in replicas),
                 requests_per_second=round(rates.get(model, 0.0), 3),
+                queued=snapshot.queued.get(model, 0),
                 asked=asked,
             )
         )

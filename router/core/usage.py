@@ -91,6 +91,8 @@ class UsageSnapshot:
     # Session and prefix routing's first picks, by (model, outcome): hit, spill, none.
     affinity: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
     demand: Mapping[str, Demand] = field(default_factory=lambda: MappingProxyType({}))
+    # Requests waiting now for a slot under the limits (max_in_flight, max_in_flight_per_replica), by model.
+    queued: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     def to_json(self) -> dict[str, Any]:
         """The whole snapshot as JSON (a worker's report to its supervisor); from_json() reads it back."""
@@ -105,6 +107,7 @@ class UsageSnapshot:
             **{name: [[a, b, n] for (a, b), n in getattr(self, name).items()] for name in TALLIES_BY_PAIR},
             **{name: dict(getattr(self, name)) for name in TALLIES_BY_MODEL},
             "demand": {model: list(d) for model, d in self.demand.items()},
+            "queued": dict(self.queued),
         }
 
     @classmethod
@@ -123,6 +126,7 @@ class UsageSnapshot:
             affinity=_pairs(doc["affinity"]),
             **{name: MappingProxyType(doc[name]) for name in TALLIES_BY_MODEL},
             demand=MappingProxyType({model: Demand(*d) for model, d in doc["demand"].items()}),
+            queued=MappingProxyType(doc["queued"]),
         )
 
     def report(self) -> RouterReport:
@@ -280,6 +284,7 @@ class Snapshotter:
                 }
             ),
             demand=MappingProxyType(demand),
+            queued=MappingProxyType(pool.queued()),
         )
 
 

@@ -148,6 +148,14 @@ class DataPathMetrics:
             registry=registry,
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
         )
+        self.queue_wait = Histogram(
+            "router_queue_wait_seconds",
+            "How long requests waited for a slot under max_in_flight(_per_replica), served or refused after "
+            "queue_timeout_seconds, by model.",
+            ["model"],
+            registry=registry,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
         self._duration: dict[str, Any] = {}
         self._first_byte: dict[str, Any] = {}
 
@@ -159,6 +167,9 @@ class DataPathMetrics:
 
     def observe_held(self, model: str, seconds: float) -> None:
         self.held.labels(model).observe(seconds)
+
+    def observe_queue_wait(self, model: str, seconds: float) -> None:
+        self.queue_wait.labels(model).observe(seconds)
 
     def observe_first_byte(self, model: str, seconds: float) -> None:
         child = self._first_byte.get(model)

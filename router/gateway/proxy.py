@@ -637,9 +637,12 @@ class Proxy:
         self, model: str, avoid: Replica | None, refused: set[Replica], key: bytes | None
     ) -> Replica | None:
         """Every replica of `model` is at its limit: wait in its queue for one (503 after the timeout)."""
+        started = time.perf_counter()
         replica, timed_out = await self.pool.acquire_or_wait(
             model, avoid, refused, wait_seconds=self._queue_timeout, key=key
         )
+        # A wait that ended in a 503 counts too: it is the wait the client saw.
+        self.metrics.observe_queue_wait(model, time.perf_counter() - started)
         if timed_out:
             self.pool.tallies.refused_overloaded(model)
             raise Overloaded(

@@ -28,6 +28,7 @@ MODES: dict[str, Mode] = {
     "router_client_protocol_errors": "sum",
     "router_upstream_protocol_errors": "sum",
     "router_held_seconds": "sum",
+    "router_queue_wait_seconds": "sum",
     "router_wake_calls": "sum",
 }
 

@@ -82,6 +82,30 @@ class PollCollector(Collector):
             "StreamIsActive calls open (one per ScaledObject trigger).",
             value=self._board.streams,
         )
+        yield from self._told()
+
+    def _told(self) -> Iterator[Metric]:
+        """What each ScaledObject was last told, and the metric GetMetrics answers for its model now."""
+        board = self._board
+        active = GaugeMetricFamily(
+            "router_scaler_active",
+            "1 if the ScaledObject was last told active (keep or bring up its replicas), 0 if inactive.",
+            labels=["scaled_object", "model"],
+        )
+        for name, told in sorted(board.told.items()):
+            active.add_metric([name, told.model], 1.0 if told.active else 0.0)
+        yield active
+        requests = GaugeMetricFamily(
+            "router_scaler_requests",
+            "Requests in flight plus held over every router: what GetMetrics answers for the model.",
+            labels=["model"],
+        )
+        view = board.view
+        # No sample while GetMetrics answers UNAVAILABLE: the value is unknown, not 0.
+        if view is not None and view.reporting:
+            for model in sorted({told.model for told in board.told.values()}):
+                requests.add_metric([model], view.facts(model).requests)
+        yield requests
 
 
 class HttpApi:

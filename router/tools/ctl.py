@@ -347,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--timeout-wait", type=parse_duration, default=parse_duration("10m"))
     undrain = sub.add_parser("undrain", parents=[common], help="put a drained replica back")
     undrain.add_argument("id")
+    # Imported here: top builds on this module's client.
+    from router.tools import top  # noqa: PLC0415
+
+    top.add_parser(sub, common, parse_duration)
     return parser
 
 
@@ -367,6 +371,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_state(args, "draining")
         if args.command == "undrain":
             return cmd_state(args, "ready")
+        if args.command == "top":
+            from router.tools.top import cmd_top  # noqa: PLC0415 (as in build_parser)
+
+            return cmd_top(args)
     except CtlError as exc:
         print(f"router ctl: {exc}", file=sys.stderr)
         return 1

@@ -174,6 +174,9 @@ async def test_consecutive_failures_eject_and_the_replica_comes_back(
         sent += 1
         assert sent < 200
     assert len(failing.seen) == 3
+    # Each failed attempt counts in the replica's row (what `router ctl top` shows per second).
+    rows = {r["id"]: r for r in await get_json(server.admin_url + "/api/v1/replicas")}
+    assert (rows["bad"]["errors"], rows["good"]["errors"]) == (3, 0)
     for _ in range(5):
         await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
     assert len(failing.seen) == 3
@@ -276,6 +279,7 @@ async def test_status_summarizes_models_gpus_and_demand(start_fake: StartFake, s
         "draining": 1,
         "in_flight": 0,
         "requests_per_second": 0,
+        "queued": 0,
         # a1 was never used, but watched longer than the window: idle, like a0.
         "asked": "no",
     }
@@ -297,6 +301,24 @@ async def test_status_summarizes_models_gpus_and_demand(start_fake: StartFake, s
     code, out = await asyncio.to_thread(run_ctl, "status", "--server", server.admin_url, "--idle-for", "60s")
     assert code == 0
     assert "MODEL" in out and "GPU-CLASS" in out and "wanted" in out
+
+
+async def test_status_says_how_many_requests_wait_for_a_slot_per_model(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(token_delay=0.1))
+    server = await start_router([replica_entry("r0", fake)], max_in_flight_per_replica=1, queue_timeout_seconds=30)
+    url = server.client_url + "/v1/chat/completions"
+    body = orjson.dumps({**CHAT, "max_tokens": 10, "stream": True})
+    first = asyncio.create_task(post(url, body))
+    await wait_for(lambda: server.pool.waiting("m") == 0 and fake.active == 1)
+    second = asyncio.create_task(post(url, body))
+    await wait_for(lambda: server.pool.waiting("m") == 1)
+    status = await get_json(server.admin_url + "/api/v1/status")
+    assert [(m["model"], m["queued"], m["in_flight"]) for m in status["models"]] == [("m", 1, 1)]
+    assert (await first)[0] == 200 and (await second)[0] == 200
+    status = await get_json(server.admin_url + "/api/v1/status")
+    assert [(m["model"], m["queued"]) for m in status["models"]] == [("m", 0)]
 
 
 @pytest.mark.parametrize("path", ["/api/v1/status", "/api/v1/replicas/r0/state", "/api/v1/endpoints"])

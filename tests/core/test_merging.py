@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.core.usage import RouterReport, merge_reports
+from router.core.merging import Memory, combine
+from router.core.usage import RouterReport, UsageSnapshot, merge_reports
 
 IDS = ("a", "b", "c")
 NOW = 10_000.0
@@ -93,3 +96,20 @@ def test_the_bound_holds_as_of_the_oldest_snapshot_not_as_of_now() -> None:
     merged = merge_reports([stale, fresh], now=NOW, idle_for=95.0)
     assert merged.quiet_for["a"] == 90.0
     assert merged.candidates == ()
+
+
+def test_the_workers_queues_add_up_and_a_dead_workers_queue_leaves_with_it() -> None:
+    """Queued requests are a gauge: summed over live workers, never kept from a retired one as counters are."""
+
+    def worker(queued: dict[str, int]) -> UsageSnapshot:
+        return UsageSnapshot("w", 0.0, 10.0, 1.0, (), queued=MappingProxyType(queued))
+
+    memory = Memory()
+    both = combine(
+        [worker({"m": 2}), worker({"m": 1, "n": 4})], memory, router="r", started_at=0, generated_at=10, tick_seconds=1
+    )
+    assert dict(both.queued) == {"m": 3, "n": 4}
+    memory.retire(worker({"m": 2}))
+    alone = combine([worker({"n": 1})], memory, router="r", started_at=0, generated_at=11, tick_seconds=1)
+    assert dict(alone.queued) == {"n": 1}
+    assert UsageSnapshot.from_json(both.to_json()).queued == both.queued

@@ -14,7 +14,7 @@ from multidict import CIMultiDict
 
 from router.tools.fake import Behaviour
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.helpers import CHAT, in_flight, post, post_cut, wait_for
+from tests.helpers import CHAT, in_flight, post, post_cut, samples, scrape, wait_for
 
 
 async def test_async_sdk_chat_and_completions_get_the_replicas_answers(
@@ -581,3 +581,30 @@ async def test_a_release_on_one_model_never_wakes_another_models_waiter(
     assert (await b1)[0] == 200
     assert (await a2)[0] == 503  # a0 stayed busy past the queue timeout
     assert (await a1)[0] == 200
+
+
+async def test_waits_for_a_slot_under_the_limits_are_observed_per_model_refused_ones_included(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    """router_queue_wait_seconds counts every wait at the limits: the one served and the one refused with 503."""
+    fake = await start_fake("m", behaviour=Behaviour(token_delay=0.1))
+    server = await start_router([replica_entry("r0", fake)], max_in_flight_per_replica=1, queue_timeout_seconds=1.0)
+    url = server.client_url + "/v1/chat/completions"
+
+    def ask(tokens: int) -> asyncio.Task[tuple[int, CIMultiDict[str], bytes]]:
+        return asyncio.create_task(post(url, orjson.dumps({**CHAT, "max_tokens": tokens, "stream": True})))
+
+    assert samples(await scrape(server), "router_queue_wait_seconds_count") == {}
+    long = ask(20)  # r0 busy for about 2 s
+    await wait_for(lambda: in_flight(server) == {"r0": 1})
+    assert (await ask(1))[0] == 503
+    assert (await long)[0] == 200
+    short = ask(5)  # busy for about 0.5 s, within the queue timeout
+    await wait_for(lambda: in_flight(server) == {"r0": 1})
+    waiting = ask(1)  # served once the short one ends
+    assert (await short)[0] == 200
+    assert (await waiting)[0] == 200
+    text = await scrape(server)
+    assert samples(text, "router_queue_wait_seconds_count") == {(("model", "m"),): 2}
+    # The refused wait lasted the whole queue timeout.
+    assert samples(text, "router_queue_wait_seconds_sum")[(("model", "m"),)] >= 1.0

@@ -220,6 +220,36 @@ async def test_healthz_says_what_each_scaled_object_was_told_and_why(
     assert any("default/so-llama" in line and "inactive" in line for line in logged), logged
 
 
+async def test_metrics_say_what_each_scaled_object_was_told_and_the_requests_of_its_model(
+    canned: Canned, start_scaler: StartScaler, keda: Keda
+) -> None:
+    """A dashboard can show each ScaledObject's answer; a model's requests are unknown (no sample) before a round."""
+    a, b = await two_quiet_routers(canned)
+    a.replica("r1", "busy", last_used=time.time(), watching_since=time.time() - 60, in_flight=3)
+    b.usage["demand"] = {"busy": {"held": 2, "last_asked": None}}
+    a.status = b.status = 503
+    scaler = await start_scaler([a.address, b.address], poll_seconds=3600)
+    assert scaler.poller is not None
+    stub = keda(scaler)
+    # No router has answered: unknown, so active, and no figure.
+    assert await is_active(stub, ref("busy"))
+    async with aiohttp.ClientSession() as session, session.get(scaler.http_url + "/metrics") as resp:
+        before = await resp.text()
+    assert samples(before, "router_scaler_active") == {(("model", "busy"), ("scaled_object", "default/so-busy")): 1}
+    assert samples(before, "router_scaler_requests") == {}
+    a.status = b.status = 200
+    await scaler.poller.round()
+    assert await is_active(stub, ref("busy"))
+    assert not await is_active(stub, ref("m", idleAfter="60"))
+    async with aiohttp.ClientSession() as session, session.get(scaler.http_url + "/metrics") as resp:
+        after = await resp.text()
+    assert samples(after, "router_scaler_active") == {
+        (("model", "busy"), ("scaled_object", "default/so-busy")): 1,
+        (("model", "m"), ("scaled_object", "default/so-m")): 0,
+    }
+    assert samples(after, "router_scaler_requests") == {(("model", "busy"),): 5, (("model", "m"),): 0}
+
+
 async def test_a_request_nothing_could_serve_keeps_its_model_active_for_idle_after_though_shown_one_tick(
     canned: Canned, start_scaler: StartScaler, keda: Keda
 ) -> None:
