@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import re
 import shutil
 import subprocess
 import tomllib
@@ -29,44 +31,78 @@ Doc = dict[str, Any]
 
 
 def kubectl() -> str:
-    """kubectl with a kustomize that knows components and directory resources (v4 and later)."""
-    found = shutil.which("kubectl")
+    """The kubectl on PATH, else Debian's 1.20 where ROUTER_KUBECTL_OLD names it (.ci/run extracts it)."""
+    found = shutil.which("kubectl") or old_kubectl()
     if found is None:
         pytest.skip("kubectl is not installed: the Kubernetes examples are rendered with `kubectl kustomize`")
-    version = _kustomize_version(found)
-    if version is None or version < 4:
+    version = client_version(found)
+    # 1.20 (Debian's kubernetes-client, kustomize 2.0.3) is the oldest the examples are rendered with here.
+    if version < (1, 20):
         pytest.skip(
-            f"{found} embeds kustomize {version or 'older than v4'} (Debian's kubernetes-client 1.20 has v2.0.3), "
-            "which cannot render components or a base directory: kubectl 1.24 or later is needed"
+            f"{found} is kubectl {version[0]}.{version[1]}: the examples are checked with 1.20 (kustomize 2.0.3) "
+            "and later"
         )
     return found
 
 
+def old_kubectl() -> str | None:
+    """ROUTER_KUBECTL_OLD: Debian's kubernetes-client's kubectl (1.20, kustomize 2.0.3), unpacked, not installed."""
+    path = os.environ.get("ROUTER_KUBECTL_OLD")
+    if not path:
+        return None
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"ROUTER_KUBECTL_OLD={path} is not an executable kubectl")
+    return path
+
+
+def kubectls() -> list[str]:
+    """Every kubectl this machine has (on PATH, and ROUTER_KUBECTL_OLD), one per version."""
+    by_version: dict[tuple[int, int], str] = {}
+    for tool in (shutil.which("kubectl"), old_kubectl()):
+        if tool is not None:
+            by_version.setdefault(client_version(tool), tool)
+    return [by_version[version] for version in sorted(by_version)]
+
+
 @functools.cache
-def _kustomize_version(tool: str) -> int | None:
+def client_version(tool: str) -> tuple[int, int]:
+    """(major, minor) of a kubectl; its kustomize follows (1.20: 2.0.3, 1.21: v4.0.5, 1.32: v5.5)."""
     done = subprocess.run(
         [tool, "version", "--client", "-o", "json"], capture_output=True, text=True, timeout=60, check=False
     )
-    try:
-        text = json.loads(done.stdout).get("kustomizeVersion", "")
-        return int(text.removeprefix("v").split(".")[0])
-    except (ValueError, AttributeError):
-        return None
+    assert done.returncode == 0, f"{tool} version: {done.stderr}"
+    client = json.loads(done.stdout)["clientVersion"]
+    # Some builds say "32+" for the minor.
+    return int(client["major"]), int(re.sub(r"\D", "", client["minor"]))
 
 
 @functools.cache
 def _render(path: str, tool: str) -> tuple[Doc, ...]:
+    # stdout only: kustomize v5 warns on stderr that `bases` and
+    # `patchesStrategicMerge` are deprecated, which kustomize 2.0.3 needs.
     done = subprocess.run([tool, "kustomize", path], capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, f"kubectl kustomize {path}: {done.stderr}"
+    assert done.returncode == 0, f"{tool} kustomize {path}: {done.stderr}"
     return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
 
 
-def render(overlay: str | Path) -> list[Doc]:
+def render(overlay: str | Path, tool: str | None = None) -> list[Doc]:
     """Every object of an overlay (a name under deploy/kubernetes, or a directory), as kubectl would apply it."""
     path = overlay if isinstance(overlay, Path) else KUBERNETES / overlay
     # A copy, so that a test changing one changes nothing for the next.
-    docs: list[Doc] = json.loads(json.dumps(_render(str(path), kubectl())))
+    docs: list[Doc] = json.loads(json.dumps(_render(str(path), tool or kubectl())))
     return docs
+
+
+def pods_mode_overlay(directory: Path) -> Path:
+    """The discovery overlay with ../rbac/discovery-pods added, as its kustomization.yaml says to."""
+    directory.mkdir()
+    # kustomize takes no absolute path for a base: the way from here to each.
+    discovery = os.path.relpath(KUBERNETES / "discovery", directory)
+    pods = os.path.relpath(KUBERNETES / "rbac" / "discovery-pods", directory)
+    (directory / "kustomization.yaml").write_text(
+        f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nbases:\n  - {discovery}\n  - {pods}\n"
+    )
+    return directory
 
 
 def of_kind(docs: list[Doc], kind: str) -> list[Doc]:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from router.core.config import load_config
 from router.run.cli import build_parser
 from tests.control.discovery.kube_api import matches
-from tests.deploy.manifests import KUBERNETES, container_of, named, of_kind, pod_of, render, router_toml
+from tests.deploy.manifests import container_of, named, of_kind, pod_of, pods_mode_overlay, render, router_toml
 
 
 def discovery_settings(tmp_path: Path, text: str) -> Any:
@@ -56,20 +55,11 @@ def test_the_model_service_is_selected_and_selects_the_vllm_pods(tmp_path: Path)
 
 
 def pods_mode(tmp_path: Path) -> list[dict[str, Any]]:
-    """The discovery overlay with the discovery-pods component added, as its kustomization.yaml says to."""
-    overlay = tmp_path / "pods-mode"
-    overlay.mkdir()
-    # kustomize takes no absolute path for a base or a component: the way from here to them.
-    discovery = os.path.relpath(KUBERNETES / "discovery", overlay)
-    pods = os.path.relpath(KUBERNETES / "components" / "discovery-pods", overlay)
-    (overlay / "kustomization.yaml").write_text(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        f"resources:\n  - {discovery}\ncomponents:\n  - {pods}\n"
-    )
-    return render(overlay)
+    """The discovery overlay with ../rbac/discovery-pods added, as its kustomization.yaml says to."""
+    return render(pods_mode_overlay(tmp_path / "pods-mode"))
 
 
-def test_the_pods_mode_component_adds_list_and_watch_on_pods_for_the_same_account(tmp_path: Path) -> None:
+def test_the_pods_mode_rbac_adds_list_and_watch_on_pods_for_the_same_account(tmp_path: Path) -> None:
     docs = pods_mode(tmp_path)
     (account,) = of_kind(docs, "ServiceAccount")
     roles = {r["metadata"]["name"]: r for r in of_kind(docs, "Role")}
