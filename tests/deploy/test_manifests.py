@@ -4,6 +4,7 @@ The container tier (tests/deploy/container/) runs the image from the same render
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -25,9 +26,11 @@ from tests.deploy.manifests import (
     OVERLAYS,
     VERSION,
     container_of,
+    kubectls,
     named,
     of_kind,
     pod_of,
+    pods_mode_overlay,
     render,
     router_toml,
     secret_refs,
@@ -57,6 +60,47 @@ def test_every_overlay_renders_and_its_kubernetes_objects_validate_strictly(over
         kubernetes_validate.validate(doc, kubernetes_validate.utils.latest_version(), strict=True)
         checked += 1
     assert checked >= 4
+
+
+def without_content_hashes(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The objects in a stable order, each generated ConfigMap's hash suffix written <hash> wherever it is named.
+
+    Each kustomize version hashes a generated ConfigMap's content its own way
+    (2.0.3 and v5 give the same content different suffixes): the suffix is
+    the one field allowed to differ, and it must be there.
+    """
+    text = json.dumps(docs)
+    for doc in docs:
+        if doc["kind"] == "ConfigMap":
+            name = doc["metadata"]["name"]
+            stem = re.fullmatch(r"(.+)-[a-z0-9]{10}", name)
+            assert stem is not None, f"the ConfigMap {name} is not named by a hash of its content"
+            text = text.replace(json.dumps(name), json.dumps(f"{stem[1]}-<hash>"))
+    by_name: list[dict[str, Any]] = sorted(
+        json.loads(text), key=lambda d: (d["apiVersion"], d["kind"], d["metadata"]["name"])
+    )
+    return by_name
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "discovery-pods-mode"])
+def test_every_kubectl_here_renders_the_same_objects(overlay: str, tmp_path: Path) -> None:
+    """Debian's kubectl 1.20 (kustomize 2.0.3) and a current one (kustomize v5) apply the same objects, field by field.
+
+    The overlays use only what 2.0.3 knows (bases, patchesStrategicMerge,
+    generatorOptions); .ci/run unpacks Debian's kubernetes-client and names
+    its kubectl in ROUTER_KUBECTL_OLD, beside the kubectl on PATH.
+    """
+    tools = kubectls()
+    if len(tools) < 2:
+        pytest.skip(
+            f"one kubectl version here ({', '.join(tools) or 'none'}): set ROUTER_KUBECTL_OLD to Debian's "
+            "kubernetes-client's kubectl (apt-get download kubernetes-client; dpkg -x) to compare"
+        )
+    path = pods_mode_overlay(tmp_path / "pods-mode") if overlay == "discovery-pods-mode" else overlay
+    first, *others = tools
+    expected = without_content_hashes(render(path, first))
+    for other in others:
+        assert without_content_hashes(render(path, other)) == expected, f"{other} and {first} render {overlay} apart"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
