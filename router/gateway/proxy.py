@@ -277,9 +277,7 @@ class Proxy:
         """
         reply = self.keys.refusal(request)
         if reply is not None and self.access_log is not None:
-            entry = Entry(
-                request.request_id.decode("ascii"), request.connection.client, request.method, request.path, 0
-            )
+            entry = Entry(request.request_id.decode("ascii"), request.peer, request.method, request.path, 0)
             entry.status = reply.status
             # The body's bytes, as a stream counts them: the head is the server's to write, later.
             entry.bytes_out = len(reply.body)
@@ -290,7 +288,7 @@ class Proxy:
         """dispatch(), with the request's line written to the access log when it ends."""
         assert self.access_log is not None
         ident = request.request_id.decode("ascii")
-        entry = Entry(ident, request.connection.client, request.method, request.path, len(request.body))
+        entry = Entry(ident, request.peer, request.method, request.path, len(request.body))
         writer.entry = entry
         try:
             await self.dispatch(request, writer)

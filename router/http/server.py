@@ -183,10 +183,10 @@ class Request:
 
     __slots__ = (
         "body",
-        "connection",
         "keep_alive",
         "method",
         "path",
+        "peer",
         "captured",
         "raw_headers",
         "request_id",
@@ -197,7 +197,7 @@ class Request:
 
     def __init__(
         self,
-        connection: Connection,
+        peer: str,
         method: str,
         target: bytes,
         raw_headers: list[tuple[bytes, bytes]],
@@ -208,7 +208,8 @@ class Request:
         request_id: bytes = b"",
         captured: dict[bytes, bytes] | None = None,
     ) -> None:
-        self.connection = connection
+        # The client's address as "host:port" (for the access log); "" when the transport has none.
+        self.peer = peer
         self.method = method
         # The request target as sent (path and query), passed on as it is.
         self.target = target
@@ -426,7 +427,6 @@ class Connection(asyncio.Protocol):
         "_body_size",
         "_chunk_framed",
         "_chunked",
-        "_client",
         "_continue_owed",
         "_deadline",
         "_deadline_kind",
@@ -457,6 +457,7 @@ class Connection(asyncio.Protocol):
         "_write_deadline",
         "answering",
         "parser",
+        "peer",
         "reading",
         "server",
         "task",
@@ -520,15 +521,8 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._drained: asyncio.Future[None] | None = None
         self._keep_alive = True
-        self._client: str | None = None
-
-    @property
-    def client(self) -> str:
-        """The peer as "address:port" (for the access log), looked up once per connection."""
-        if self._client is None:
-            peer = self.transport.get_extra_info("peername") if self.transport is not None else None
-            self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else ""
-        return self._client
+        # The client's address, "host:port", read once when the connection is made.
+        self.peer = ""
 
     @property
     def stopped(self) -> bool:
@@ -541,9 +535,8 @@ class Connection(asyncio.Protocol):
         return parser
 
     def __repr__(self) -> str:
-        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
         return (
-            f"<Connection {peer} reading={self.reading.value} answering={self.answering.value} "
+            f"<Connection {self.peer or '?'} reading={self.reading.value} answering={self.answering.value} "
             f"pending={len(self._pending)}{' doomed' if self._doomed is not None else ''}>"
         )
 
@@ -551,6 +544,9 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple):
+            self.peer = f"{peer[0]}:{peer[1]}"
         self.server.connections.add(self)
         # The first head must start and end within the head deadline.
         self._arm(self.server.header_timeout, _D_HEAD)
@@ -870,7 +866,7 @@ class Connection(asyncio.Protocol):
         # The id it is judged under is the one it keeps, answered or refused.
         self._request_id = request_id = self._request_id or self.server.new_request_id()
         request = Request(
-            self,
+            self.peer,
             self._method.decode("ascii", "replace"),
             _request_target(self._target),
             self._headers,
@@ -932,7 +928,7 @@ class Connection(asyncio.Protocol):
             # fresh parser reads it (see _after_upgrade).
             return
         request = Request(
-            self,
+            self.peer,
             self._method.decode("ascii", "replace"),
             _request_target(self._target),
             self._headers,
