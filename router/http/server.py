@@ -54,14 +54,11 @@ import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import httptools
 
 from router.http.protocol_errors import ProtocolErrors
-
-if TYPE_CHECKING:
-    from router.gateway.access_log import Entry
 
 MAX_LINE = 8190
 MAX_HEAD = 64 * 1024
@@ -1370,6 +1367,13 @@ def running_request() -> Request | None:
 _RUN_CODE = Connection._run.__code__
 
 
+class Meter(Protocol):
+    """What a writer counts of its answer for whoever watches it (the gateway's access log)."""
+
+    status: int
+    bytes_out: int
+
+
 class Writer:
     """One request's answer, written through its connection: the only way a handler answers.
 
@@ -1391,7 +1395,7 @@ class Writer:
         "_no_body",
         "_request_id",
         "_version_11",
-        "entry",
+        "meter",
         "phase",
     )
 
@@ -1404,9 +1408,9 @@ class Writer:
         # request may be read (and its version with it) while this answer is written.
         self._version_11 = version_11
         self.phase = _NEW
-        # The access log's entry, when it is kept: the writer fills in the
-        # status and counts the bytes written.
-        self.entry: Entry | None = None
+        # Whoever counts this answer (the access log's entry), if anyone: the
+        # writer fills in the status and counts the bytes written.
+        self.meter: Meter | None = None
         # start() sets, and only a started stream reads: whether no body may
         # follow the head (_no_body), whether it is chunked (_chunked), and
         # the bytes still owed when it declared a length (_left; -1: none).
@@ -1433,7 +1437,7 @@ class Writer:
         else:
             # HTTP/1.0 closes by default: say that this one stays open.
             persistence = b"Connection: keep-alive\r\n"
-        entry = self.entry
+        meter = self.meter
         if status == 204 or status == 304:  # noqa: PLR1714 (two compares beat a tuple here)
             # 204 and 304 carry neither a body nor a length (RFC 9110 8.6).
             framing = b"%sX-Request-Id: %s\r\n\r\n" % (persistence, self._request_id)
@@ -1449,9 +1453,9 @@ class Writer:
             transport.writelines((head, body))
         else:
             transport.write(head + body)
-        if entry is not None:
-            entry.status = status
-            entry.bytes_out = len(head) if self._head_only else len(head) + len(body)
+        if meter is not None:
+            meter.status = status
+            meter.bytes_out = len(head) if self._head_only else len(head) + len(body)
 
     def start(
         self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], *, length: int | None = None
@@ -1460,8 +1464,8 @@ class Writer:
         if self.phase is not _NEW:
             raise RuntimeError("the answer's head was already written")
         self.phase = _STREAMING
-        if self.entry is not None:
-            self.entry.status = status
+        if self.meter is not None:
+            self.meter.status = status
         self._no_body = self._head_only or status in (204, 304) or 100 <= status < 200
         self._left = -1 if length is None else length
         headers = [*headers, (b"X-Request-Id", self._request_id)]
@@ -1486,8 +1490,8 @@ class Writer:
                 raise RuntimeError(f"{len(data)} bytes written where {self._left} were left of the declared length")
             self._left -= len(data)
         transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
-        if self.entry is not None:
-            self.entry.bytes_out += len(data)
+        if self.meter is not None:
+            self.meter.bytes_out += len(data)
         return connection._paused
 
     def body_sink(self) -> Callable[[bytes], bool]:
@@ -1500,7 +1504,7 @@ class Writer:
             raise RuntimeError("body_sink() outside a started, unfinished stream")
         connection = self._connection
         transport = connection.transport
-        if transport is None or self._no_body or self._left >= 0 or not self._chunked or self.entry is not None:
+        if transport is None or self._no_body or self._left >= 0 or not self._chunked or self.meter is not None:
             return self.write
 
         def write_chunk(data: bytes) -> bool:
