@@ -54,6 +54,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
+from contextvars import ContextVar
 from typing import Protocol, cast
 
 import httptools
@@ -169,6 +170,11 @@ class _Date:
 
 
 http_date = _Date()
+
+
+# The id of the request whose handler runs in the current task (b"": none), for
+# its log lines: set once per request, read only when a line is written.
+current_request_id: ContextVar[bytes] = ContextVar("current_request_id", default=b"")
 
 
 class WriteStalled(ConnectionResetError):
@@ -977,8 +983,10 @@ class Connection(asyncio.Protocol):
 
     async def _run(self, request: Request) -> None:
         self._keep_alive = request.keep_alive and not self.server.stopping
-        # (`request` is found by name in this frame: see running_request().)
         writer = Writer(self, request.method == "HEAD", request.request_id, request.version_11)
+        # For the log lines the handler causes, in this task only; unset before
+        # the next request starts from this task (its task copies this context).
+        token = current_request_id.set(request.request_id)
         try:
             await self.server.handler(request, writer)
         except asyncio.CancelledError:
@@ -986,6 +994,8 @@ class Connection(asyncio.Protocol):
             raise
         except Exception:  # noqa: BLE001 (the root of a request: answered 500, logged, connection lives on)
             self.server.log_exception("request handler failed")
+        finally:
+            current_request_id.reset(token)
         size = request.reserved
         if size and self.answering is not _A_CLOSED:
             # (A connection lost meanwhile counted all of its bodies out already.)
@@ -1341,30 +1351,6 @@ class Phase(enum.Enum):
 _NEW = Phase.NEW
 _STREAMING = Phase.STREAMING
 _DONE = Phase.DONE
-
-
-def running_request() -> Request | None:
-    """The request whose handler runs in the current task, if any (for its log lines).
-
-    Read from the task itself, so that nothing is stored per request for a log
-    line that is rarely written: a request's task runs Connection._run(request),
-    and that coroutine's frame holds the request.
-    """
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:  # no running loop
-        return None
-    if task is None:
-        return None
-    coro = task.get_coro()
-    if getattr(coro, "cr_code", None) is not _RUN_CODE:
-        return None
-    frame = coro.cr_frame  # type: ignore[union-attr]
-    request = frame.f_locals.get("request") if frame is not None else None
-    return request if isinstance(request, Request) else None
-
-
-_RUN_CODE = Connection._run.__code__
 
 
 class Meter(Protocol):
