@@ -31,7 +31,8 @@ from router.gateway.answers import error_body, error_response, replica_answer
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
 from router.http.codings import StreamDecoder, decoded
 from router.http.headers import RESPONSE_HEADERS
-from router.http.server import Reply, Request, Writer, WriteStalled
+from router.http.messages import Reply, Request
+from router.http.writer import Writer, WriteStalled
 
 log = logging.getLogger("router.gateway.proxy")
 

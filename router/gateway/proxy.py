@@ -41,7 +41,8 @@ from router.gateway.forward import DataPathMetrics, Failed, Forwarder
 from router.gateway.wake import Waker
 from router.http.client import Client
 from router.http.headers import REQUEST_ID, HeaderFilter
-from router.http.server import Reply, Request, Writer
+from router.http.messages import Reply, Request
+from router.http.writer import Writer
 
 
 def parse_request(body: bytes) -> tuple[dict[str, Any], str, bool]:

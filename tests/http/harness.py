@@ -20,7 +20,9 @@ from typing import Any
 import orjson
 
 from router.gateway.answers import server_error
-from router.http.server import Reply, Request, Server, Writer
+from router.http.messages import Reply, Request
+from router.http.server import Server
+from router.http.writer import Writer
 
 JSON = (b"Content-Type", b"application/json")
 INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})

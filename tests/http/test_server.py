@@ -13,7 +13,8 @@ from typing import Any
 import orjson
 import pytest
 
-from router.http.server import Reply, unknown_method
+from router.http.messages import Reply
+from router.http.server.head import unknown_method
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.helpers import CHAT
@@ -187,7 +188,8 @@ async def _serve_with(handler: Any) -> tuple[asyncio.Server, tuple[str, int]]:
 
 
 async def test_the_writer_keeps_the_framing_rules_whatever_the_handler_does() -> None:
-    from router.http.server import Request, Writer
+    from router.http.messages import Request
+    from router.http.writer import Writer
 
     errors: list[str] = []
 

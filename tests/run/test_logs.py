@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from router.http.server import Reply, Request, Writer
+from router.http.messages import Reply, Request
+from router.http.writer import Writer
 from router.run.logs import RequestIdFilter
 from tests.http.conformance.wire import Wire
 from tests.http.harness import StartServer

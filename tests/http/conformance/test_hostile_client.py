@@ -252,7 +252,7 @@ async def test_bodies_buffered_across_connections_are_capped(start_fake: StartFa
     finally:
         for wire in slow:
             await wire.__aexit__()
-    await wait_for(lambda: server._client_server is not None and server._client_server.buffered == 0)
+    await wait_for(lambda: server._client_server is not None and server._client_server.budget.held == 0)
 
 
 async def test_a_client_that_never_reads_its_whole_answer_is_cut_off(
@@ -410,7 +410,7 @@ async def test_a_client_pipelining_without_end_holds_at_most_one_request_ahead(
             writer.write(one * 2000)
             await asyncio.sleep(0.005)
             for connection in client_server.connections:
-                most = max(most, len(connection._pending))
+                most = max(most, len(connection.pending))
         # Parsing stops at the first request queued behind the running one, a
         # slice of the read at most: never the thousands of a whole read.
         assert most <= 4096 // len(one) + 1
@@ -597,7 +597,7 @@ async def test_a_pipelined_head_does_not_change_the_version_of_the_answer_being_
         await wait_for(lambda: len(replica.requests) == 1)
         # The next head arrives and is read while the stream waits for its replica.
         wire.send(b"GET /v1/models HTTP/" + second + b"\r\nHost: router\r\n\r\n")
-        await wait_for(lambda: any(c._pending for c in client_server.connections))
+        await wait_for(lambda: any(c.pending for c in client_server.connections))
         release.set()
         streamed = await wire.answer()
         assert streamed.status == 200 and streamed.complete
