@@ -839,14 +839,14 @@ async def test_a_connection_shows_its_origin_and_state(raw_server: StartRaw, mak
     client = make_client()
     resp: Response = await client.request(raw.origin, HEAD, b"{}")
     connection = resp._connection
-    assert repr(connection) == f"<_Connection {raw.origin.key} body>"
+    assert repr(connection) == f"<Connection {raw.origin.key} body>"
     assert await resp.read() == b"hello"
-    assert repr(connection) == f"<_Connection {raw.origin.key} done>"
+    assert repr(connection) == f"<Connection {raw.origin.key} done>"
     resp.release()
-    assert repr(connection) == f"<_Connection {raw.origin.key} idle>"
+    assert repr(connection) == f"<Connection {raw.origin.key} idle>"
     assert client.open_connections == 1
     await client.close()
-    assert repr(connection) == f"<_Connection {raw.origin.key} closed>"
+    assert repr(connection) == f"<Connection {raw.origin.key} closed>"
     assert client.open_connections == 0
 
 
