@@ -10,12 +10,13 @@ back-pressure, garbage.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 
 from router.core.origin import Origin
-from router.http.client import Client, ConnectFailed, ConnectionBroken
+from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout
 from tests.helpers import HEAD, OK, StartRaw, fixed
 
 
@@ -212,3 +213,32 @@ async def test_origin_of_a_base_url() -> None:
     assert (origin.host, origin.port, origin.tls, origin.prefix) == ("gpu-1.example", 8443, True, b"/prefix")
     assert origin.host_header == b"gpu-1.example:8443"
     assert Origin.parse("http://[::1]:80").host_header == b"[::1]"
+
+
+async def test_a_head_past_its_deadline_fails_its_request_and_drops_its_connection(
+    raw_server: StartRaw, client: Client
+) -> None:
+    """The client's one sweep fails a request whose head is late, never before its deadline;
+    a request on another connection, answered meanwhile, is not touched."""
+    answered = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        if n == 1:
+            await asyncio.sleep(30)  # never answers in the test's time
+        writer.write(OK)
+        await writer.drain()
+        answered.set()
+
+    raw = await raw_server(answer)
+    began = time.monotonic()
+    late = asyncio.create_task(client.request(raw.origin, HEAD, b"{}", head_timeout=0.3))
+    await asyncio.sleep(0.05)
+    resp = await client.request(raw.origin, HEAD, b"{}", head_timeout=0.3)
+    assert await resp.read() == b"hello"
+    resp.release()
+    with pytest.raises(HeadTimeout, match=r"no response head within 0\.3 s"):
+        await late
+    assert time.monotonic() - began >= 0.3
+    # The late connection is gone; the answered one is kept for the next request.
+    assert client.open_connections == 1
+    assert answered.is_set()

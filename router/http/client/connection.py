@@ -41,7 +41,8 @@ class Connection(Reader):
         # paused) and since when (loop time) it has not changed.
         self.seen_reads = -1
         self.quiet_since = 0.0
-        self._deadline: asyncio.TimerHandle | None = None
+        # The head deadline's length, for the error that says it passed.
+        self.head_timeout = 0.0
 
     def __repr__(self) -> str:
         return f"<Connection {self.origin.key} {self.state.value}{' paused' if self.paused else ''}>"
@@ -75,7 +76,7 @@ class Connection(Reader):
     def connection_lost(self, exc: Exception | None) -> None:
         state = self.state
         self.state = _CLOSED
-        self._stop_deadline()
+        self.head_due = 0.0
         if state is _BODY:
             if self._body:
                 self._flush()
@@ -130,22 +131,20 @@ class Connection(Reader):
         self.reads_at_send = self.reads
         self.head = loop.create_future()
         if head_timeout is not None:
-            # One timer per request, cancelled by the head: cheaper than an
-            # asyncio.timeout() around the await.
-            self._deadline = loop.call_later(head_timeout, self._head_late, head_timeout)
+            # Checked by the client's one sweep (pool.py), never a timer per
+            # request: a timer set and cancelled costs the loop more than the
+            # rest of sending the request.
+            self.head_due = self.client.head_due(head_timeout)
+            self.head_timeout = head_timeout
         self.transport.write(data)
         return self.head
 
-    def _head_late(self, seconds: float) -> None:
-        self._deadline = None
+    def head_late(self) -> None:
+        """The sweep's verdict: no head came before its deadline."""
+        self.head_due = 0.0
         head = self.head
         if head is not None and not head.done():
-            head.set_exception(HeadTimeout(f"no response head within {seconds:g} s"))
-
-    def _stop_deadline(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+            head.set_exception(HeadTimeout(f"no response head within {self.head_timeout:g} s"))
 
     def went_quiet(self, seconds: float) -> None:
         """The idle sweep's verdict: the body stopped coming."""
@@ -173,7 +172,7 @@ class Connection(Reader):
     def close(self) -> None:
         if self.state is not _CLOSED:
             self.state = _CLOSED
-            self._stop_deadline()
+            self.head_due = 0.0
             if self.transport is not None:
                 self.transport.close()
             self.client.forget(self)
@@ -187,7 +186,7 @@ class Connection(Reader):
     def abort(self) -> None:
         if self.state is not _CLOSED:
             self.state = _CLOSED
-            self._stop_deadline()
+            self.head_due = 0.0
             if self.transport is not None:
                 self.transport.abort()
             self.client.forget(self)

@@ -20,7 +20,7 @@ import time
 from router.core.origin import Origin
 from router.http.client.connection import Connection
 from router.http.client.errors import ConnectFailed, ConnectionBroken
-from router.http.client.reader import _BODY, _IDLE
+from router.http.client.reader import _ACTIVE, _BODY, _IDLE
 from router.http.client.response import Response
 from router.http.protocol_errors import ProtocolErrors
 
@@ -37,10 +37,18 @@ class Client:
         self._all: set[Connection] = set()
         self._tls: ssl.SSLContext | None = None
         self._sweeper: asyncio.TimerHandle | None = None
-        # The one timer that watches every connection with a body in progress
-        # for silence: no timer, no clock call per chunk.
-        self._watch: asyncio.TimerHandle | None = None
+        # The one timer that watches every connection with a request in
+        # progress: for its head's deadline, then for the replica's silence in
+        # its body. No timer per request, no clock call per request or chunk:
+        # a deadline is set by the sweep's clock (`now`, one sweep old at most
+        # while the loop keeps time), so that it is never early.
+        self.watching: asyncio.TimerHandle | None = None
+        self.now = 0.0
+        # The silence watch's period; the sweep's own is shorter for a head
+        # deadline shorter than it (head_due).
         self._watch_every = min(max(idle_timeout / 4, 0.05), 5.0)
+        self._every = self._watch_every
+        self._head_timeout: float | None = None
         self.protocol_errors = ProtocolErrors(logging.getLogger("router.http.client"), level=logging.WARNING)
 
     async def request(self, origin: Origin, head: bytes, body: bytes, head_timeout: float | None = None) -> Response:
@@ -167,39 +175,58 @@ class Client:
             delay = max(due + self.keepalive_seconds - now, 0.0)
             self._sweeper = asyncio.get_running_loop().call_later(delay, self._sweep)
 
-    def watch_bodies(self) -> None:
-        """Make sure the idle sweep runs: a body is in progress."""
-        if self._watch is None:
-            self._watch = asyncio.get_running_loop().call_later(self._watch_every, self._watch_idle)
+    def head_due(self, timeout: float) -> float:
+        """When a head asked for now is late, by the sweep's clock: `timeout` from now at least,
+        and about a sweep more (checked every timeout / 4, within [0.05 s, 1 s])."""
+        if timeout != self._head_timeout:
+            self._head_timeout = timeout
+            self._every = min(self._watch_every, max(0.05, min(1.0, timeout / 4)))
+        if self.watching is None:
+            self.watch()
+        return self.now + timeout + self._every
 
-    def _watch_idle(self) -> None:
-        """End bodies whose replica went quiet: one sweep for every connection with a body in progress.
+    def watch(self) -> None:
+        """Make sure the sweep runs: a request is in progress."""
+        if self.watching is None:
+            loop = asyncio.get_running_loop()
+            self.now = loop.time()
+            self.watching = loop.call_later(self._every, self._watch_in_progress)
 
-        A connection counts its reads; a count unchanged since the last
-        sweep is silence, timed from the sweep that first saw it unchanged
+    def _watch_in_progress(self) -> None:
+        """Fail heads past their deadline, and end bodies whose replica went quiet: one sweep
+        for every connection with a request in progress.
+
+        A connection in its body counts its reads; a count unchanged since the
+        last sweep is silence, timed from the sweep that first saw it unchanged
         (so never cut before `idle_timeout`, at most two sweeps after). A
-        paused connection is waiting for the proxy's client, not the
-        replica: skipped, and its quiet time starts afresh once resumed.
+        paused connection is waiting for the proxy's client, not the replica:
+        skipped, and its quiet time starts afresh once resumed.
         """
-        self._watch = None
-        busy = [c for c in self._all if c.state is _BODY]
+        self.watching = None
+        busy = [c for c in self._all if c.state is _BODY or (c.head_due and c.state is _ACTIVE)]
         if not busy:
-            return  # no timer while no body is in progress
+            return  # no timer while no request is in progress
         loop = asyncio.get_running_loop()
-        now = loop.time()
+        self.now = now = loop.time()
         limit = self.idle_timeout
+        late: list[Connection] = []
         quiet: list[Connection] = []
         for connection in busy:
-            if connection.paused:
+            if connection.state is _ACTIVE:
+                if connection.head_due < now:
+                    late.append(connection)
+            elif connection.paused:
                 connection.seen_reads = -1
             elif connection.reads != connection.seen_reads:
                 connection.seen_reads = connection.reads
                 connection.quiet_since = now
             elif now - connection.quiet_since > limit:
                 quiet.append(connection)
+        for connection in late:
+            connection.head_late()
         for connection in quiet:
             connection.went_quiet(limit)
-        self._watch = loop.call_later(self._watch_every, self._watch_idle)
+        self.watching = loop.call_later(self._every, self._watch_in_progress)
 
     def forget(self, connection: Connection) -> None:
         self._all.discard(connection)
@@ -215,9 +242,9 @@ class Client:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
+        if self.watching is not None:
+            self.watching.cancel()
+            self.watching = None
         for connection in list(self._all):
             connection.close()
         self._idle.clear()

@@ -107,6 +107,8 @@ class Reader(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         # Whether the connection may serve another request once this answer is read.
         self.reusable = False
+        # When the request in progress must have its head (the client's sweep's clock; 0: no deadline).
+        self.head_due = 0.0
         # Reads so far: the idle sweep's evidence of life, and (against
         # `reads_at_send`) whether any byte came back for this request.
         self.reads = 0
@@ -141,7 +143,6 @@ class Reader(asyncio.Protocol):
         def _fail(self, reason: str, error: ConnectionBroken | None, detail: str = "") -> None: ...
         def _switched(self) -> None: ...
         def _broken(self, message: str) -> ConnectionBroken: ...
-        def _stop_deadline(self) -> None: ...
 
     # Reads ----------------------------------------------------------------------------
 
@@ -292,11 +293,14 @@ class Reader(asyncio.Protocol):
                 self._broken(f"the replica's answer has Transfer-Encoding {shown!r}; only chunked is decoded"),
             )
             raise _Stop
-        self._stop_deadline()
+        self.head_due = 0.0
         self.response = response
         self.state = _BODY
-        # The replica's silence in the middle of the body is watched for from here.
-        self.client.watch_bodies()
+        # The replica's silence in the middle of the body is watched for from here
+        # (by the sweep that watched for the head, if one did).
+        client = self.client
+        if client.watching is None:
+            client.watch()
         head = self.head
         if head is not None and not head.done():
             head.set_result(response)

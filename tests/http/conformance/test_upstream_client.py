@@ -517,13 +517,13 @@ async def test_the_idle_sweep_runs_only_while_a_body_is_in_progress(
 ) -> None:
     raw = await raw_server(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhel"))
     client = make_client(idle_timeout=0.2)
-    assert client._watch is None
+    assert client.watching is None
     resp = await client.request(raw.origin, HEAD, b"{}")
-    assert client._watch is not None
+    assert client.watching is not None
     resp.release()
     # Nothing in progress: the next sweep finds no body and does not rearm.
     await asyncio.sleep(0.15)
-    assert client._watch is None
+    assert client.watching is None
     # Every idle_timeout / 4, within [0.05 s, 5 s].
     assert make_client(idle_timeout=300.0)._watch_every == 5.0
     assert make_client(idle_timeout=0.01)._watch_every == 0.05
