@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 
-from router.http.wire import reason_of
+from router.http.wire import REASONS
 
 # The id of the request whose handler runs in the current task (b"": none), for
 # its log lines: set once per request by the server, read only when a line is written.
@@ -82,4 +82,4 @@ class Reply:
         self.body = body
         # End-to-end headers only; the server adds the framing ones.
         self.headers = headers
-        self.reason = reason if reason is not None else reason_of(status)
+        self.reason = reason if reason is not None else REASONS.get(status, b"Unknown")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import email.utils
 import time
 
-_REASONS = {
+REASONS = {
     100: b"Continue",
     200: b"OK",
     400: b"Bad Request",
@@ -26,26 +26,17 @@ _REASONS = {
 }
 
 
-def reason_of(status: int) -> bytes:
-    return _REASONS.get(status, b"Unknown")
-
-
 class _Date:
-    """The Date header, formatted once a second rather than per answer."""
+    """The Date header's line, formatted once a second rather than per answer."""
+
+    __slots__ = ("line", "second")
 
     def __init__(self) -> None:
-        self._second = -1
-        self._value = b""
-
-    def __call__(self) -> bytes:
-        now = int(time.time())
-        if now != self._second:
-            self._second = now
-            self._value = email.utils.formatdate(now, usegmt=True).encode()
-        return self._value
+        self.second = -1
+        self.line = b""
 
 
-http_date = _Date()
+_date = _Date()
 
 
 def frame_head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]], framing: bytes) -> bytes:
@@ -54,10 +45,15 @@ def frame_head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]], f
     lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
     has_date = False
     for name, value in headers:
-        if not has_date and name.lower() == b"date":
+        # (Lowered only when it may be Date: a lowered copy of every name costs more.)
+        if not has_date and len(name) == 4 and name.lower() == b"date":
             has_date = True
         lines.append(name + b": " + value + b"\r\n")
     if not has_date:
-        lines.append(b"Date: " + http_date() + b"\r\n")
+        now = int(time.time())
+        if now != _date.second:
+            _date.second = now
+            _date.line = b"Date: " + email.utils.formatdate(now, usegmt=True).encode() + b"\r\n"
+        lines.append(_date.line)
     lines.append(framing)
     return b"".join(lines)

@@ -115,24 +115,14 @@ class Refusal:
         return f"<Refusal {self.status} {self.reason or 'head check'}: {self.message}>"
 
 
-class Head:
-    """A request head the server takes: the request it begins (its body still to come), and the body's framing."""
-
-    __slots__ = ("chunked", "continue_asked", "length", "request", "upgrade")
-
-    def __init__(
-        self, request: Request, length: int | None, chunked: bool, continue_asked: bool, upgrade: bool
-    ) -> None:
-        # As the handler will get it, without its body, its client's address and (when the
-        # client sent none it may keep) its id: the server adds them.
-        self.request = request
-        # Content-Length, and whether the body is chunked (then length is None).
-        self.length = length
-        self.chunked = chunked
-        # Expect: 100-continue on HTTP/1.1 (a 1xx is never sent to HTTP/1.0, RFC 9110 15.2).
-        self.continue_asked = continue_asked
-        # An Upgrade llhttp acted on and the server ignores: the body is read anew after it.
-        self.upgrade = upgrade
+# A head the server takes: the request it begins (without its body, its client's
+# address and, when the client sent none it may keep, its id: the server adds
+# them); its Content-Length; whether its body is chunked (then the length is
+# None); whether it asked for 100 (Continue) on HTTP/1.1 (a 1xx is never sent to
+# HTTP/1.0, RFC 9110 15.2); and whether llhttp acted on an Upgrade the server
+# ignores (its body is then read anew after it). A plain tuple: an instance of a
+# class costs more than the rest of judging the head, once per request.
+Head = tuple[Request, int | None, bool, bool, bool]
 
 
 class Upgrades(Protocol):
@@ -266,7 +256,7 @@ def judge(
         request_id,
         captured,
     )
-    return Head(request, length, codings is not None, expect and version_11, upgrading)
+    return request, length, codings is not None, expect and version_11, upgrading
 
 
 def _codings_refused(codings: list[bytes]) -> Refusal:

@@ -28,7 +28,7 @@ import httptools
 from router.http.messages import Reply, Request
 from router.http.server.deadlines import Deadline
 from router.http.server.flow import buffers_full
-from router.http.server.head import Head, Refusal, parse_failed
+from router.http.server.head import Refusal, parse_failed
 from router.http.server.reader import Reader, new_parser
 from router.http.server.states import READING, Answering, Event, Reading, on
 from router.http.server.writer import write_continue
@@ -238,13 +238,12 @@ class Intake(Reader):
 
     # What the reader found ---------------------------------------------------------------
 
-    def head_taken(self, head: Head) -> None:
-        """Its head, judged acceptable: its body (if any) is read next, unless refused from the head."""
+    def head_taken(self, request: Request, length: int | None, chunked: bool, continue_asked: bool) -> None:
+        """Its head, judged acceptable (head.py): its body (if any) is read next, unless refused from the head."""
         self.reading = _READING_ON_HEAD_TAKEN[self.reading]
         self._deadline = 0.0
-        request = head.request
         request.peer = self.peer
-        if not head.chunked and not head.length:
+        if not chunked and not length:
             return
         # A body is announced. The app's head check (its keys) comes before any
         # other judgment of it: a client it refuses learns nothing more.
@@ -252,7 +251,6 @@ class Intake(Reader):
         if head_check is not None and self._refused_by_head_check(head_check, request):
             return
         budget = self.server.budget
-        length = head.length
         if length is not None and length > budget.max_body:
             message = f"The request body is {length} bytes; the limit is {budget.max_body}."
             self.refuse(Refusal(413, "body_too_large", message, "request_too_large"))
@@ -260,7 +258,7 @@ class Intake(Reader):
             # Counted as bytes arrive, not as announced: a head that promises
             # 32 MiB and sends nothing must not take anyone's share.
             self.refuse(buffers_full())
-        elif head.continue_asked:
+        elif continue_asked:
             if self.answering is _A_IDLE and not self.pending:
                 write_continue(self.transport)
             else:
@@ -283,9 +281,8 @@ class Intake(Reader):
         if not self._deadline and not self._continue_owed and not self.pending:
             self._arm(self.server.body_timeout, _D_BODY)
 
-    def message_read(self, head: Head, body: bytes) -> None:
+    def message_read(self, request: Request, body: bytes) -> None:
         """A request read whole: answered now, or queued behind the one being answered."""
-        request = head.request
         request.body = body
         request.reserved = self.held_current
         if not request.request_id:

@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING
 
 import httptools
 
+from router.http.messages import Request
 from router.http.server.deadlines import Deadline
 from router.http.server.flow import buffers_full
-from router.http.server.head import LENIENCIES, Head, Refusal, judge
+from router.http.server.head import LENIENCIES, Refusal, judge
 from router.http.server.states import READING, Event, Reading, on
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class Reader(asyncio.Protocol):
         "_fields",
         "_framed",
         "_framing",
-        "_head",
+        "_request",
         "_line",
         "_priming",
         "_refusal",
@@ -100,7 +101,8 @@ class Reader(asyncio.Protocol):
         self._target: list[bytes] = []
         self._target_size = 0
         self._fields: list[tuple[bytes, bytes]] = []
-        self._head: Head | None = None
+        # The request whose head was taken, its body still to come.
+        self._request: Request | None = None
         self._body: list[bytes] = []
         self._body_size = 0
         # Body bytes this connection holds in the budget every connection shares
@@ -132,9 +134,9 @@ class Reader(asyncio.Protocol):
     if TYPE_CHECKING:
         # What is done with what the reader finds: Intake's (intake.py).
 
-        def head_taken(self, head: Head) -> None: ...
+        def head_taken(self, request: Request, length: int | None, chunked: bool, continue_asked: bool) -> None: ...
         def body_resumed(self) -> None: ...
-        def message_read(self, head: Head, body: bytes) -> None: ...
+        def message_read(self, request: Request, body: bytes) -> None: ...
         def discarded(self) -> None: ...
         def refuse(self, refusal: Refusal) -> None: ...
 
@@ -262,22 +264,23 @@ class Reader(asyncio.Protocol):
         )
         if isinstance(verdict, Refusal):
             raise self._stop(verdict)
+        request, length, chunked, continue_asked, upgrade = verdict
         # After an ignored Upgrade another parser reads the body, and its head is not the request's.
-        self._head = verdict
-        if verdict.chunked:
+        self._request = request
+        if chunked:
             self._chunked = True
             self._framed = False
             self._framing = 0
             self._line = 0
         elif self._chunked:
             self._chunked = False
-        if verdict.upgrade:
+        if upgrade:
             # RFC 9110 7.8: a server may ignore Upgrade and answer in HTTP/1.1.
-            if verdict.length:
-                self._upgrade_framing = b"Content-Length: %d\r\n" % verdict.length
-            elif verdict.chunked:
+            if length:
+                self._upgrade_framing = b"Content-Length: %d\r\n" % length
+            elif chunked:
                 self._upgrade_framing = b"Transfer-Encoding: chunked\r\n"
-        self.head_taken(verdict)
+        self.head_taken(request, length, chunked, continue_asked)
 
     def on_chunk_header(self) -> None:
         self._framed = True
@@ -314,11 +317,11 @@ class Reader(asyncio.Protocol):
             # Not the end: llhttp skipped an upgraded request's body; the
             # fresh parser reads it (see _after_upgrade).
             return
-        head = self._head
-        assert head is not None
+        request = self._request
+        assert request is not None
         body = self._body
         self._body = []
-        self.message_read(head, b"".join(body))
+        self.message_read(request, b"".join(body))
 
 
 def new_parser(reader: Reader) -> httptools.HttpRequestParser:
