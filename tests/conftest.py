@@ -20,6 +20,7 @@ from router.tools.fake import Behaviour, FakeReplica
 # Raw HTTP servers standing in for replicas, for the upstream client's tests.
 from tests.helpers import Serve, free_port, raw_server  # noqa: F401
 from tests.http.harness import Handler, Harness, StartServer, Stub, serving
+from tests.wire import StartRaw, raw_replicas
 
 StartFake = Callable[..., Awaitable[FakeReplica]]
 StartRouter = Callable[..., Awaitable[RouterServer]]
@@ -56,6 +57,13 @@ async def start_server() -> AsyncIterator[StartServer]:
         async def start(handler: Handler | None = None, **settings: Any) -> Harness:
             return await stack.enter_async_context(serving(handler or Stub(), **settings))
 
+        yield start
+
+
+@pytest.fixture
+async def start_raw() -> AsyncIterator[StartRaw]:
+    """Misbehaving replicas, each written for its test, on 127.0.0.1 port 0 (tests/wire.py)."""
+    async with raw_replicas() as start:
         yield start
 
 

@@ -70,7 +70,7 @@ def _error(status: int, message: str, code: str) -> Reply:
 class Stub:
     """The handler: the router's routes, as a stand-in that needs no replica.
 
-    A chat request streams `max_tokens` events (default `tokens`), each after
+    A chat request streams `max_tokens` events (at most `tokens`), each after
     `token_delay` seconds, when it asks for a stream, and is otherwise answered
     whole with that many completion tokens; `gate`, when given, holds every
     answer until it is set. An embeddings request is answered with `padding`
@@ -78,7 +78,7 @@ class Stub:
     """
 
     def __init__(
-        self, *, tokens: int = 2, token_delay: float = 0.0, padding: int = 0, gate: asyncio.Event | None = None
+        self, *, tokens: int = 16, token_delay: float = 0.0, padding: int = 0, gate: asyncio.Event | None = None
     ) -> None:
         self.tokens = tokens
         self.token_delay = token_delay
@@ -119,8 +119,8 @@ class Stub:
             writer.answer(_error(404, f"The model {model!r} does not exist.", "model_not_found"))
             return
         assert isinstance(obj, dict)
-        tokens = obj.get("max_tokens")
-        count = tokens if isinstance(tokens, int) and 0 < tokens <= 1000 else self.tokens
+        wanted = obj.get("max_tokens")
+        count = min(wanted, self.tokens) if isinstance(wanted, int) and wanted > 0 else self.tokens
         if path == "/v1/embeddings":
             body = orjson.dumps({"object": "list", "data": [], "pad": "x" * self.padding})
             writer.answer(Reply(200, body, [JSON]))

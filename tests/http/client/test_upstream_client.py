@@ -1,6 +1,6 @@
-"""The upstream client (router/http/client.py) against replicas that misbehave.
+"""The upstream client (router/http/client/) against replicas that misbehave.
 
-Each replica is a real socket on 127.0.0.1 (tests/http/test_client.py's
+Each replica is a real socket on 127.0.0.1 (tests/helpers.py's
 RawServer) that sends exact bytes at exact moments: answers nobody asked
 for, two answers for one request, answers cut short, trailers, silence in
 the middle of a body, heads without end, a protocol switch. Whatever a

@@ -1,9 +1,9 @@
-"""The upstream client (router/http/client.py) against hand-written HTTP servers.
+"""The upstream client (router/http/client/) against hand-written HTTP servers.
 
 Each server is a real socket on 127.0.0.1 that answers with exact bytes, so
 the framing cases that aiohttp's client used to cover for us are pinned here:
 lengths, chunks, bodies ended by close, interim answers, keep-alive reuse
-(its race: tests/http/conformance/test_upstream_client.py), idle expiry,
+(its race: tests/http/client/test_upstream_client.py), idle expiry,
 back-pressure, garbage.
 """
 
