@@ -94,6 +94,11 @@ class Parsed:
     def connection_options(self) -> set[bytes]:
         return {token.strip().lower() for value in self.values(b"connection") for token in value.split(b",")}
 
+    def asks_for_100(self) -> bool:
+        """Expect is a list (RFC 9110 10.1.1), and a 1xx is for HTTP/1.1 and later only (15.2)."""
+        members = {token.strip().lower() for value in self.values(b"expect") for token in value.split(b",")}
+        return self.version >= b"1.1" and b"100-continue" in members
+
     @property
     def origin_form(self) -> bytes:
         """The target as the router forwards it: no fragment, and an absolute form made
@@ -620,10 +625,10 @@ def disagreements(ref: Reference, got: Observed, forwarding: Callable[[Parsed, A
         problems.append(f"bytes after the last whole answer: {got.leftover[:200]!r}")
     if any(not answer.complete for answer in answers):
         problems.append("an answer ended before its end")
-    # RFC 9110 10.1.1 and 15.2: only an HTTP/1.1 request that asks for it may
-    # get a 100 (Continue); h11 waits for the body of no other.
+    # RFC 9110 10.1.1 and 15.2: only an HTTP/1.1 (or later) request that asks
+    # for it may get a 100 (Continue); h11 waits for the body of no other.
     heads = [*ref.requests, *([ref.unfinished] if ref.unfinished is not None else [])]
-    asked = [p for p in heads if p.version == b"1.1" and b"100-continue" in {v.lower() for v in p.values(b"expect")}]
+    asked = [p for p in heads if p.asks_for_100()]
     if got.interim > len(asked):
         problems.append(f"{got.interim} interim answers to {len(asked)} requests that asked for a 100 (Continue)")
     if accepted > n:

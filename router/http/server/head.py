@@ -208,7 +208,9 @@ def judge(
             # A list (RFC 9110 5.6.1): OWS around elements, empty elements ignored.
             codings += [c.strip(b" \t") for c in value.lower().split(b",") if c.strip(b" \t")]
         elif kind == _F_EXPECT:
-            expect = value.lower() == b"100-continue"
+            # A list (RFC 9110 10.1.1), over one field or several: 100-continue
+            # among its members asks for a 100 whatever else it asks.
+            expect = expect or b"100-continue" in [e.strip(b" \t") for e in value.lower().split(b",")]
         elif kind == _F_CONNECTION:
             connection = value.lower() if connection is None else connection + b"," + value.lower()
         elif kind == _F_UPGRADE:

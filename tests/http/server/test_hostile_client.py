@@ -41,6 +41,21 @@ async def test_100_continue_is_sent_only_when_its_request_is_the_one_answered(st
         assert final.status == 200 and final.json()["object"] == "chat.completion"
 
 
+@pytest.mark.parametrize("expect", [b"Expect: 100-continue\r\nExpect: nope\r\n", b"Expect: nope, 100-Continue\r\n"])
+async def test_100_continue_among_other_expectations_gets_its_100(start_server: StartServer, expect: bytes) -> None:
+    """Expect is a list (RFC 9110 10.1.1): a client that asks for 100-continue among other
+    members, or in another Expect field, waits for the 100 before it sends its body."""
+    stub = Stub()
+    server = await start_server(stub, body_timeout=0.5)
+    body = orjson.dumps(CHAT)
+    async with await Wire.open(server.address) as wire:
+        wire.send(post(body, extra=expect)[: -len(body)])
+        assert (await wire.answer()).status == 100
+        wire.send(body)
+        assert (await wire.answer()).status == 200
+    assert [seen.body for seen in stub.inference] == [body]
+
+
 async def test_a_parse_error_behind_a_running_request_is_answered_after_it(start_server: StartServer) -> None:
     stub = Stub(tokens=4, token_delay=0.05)
     server = await start_server(stub)
