@@ -24,10 +24,12 @@ if TYPE_CHECKING:
 class Connection(Reader):
     """One keep-alive connection to a replica; one request at a time."""
 
+    # Set when the connection is made, before the connection is handed out.
+    transport: asyncio.Transport
+
     def __init__(self, client: Client, origin: Origin) -> None:
         super().__init__(client)
         self.origin = origin
-        self.transport: asyncio.Transport | None = None
         self.paused = False
         # Part of the request still waits in the transport's buffer: the
         # transport's high-water mark is 0, so it says so the moment a write
@@ -52,9 +54,8 @@ class Connection(Reader):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
         self.transport.set_write_buffer_limits(0)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            self.readable.register(sock.fileno(), select.POLLIN)
+        # (A stream transport, plain or TLS, under asyncio or uvloop, has its socket.)
+        self.readable.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
 
     def pause_writing(self) -> None:
         self.sending = True
@@ -65,7 +66,7 @@ class Connection(Reader):
     def eof_received(self) -> bool:
         # Not fed to the parser: a body delimited by the end of the connection
         # ends in connection_lost, and feed_data(b"") only yields on_body(b"").
-        if self.sending and self.state is _ACTIVE and self.transport is not None:
+        if self.sending and self.state is _ACTIVE:
             # The replica hung up before the request had gone out whole. A
             # close would go on writing the rest to no one, and once that
             # was done the request would look sent; an abort drops it now,
@@ -78,8 +79,7 @@ class Connection(Reader):
         self.state = _CLOSED
         self.head_due = 0.0
         if state is _BODY:
-            if self._body:
-                self._flush()
+            # (Body bytes of a read are handed on at its end: none are left here.)
             response = self.response
             assert response is not None
             # A body without a length ends with the connection (RFC 9112 6.3):
@@ -108,19 +108,19 @@ class Connection(Reader):
     # Flow control --------------------------------------------------------------------
 
     def pause(self) -> None:
-        if not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
+        """The answer's reader is full (Response._feed): no more is read until it takes some.
+        (Called once per read at most, and reading stops at once: never twice in a row.)"""
+        self.paused = True
+        self.transport.pause_reading()
 
     def resume(self) -> None:
-        if self.paused and self.transport is not None and self.state is not _CLOSED:
+        if self.paused and self.state is not _CLOSED:
             self.paused = False
             self.transport.resume_reading()
 
     # The client's side ---------------------------------------------------------------
 
     def send(self, data: bytes, head_timeout: float | None) -> asyncio.Future[Response]:
-        assert self.transport is not None
         assert self.state is _IDLE, self
         loop = self.loop
         self.state = _ACTIVE
@@ -173,8 +173,7 @@ class Connection(Reader):
         if self.state is not _CLOSED:
             self.state = _CLOSED
             self.head_due = 0.0
-            if self.transport is not None:
-                self.transport.close()
+            self.transport.close()
             self.client.forget(self)
 
     def abandon(self) -> None:
@@ -187,8 +186,7 @@ class Connection(Reader):
         if self.state is not _CLOSED:
             self.state = _CLOSED
             self.head_due = 0.0
-            if self.transport is not None:
-                self.transport.abort()
+            self.transport.abort()
             self.client.forget(self)
 
     def _switched(self) -> None:
@@ -217,7 +215,7 @@ class Connection(Reader):
             if head is not None and not head.done():
                 head.set_exception(error)
             elif self.response is not None:
-                # A no-op if the answer was already complete.
+                # In its body: the answer ends broken.
                 self.response._finish(error)
         self._body.clear()
         self.abort()

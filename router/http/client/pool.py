@@ -82,7 +82,6 @@ class Client:
         # One write for a small request; a big body is not copied into the head.
         future = connection.send(head + body if len(body) < 65536 else head, head_timeout)
         if len(body) >= 65536:
-            assert connection.transport is not None
             connection.transport.write(body)
         try:
             return await future
@@ -186,11 +185,10 @@ class Client:
         return self.now + timeout + self._every
 
     def watch(self) -> None:
-        """Make sure the sweep runs: a request is in progress."""
-        if self.watching is None:
-            loop = asyncio.get_running_loop()
-            self.now = loop.time()
-            self.watching = loop.call_later(self._every, self._watch_in_progress)
+        """Start the sweep, which is not running (`watching` is None): a request is in progress."""
+        loop = asyncio.get_running_loop()
+        self.now = loop.time()
+        self.watching = loop.call_later(self._every, self._watch_in_progress)
 
     def _watch_in_progress(self) -> None:
         """Fail heads past their deadline, and end bodies whose replica went quiet: one sweep

@@ -81,9 +81,6 @@ class State(enum.Enum):
     DONE = "done"
     CLOSED = "closed"
 
-    def __repr__(self) -> str:
-        return f"State.{self.name}"
-
 
 # Module-level names: the per-read state checks are one global load and an `is`.
 _IDLE = State.IDLE
@@ -161,14 +158,6 @@ class Reader(asyncio.Protocol):
             if self.state is not _CLOSED:  # else a callback has already stopped it
                 self._fail("invalid_response", self._broken(f"the replica's answer is not valid HTTP: {exc}"))
             return
-        except httptools.HttpParserUpgrade:
-            # No HttpParserError, so it would escape to asyncio (a traceback
-            # in the log). on_headers_complete stops a 101 before llhttp
-            # raises this: a safety net.
-            self._body.clear()
-            if self.state is not _CLOSED:
-                self._switched()
-            return
         if self._body:
             self._framing_bytes = 0
             self._flush()
@@ -201,15 +190,17 @@ class Reader(asyncio.Protocol):
         body = self._body
         piece = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
-        # Never an empty piece: downstream, b"" is framed as a chunked last-chunk.
-        if piece and self.response is not None:
-            self.response._feed(piece)
+        # (Body bytes come only after the head, and llhttp hands no empty span:
+        # downstream, b"" would be a chunked last-chunk, and every writer drops it.)
+        assert self.response is not None
+        self.response._feed(piece)
 
     def _stray(self, state: State) -> None:
-        """Bytes with no request waiting for them: never parsed as the next answer."""
+        """Bytes with no request waiting for them (IDLE, or DONE: a closed connection is
+        read no more): never parsed as the next answer."""
         if state is _IDLE:
             self._fail("unsolicited_bytes", None, "bytes arrived on an idle connection")
-        elif state is _DONE:
+        else:
             self._fail("bytes_after_answer", None, "bytes arrived after the end of the answer")
 
     # httptools callbacks ---------------------------------------------------------

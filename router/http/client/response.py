@@ -104,8 +104,7 @@ class Response:
         self._wake()
 
     def _finish(self, error: ConnectionBroken | None = None) -> None:
-        if self._done:
-            return
+        # (Once: at its end, or when its connection fails in its body.)
         self._done = True
         self._error = error
         self._wake()

@@ -141,8 +141,8 @@ class Connection(Intake):
             self._continue_owed = False
             write_continue(self.transport)
             self._arm(self.server.body_timeout, _D_BODY)
-        elif self.reading is _R_IDLE:
-            self._arm(self.server.keepalive_timeout, _D_IDLE)
+        # (A request arriving has its deadline already; none arriving, and nothing
+        # queued or owed, is the usual end, above.)
 
     def _answer_owed(self) -> None:
         owed, self.owed = self.owed, None
@@ -160,10 +160,8 @@ class Connection(Intake):
         body begun in the read that queued a request has no deadline until here,
         nor has the window in which a refused body is read and dropped.
         """
-        if self.transport is not None:
-            self.transport.resume_reading()
-        if self._deadline:
-            return
+        self.transport.resume_reading()
+        # (Nothing arms a read deadline while a request is queued.)
         reading = self.reading
         if reading is _R_HEAD:
             self._arm(self.server.header_timeout, _D_HEAD)
@@ -175,7 +173,7 @@ class Connection(Intake):
     async def drain(self) -> None:
         """Wait until the client took enough of its answer; WriteStalled when it takes nothing for long."""
         transport = self.transport
-        if transport is None or transport.is_closing() or self.answering is _A_CLOSED:
+        if transport.is_closing() or self.answering is _A_CLOSED:
             raise ConnectionResetError("the client went away")
         if self.flow.paused:
             server = self.server
@@ -197,8 +195,7 @@ class Connection(Intake):
                 "write_stall", f"{self!r} took none of its answer for {server.write_stall_timeout:g} s"
             )
             flow.fail(WriteStalled("the client read nothing of its answer"))
-            if self.transport is not None:
-                self.transport.abort()
+            self.transport.abort()
             return
         if not 0.0 < self._deadline < now:
             return
@@ -208,13 +205,11 @@ class Connection(Intake):
             # A head that never ended: no answer is owed; the slot is freed.
             server.protocol_errors.record("head_timeout", f"{self!r} sent no whole head in time")
             if self.answering is _A_IDLE and not self.pending:
-                if self.transport is not None:
-                    self.transport.abort()
+                self.transport.abort()
             else:
                 # The requests before it are answered first; then the connection closes.
                 self.reading = _READING_ON_STOP[self.reading]
-                if self.transport is not None:
-                    self.transport.pause_reading()
+                self.transport.pause_reading()
         elif kind is _D_BODY:
             self.refuse(
                 Refusal(408, "body_timeout", f"The request body did not arrive within {server.body_timeout:g} s.")
@@ -224,7 +219,8 @@ class Connection(Intake):
                 self.close()
             else:
                 self.reading = _READING_ON_STOP[self.reading]
-        elif self.answering is _A_IDLE:
+        else:
+            # An idle keep-alive connection's (armed only while nothing is answered).
             self.close()
 
     def close(self) -> None:
@@ -233,7 +229,7 @@ class Connection(Intake):
         self._disarm()
         self.answering = _ANSWERING_ON_CLOSE[self.answering]
         transport = self.transport
-        if transport is None or transport.is_closing():
+        if transport.is_closing():
             return
         if transport.get_write_buffer_size():
             # close() would wait for the client to read it, perhaps forever.

@@ -27,9 +27,6 @@ class Deadline(enum.IntEnum):
     IDLE = 3
     DISCARD = 4
 
-    def __repr__(self) -> str:
-        return f"Deadline.{self.name}"
-
 
 class Watched(Protocol):
     """A connection as the sweep sees it."""

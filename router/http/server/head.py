@@ -285,10 +285,8 @@ def target_for_handler(target: bytes) -> bytes:
 
 def _origin_form(target: bytes) -> bytes:
     """`http://host/path?q` as `/path?q`: a server MUST accept the absolute form (RFC 9112 3.2.2)."""
-    scheme_end = target.find(b"://")
-    if scheme_end < 0:
-        return target
-    rest = target[scheme_end + 3 :]
+    # (llhttp takes a target that starts with a letter only as scheme "://" ...)
+    rest = target[target.index(b"://") + 3 :]
     ends = [i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0]
     if not ends:
         return b"/"

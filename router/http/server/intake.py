@@ -84,9 +84,11 @@ class Intake(Reader):
 
     __slots__ = ("_backlog", "_continue_owed", "answering", "owed", "peer", "pending", "transport")
 
+    # Set when the connection is made, before anything is read or written.
+    transport: asyncio.Transport
+
     def __init__(self, server: Server) -> None:
         super().__init__(server)
-        self.transport: asyncio.Transport | None = None
         # The client's address, "host:port", read once when the connection is made.
         self.peer = ""
         self.answering = _A_IDLE
@@ -102,8 +104,7 @@ class Intake(Reader):
 
     def __repr__(self) -> str:
         return (
-            f"<Connection {self.peer or '?'} reading={self.reading.name.lower()} "
-            f"answering={self.answering.name.lower()} pending={len(self.pending)}"
+            f"<Connection {self.peer or '?'} {self.reading!r} {self.answering!r} pending={len(self.pending)}"
             f"{' doomed' if self.owed is not None else ''}>"
         )
 
@@ -296,10 +297,9 @@ class Intake(Reader):
             self._start(request)
         else:
             self.pending.append(request)
-            if self.transport is not None:
-                # A client pipelining ahead waits for its answers: at most two
-                # bodies of max_body_bytes are held per connection.
-                self.transport.pause_reading()
+            # A client pipelining ahead waits for its answers: at most two
+            # bodies of max_body_bytes are held per connection.
+            self.transport.pause_reading()
 
     def discarded(self) -> None:
         """A refused body ended: the connection closes once its answers are out."""
@@ -341,7 +341,6 @@ class Intake(Reader):
         else:
             self.reading = _READING_ON_REFUSED[self.reading]
             self._disarm()
-            if self.transport is not None:
-                self.transport.pause_reading()
+            self.transport.pause_reading()
         if self.answering is _A_IDLE and not self.pending:
             self._answer_owed()

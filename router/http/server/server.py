@@ -95,6 +95,5 @@ class Server:
         await asyncio.gather(*tasks, return_exceptions=True)
         self.sweep.stop()
         for connection in list(self.connections):
-            if connection.transport is not None:
-                connection.transport.abort()
+            connection.transport.abort()
         await asyncio.sleep(0)

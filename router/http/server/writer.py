@@ -28,10 +28,9 @@ if TYPE_CHECKING:
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
-def write_continue(transport: asyncio.Transport | None) -> None:
-    """The 100 (Continue) a request asked for, once it is the one being answered."""
-    if transport is not None and not transport.is_closing():
-        transport.write(CONTINUE)
+def write_continue(transport: asyncio.Transport) -> None:
+    """The 100 (Continue) a request asked for, once it is the one being answered (its connection open)."""
+    transport.write(CONTINUE)
 
 
 class Phase(enum.Enum):
@@ -106,7 +105,7 @@ class Http11Writer:
             raise RuntimeError(f"an answer was already {'begun' if self.phase is STREAMING else 'written'}")
         self.phase = DONE
         transport = self._transport
-        if transport is None or transport.is_closing():
+        if transport.is_closing():
             return
         status = reply.status
         body = reply.body
@@ -162,7 +161,7 @@ class Http11Writer:
             self.keep_alive = False
         framing += self._persistence()
         transport = self._transport
-        if transport is not None and not transport.is_closing():
+        if not transport.is_closing():
             headers = [*headers, (b"X-Request-Id", self._request_id)]
             transport.write(frame_head(status, reason, headers, framing + b"\r\n"))
 
@@ -171,7 +170,7 @@ class Http11Writer:
         if self.phase is not STREAMING:
             raise RuntimeError("write() outside a started, unfinished stream")
         transport = self._transport
-        if transport is None or transport.is_closing():
+        if transport.is_closing():
             return True
         if not data or self._no_body:
             # An empty piece would be a chunked body's last-chunk; a body on a
@@ -195,7 +194,7 @@ class Http11Writer:
         if self.phase is not STREAMING:
             raise RuntimeError("body_sink() outside a started, unfinished stream")
         transport = self._transport
-        if transport is None or self._no_body or self._left >= 0 or not self._chunked or self.meter is not None:
+        if self._no_body or self._left >= 0 or not self._chunked or self.meter is not None:
             return self.write
         flow = self._flow
 
@@ -221,7 +220,7 @@ class Http11Writer:
             return
         self.phase = DONE
         transport = self._transport
-        if self._chunked and transport is not None and not transport.is_closing():
+        if self._chunked and not transport.is_closing():
             transport.write(b"0\r\n\r\n")
 
     def abort(self, last_words: bytes = b"") -> None:
