@@ -64,10 +64,9 @@ class Response:
             size = len(name)
             if size == 14:
                 if name.lower() == b"content-length":
-                    try:
-                        self.content_length = int(value)
-                    except ValueError:
-                        self.content_length = None
+                    # llhttp has checked the digits; leading zeros are no part of the
+                    # value (RFC 9110 8.6), and int() reads at most 4,300 digits.
+                    self.content_length = int(value.lstrip(b"0") or b"0")
             elif size == 17 and name.lower() == b"transfer-encoding":
                 coding = value if coding is None else coding + b", " + value
         # Every Transfer-Encoding field's value, joined as one list.

@@ -201,7 +201,9 @@ def judge(
             hosts += 1
             host = value
         elif kind == _F_LENGTH:
-            length = int(value)  # llhttp has checked the digits
+            # llhttp has checked the digits; leading zeros are no part of the
+            # value (RFC 9110 8.6), and int() reads at most 4,300 digits.
+            length = int(value.lstrip(b"0") or b"0")
         elif kind == _F_CODINGS:
             if codings is None:
                 codings = []

@@ -242,3 +242,13 @@ async def test_a_head_past_its_deadline_fails_its_request_and_drops_its_connecti
     # The late connection is gone; the answered one is kept for the next request.
     assert client.open_connections == 1
     assert answered.is_set()
+
+
+async def test_a_content_length_of_thousands_of_leading_zeros_is_the_answers_length(
+    raw_server: StartRaw, client: Client
+) -> None:
+    raw = await raw_server(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: " + b"0" * 5000 + b"5\r\n\r\nhello"))
+    resp = await client.request(raw.origin, HEAD, b"{}")
+    assert resp.content_length == 5
+    assert await resp.read() == b"hello"
+    resp.release()

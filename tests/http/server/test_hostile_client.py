@@ -596,3 +596,14 @@ async def test_whitespace_and_empty_elements_around_chunked_are_chunked(
         listing = await wire.answer()
         assert listing.status == 200 and listing.json()["object"] == "list"
     assert [seen.body for seen in stub.inference] == [_CHAT_BODY]
+
+
+async def test_a_content_length_of_thousands_of_leading_zeros_is_read(start_server: StartServer) -> None:
+    """RFC 9110 8.6: Content-Length is 1*DIGIT, leading zeros and all, more than int() reads at once."""
+    stub = Stub()
+    server = await start_server(stub)
+    body = orjson.dumps(CHAT)
+    async with await Wire.open(server.address) as wire:
+        wire.send(post(body).replace(b"Content-Length: ", b"Content-Length: " + b"0" * 5000))
+        assert (await wire.answer()).status == 200
+    assert [seen.body for seen in stub.inference] == [body]
