@@ -97,3 +97,42 @@ def test_a_head_is_judged_as_h11_reads_it(data: bytes, cut: int) -> None:
 def test_a_refused_method_is_told_apart_from_bytes_that_are_no_request(data: bytes, unknown: bool) -> None:
     """llhttp refuses both; a method token in a request line is 501, anything else 400."""
     assert unknown_method(data) is unknown
+
+
+def test_transfer_codings_over_several_fields_are_one_list() -> None:
+    """RFC 9110 5.3: fields of one name are one list: gzip then chunked is a coding the router
+    does not decode (501), chunked then chunked is chunked twice (400)."""
+    gzip_chunked = read(b"POST / HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert isinstance(gzip_chunked, Refusal) and (gzip_chunked.status, gzip_chunked.reason) == (
+        501,
+        "transfer_encoding",
+    )
+    twice = read(b"POST / HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert isinstance(twice, Refusal) and (twice.status, twice.reason) == (400, "transfer_encoding")
+    assert repr(twice) == "<Refusal 400 transfer_encoding: Transfer-Encoding 'chunked, chunked' applies chunked twice.>"
+
+
+def test_every_field_a_handler_asked_for_is_picked_out_of_the_head() -> None:
+    head = read(
+        b"GET / HTTP/1.1\r\nHost: r\r\nx-session-id: s\r\nX-Other: o\r\nX-TENANT: t\r\n\r\n",
+        Rules([b"X-Session-Id", b"x-tenant"]),
+    )
+    assert isinstance(head, tuple)
+    assert head[0].captured == {b"x-session-id": b"s", b"x-tenant": b"t"}
+
+
+def test_an_absolute_form_target_without_a_path_is_the_root() -> None:
+    """RFC 9112 3.2.2 and 3.2.1: http://host means the origin's root, /."""
+    for target, expected in ((b"http://router", b"/"), (b"HTTP://router?x=1", b"/?x=1"), (b"http://r/a#f", b"/a")):
+        head = read(b"GET " + target + b" HTTP/1.1\r\nHost: router\r\n\r\n")
+        assert isinstance(head, tuple) and head[0].target == expected, target
+
+
+def test_the_hosts_found_valid_are_remembered_up_to_a_bound() -> None:
+    """A client that sends a new Host on every request is judged every time, and costs no memory."""
+    rules = Rules()
+    for i in range(300):
+        assert isinstance(read(b"GET / HTTP/1.1\r\nHost: h%d.example\r\n\r\n" % i, rules), tuple)
+    assert len(rules.hosts) == 256
+    refused = read(b"GET / HTTP/1.1\r\nHost: a/b\r\n\r\n", rules)
+    assert isinstance(refused, Refusal) and refused.reason == "host"

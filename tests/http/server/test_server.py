@@ -11,6 +11,7 @@ tests/gateway/test_client_port.py.)
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import orjson
 
@@ -18,6 +19,7 @@ from router.http.messages import Reply, Request
 from router.http.writer import Writer
 from tests.helpers import CHAT
 from tests.http.harness import StartServer, Stub
+from tests.wire import Wire
 
 
 def request(body: bytes, *, version: bytes = b"1.1", extra: bytes = b"") -> bytes:
@@ -188,3 +190,117 @@ async def test_the_writer_keeps_the_framing_rules_whatever_the_handler_does(star
     answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: aborted
     assert answer.endswith(b"\r\n\r\n12345") and b"content-length: 10" in answer.lower()
     writer.close()
+
+
+async def test_the_writer_refuses_what_would_break_its_framing(start_server: StartServer) -> None:
+    """A second head, a piece past the declared length, a sink or an end outside a stream, a
+    piece after the end: each a RuntimeError to the handler, and the answer stays well framed."""
+    errors: list[str] = []
+
+    def refused(attempt: Callable[[], object]) -> None:
+        try:
+            attempt()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    async def handler(request: Request, writer: Writer) -> None:
+        kind = request.path.strip("/")
+        assert not writer.started
+        if kind == "head-twice":
+            writer.start(200, b"OK", [])
+            refused(lambda: writer.start(200, b"OK", []))
+            writer.end()
+        elif kind == "past-length":
+            writer.start(200, b"OK", [], length=3)
+            refused(lambda: writer.write(b"too long"))
+            writer.write(b"abc")
+            writer.end()
+        elif kind == "outside":
+            refused(writer.body_sink)
+            refused(writer.end)
+            writer.answer(Reply(200, b"ok", []))
+        else:
+            writer.start(200, b"OK", [])
+            sink = writer.body_sink()
+            sink(b"")  # (no last-chunk from an empty piece)
+            sink(b"a")
+            writer.end()
+            refused(lambda: sink(b"b"))
+        assert writer.started
+
+    server = await start_server(handler)
+    async with await Wire.open(server.address) as wire:
+        wire.send(
+            b"".join(
+                b"GET /%s HTTP/1.1\r\nHost: x\r\n\r\n" % k for k in (b"head-twice", b"past-length", b"outside", b"sink")
+            )
+        )
+        answers = [await wire.answer() for _ in range(4)]
+    assert [(a.status, a.body, a.complete) for a in answers] == [
+        (200, b"", True),
+        (200, b"abc", True),
+        (200, b"ok", True),
+        (200, b"a", True),
+    ]
+    assert len(errors) == 5
+
+
+async def test_what_a_handler_writes_after_its_client_left_goes_nowhere(start_server: StartServer) -> None:
+    """A handler answering in its cleanup, once its client is gone: nothing is written and nothing
+    raised, whether a whole answer or a stream (whose writes say the client takes no more)."""
+    said: list[bool] = []
+    done = asyncio.Event()
+    began = asyncio.Event()
+
+    async def handler(request: Request, writer: Writer) -> None:
+        began.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if request.path == "/whole":
+                writer.answer(Reply(200, b"late", []))
+            else:
+                writer.start(200, b"OK", [])
+                said.append(writer.write(b"late"))
+                said.append(writer.body_sink()(b"late"))
+                writer.end()
+            done.set()
+            raise
+
+    server = await start_server(handler)
+    for path in (b"/whole", b"/stream"):
+        began.clear()
+        done.clear()
+        async with await Wire.open(server.address) as wire:
+            wire.send(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.wait_for(began.wait(), 5)
+        await asyncio.wait_for(done.wait(), 5)
+    assert said == [True, True]
+
+
+async def test_an_http_1_0_stream_of_known_length_keeps_a_keep_alive_connection(start_server: StartServer) -> None:
+    async def handler(request: Request, writer: Writer) -> None:
+        writer.start(200, b"OK", [], length=5)
+        writer.write(b"hello")
+        writer.end()
+
+    server = await start_server(handler)
+    async with await Wire.open(server.address) as wire:
+        for _ in range(2):
+            wire.send(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            answer = await wire.answer()
+            assert answer.body == b"hello" and answer.framing == "length"
+            assert answer.header(b"connection") == b"keep-alive"
+
+
+async def test_a_handler_may_close_the_connection_after_its_answer(start_server: StartServer) -> None:
+    async def handler(request: Request, writer: Writer) -> None:
+        writer.close_after()
+        writer.answer(Reply(200, b"bye", []))
+
+    server = await start_server(handler)
+    async with await Wire.open(server.address) as wire:
+        wire.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+        answer = await wire.answer()
+        assert answer.body == b"bye" and answer.header(b"connection") == b"close"
+        assert await wire.closed() == b""
