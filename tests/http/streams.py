@@ -327,7 +327,7 @@ def streams(draw: st.DrawFn) -> bytes:
 _GET_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: r\r\n\r\n"
 
 # One stream per rule, checked by the same verdict as the fuzzed ones. Those
-# marked "router bug" fail until router/http/server.py is fixed; the rest pin
+# marked "router bug" fail until router/http/server/ is fixed; the rest pin
 # each difference allowed above to the case that shows it.
 PINNED = {
     # RFC 9110 7.8: an Upgrade is ignored, its request's body read, the next request read.
