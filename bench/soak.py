@@ -15,7 +15,7 @@ this process, under load from clients that behave and clients that do not:
 - clients: short chats, streams, embeddings, streams the client leaves after
   a few chunks, requests for the cold and the flaky model, each with its own
   `X-Request-Id`;
-- hostile clients on the side, from the conformance tier's repertoire: a
+- hostile clients on the side, from the hostile-client tests' repertoire: a
   slow head, a body that stops, a pipelined burst, garbage, a smuggling
   attempt, a client that leaves mid-body, model names of a megabyte.
 
@@ -35,7 +35,7 @@ It checks, and exits 1 naming each check that failed:
   upstream connections stay below the clients' concurrency;
 - once idle: every upstream connection closed after the keep-alive, nothing
   in flight, file descriptors back to the start's;
-- every hostile client got the answer the conformance tier expects.
+- every hostile client got the answer the hostile-client tests expect.
 
 `--short` (2 minutes, a sample every 10 s, tighter bounds) is what CI runs
 (tests/test_soak.py); the long run's figures are in docs/performance.md.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
@@ -19,6 +20,8 @@ from router.tools.fake import Behaviour, FakeReplica
 
 # Raw HTTP servers standing in for replicas, for the upstream client's tests.
 from tests.helpers import Serve, free_port, raw_server  # noqa: F401
+from tests.http.harness import Handler, Harness, StartServer, Stub, serving
+from tests.wire import StartRaw, raw_replicas
 
 StartFake = Callable[..., Awaitable[FakeReplica]]
 StartRouter = Callable[..., Awaitable[RouterServer]]
@@ -45,6 +48,24 @@ async def start_fake() -> AsyncIterator[StartFake]:
 
 def replica_entry(rid: str, fake: FakeReplica, model: str | None = None, **labels: Any) -> dict[str, Any]:
     return {"id": rid, "model": model or fake.models[0], "url": fake.url, "labels": labels}
+
+
+@pytest.fixture
+async def start_server() -> AsyncIterator[StartServer]:
+    """The client port's server alone, with a stub handler (tests/http/harness.py): no router, no replica."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(handler: Handler | None = None, **settings: Any) -> Harness:
+            return await stack.enter_async_context(serving(handler or Stub(), **settings))
+
+        yield start
+
+
+@pytest.fixture
+async def start_raw() -> AsyncIterator[StartRaw]:
+    """Misbehaving replicas, each written for its test, on 127.0.0.1 port 0 (tests/wire.py)."""
+    async with raw_replicas() as start:
+        yield start
 
 
 @pytest.fixture

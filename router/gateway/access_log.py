@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from contextvars import ContextVar
 
 import orjson
 
@@ -26,7 +27,11 @@ FLUSH_BYTES = 64 * 1024
 
 
 class Entry:
-    """One request's line, filled in as it goes by the proxy, the forwarder and the writer."""
+    """One request's line, filled in as it goes by the proxy, the forwarder and the writer.
+
+    The writer sees it as its meter (router.http's Meter: status, bytes_out);
+    the gateway's code finds it through `current_entry`.
+    """
 
     __slots__ = (
         "attempts",
@@ -85,6 +90,13 @@ class Entry:
                 "outcome": self.outcome,
             }
         )
+
+
+# The entry of the request whose handler runs, set once per logged request in
+# its own task: the proxy and the forwarder fill in their fields without the
+# entry passed down every call, nor hung on the HTTP layer's writer. None while
+# the access log is off (no cost but a lookup).
+current_entry: ContextVar[Entry | None] = ContextVar("current_entry", default=None)
 
 
 # The name a client asked for is its own text, up to the body's size: a line

@@ -14,7 +14,7 @@ from typing import Any
 
 from router.core.config import ModelConfig
 from router.core.picking import affinity_key
-from router.http.server import Request
+from router.http.messages import Request
 
 
 class Affinity:

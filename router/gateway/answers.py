@@ -14,7 +14,7 @@ import orjson
 
 from router.core.errors import ClientFacingError
 from router.http.codings import decoded
-from router.http.server import Reply
+from router.http.messages import Reply
 
 JSON = (b"Content-Type", b"application/json")
 

@@ -27,11 +27,13 @@ from router.core.errors import (
 )
 from router.core.pool import Pool
 from router.core.replicas import Replica
+from router.gateway.access_log import current_entry
 from router.gateway.answers import error_body, error_response, replica_answer
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
 from router.http.codings import StreamDecoder, decoded
 from router.http.headers import RESPONSE_HEADERS
-from router.http.server import Reply, Request, Writer, WriteStalled
+from router.http.messages import Reply, Request
+from router.http.writer import Writer, WriteStalled
 
 log = logging.getLogger("router.gateway.proxy")
 
@@ -251,7 +253,7 @@ class Forwarder:
             # once; a refusal of that second connect is a ConnectFailed.)
             reset = UpstreamResetError(f"Replica {replica.id} failed before its answer: {exc}")
             return self._failed(replica, reset, False)
-        entry = writer.entry
+        entry = current_entry.get()
         try:
             ttfb = time.perf_counter() - began
             self.metrics.observe_first_byte(model, ttfb)
@@ -361,8 +363,8 @@ class Forwarder:
                 self.pool.count_failure(replica, "reset")
                 self.pool.record_failure(replica)
                 log.warning("replica %s broke off an answer: %s", replica.id, exc)
-                if writer.entry is not None:
-                    writer.entry.outcome = "timeout" if isinstance(exc, UpstreamIdle) else "upstream_reset"
+                if (entry := current_entry.get()) is not None:
+                    entry.outcome = "timeout" if isinstance(exc, UpstreamIdle) else "upstream_reset"
                 # A stream under a content coding (gzip) gets no event: plain
                 # text inside the coded bytes would only be garbage to the
                 # client's decoder, where the missing last-chunk says enough.
@@ -380,8 +382,8 @@ class Forwarder:
                 remembering.end()
             writer.end()
         except WriteStalled:
-            if writer.entry is not None:
-                writer.entry.outcome = "stalled"
+            if (entry := current_entry.get()) is not None:
+                entry.outcome = "stalled"
             self.pool.tallies.client_stalled(replica.model)
             log.warning(
                 "cut off a client that read nothing of its %s stream for %gs", replica.model, self._write_stall_timeout
@@ -389,8 +391,8 @@ class Forwarder:
         except ConnectionError:
             # The client went away. Nothing more to send; release() in the
             # caller closes the half-read upstream connection at once.
-            if writer.entry is not None:
-                writer.entry.outcome = "client_gone"
+            if (entry := current_entry.get()) is not None:
+                entry.outcome = "client_gone"
             writer.close_after()
 
     def _failed(self, replica: Replica, error: UpstreamError, retryable: bool) -> Failed:

@@ -37,14 +37,15 @@ from router.core.errors import (
 from router.core.pool import Pool
 from router.core.replicas import Replica
 from router.core.tallies import MAX_NAME_BYTES
-from router.gateway.access_log import AccessLog, Entry
+from router.gateway.access_log import AccessLog, Entry, current_entry
 from router.gateway.affinity import Affinity
 from router.gateway.answers import JSON, error_body, error_response
 from router.gateway.forward import DataPathMetrics, Failed, Forwarder
 from router.gateway.wake import Waker
 from router.http.client import Client
 from router.http.headers import REQUEST_ID, HeaderFilter
-from router.http.server import Reply, Request, Writer
+from router.http.messages import Reply, Request
+from router.http.writer import Writer
 
 
 def parse_request(body: bytes) -> tuple[dict[str, Any], str, bool]:
@@ -152,11 +153,11 @@ def response_id(first_bytes: bytes) -> str | None:
 
 def _answer_failed(writer: Writer, failed: Failed) -> None:
     """The client gets what failed (the replica's own answer, or the router's error); the access log, how."""
-    if writer.entry is not None:
+    if (entry := current_entry.get()) is not None:
         if isinstance(failed.error, UpstreamTimeout):
-            writer.entry.outcome = "timeout"
+            entry.outcome = "timeout"
         elif isinstance(failed.error, UpstreamResetError):
-            writer.entry.outcome = "upstream_reset"
+            entry.outcome = "upstream_reset"
     writer.answer(failed.reply())
 
 
@@ -280,9 +281,7 @@ class Proxy:
         """
         reply = self.keys.refusal(request)
         if reply is not None and self.access_log is not None:
-            entry = Entry(
-                request.request_id.decode("ascii"), request.connection.client, request.method, request.path, 0
-            )
+            entry = Entry(request.request_id.decode("ascii"), request.peer, request.method, request.path, 0)
             entry.status = reply.status
             # The body's bytes, as a stream counts them: the head is the server's to write, later.
             entry.bytes_out = len(reply.body)
@@ -293,8 +292,11 @@ class Proxy:
         """dispatch(), with the request's line written to the access log when it ends."""
         assert self.access_log is not None
         ident = request.request_id.decode("ascii")
-        entry = Entry(ident, request.connection.client, request.method, request.path, len(request.body))
-        writer.entry = entry
+        entry = Entry(ident, request.peer, request.method, request.path, len(request.body))
+        # The writer fills in what it writes (status, bytes); the gateway's own
+        # fields are reached through current_entry, for this request's task only.
+        writer.meter = entry
+        token = current_entry.set(entry)
         try:
             await self.dispatch(request, writer)
         except asyncio.CancelledError:
@@ -306,6 +308,7 @@ class Proxy:
                 entry.status = 500  # what the server answers for a handler that failed
             raise
         finally:
+            current_entry.reset(token)
             self.access_log.write(entry)
 
     async def inference(self, request: Request, writer: Writer) -> None:
@@ -319,8 +322,8 @@ class Proxy:
                 obj, requested, stream = parse_form(body, request.header(b"content-type"))
             else:
                 obj, requested, stream = parse_request(body)
-            if writer.entry is not None:
-                writer.entry.model = requested
+            if (entry := current_entry.get()) is not None:
+                entry.model = requested
             model = self.routes.aliases.get(requested, requested)
             if not self.pool.serves(model) and model not in self.routes.declared and model not in self.pool.ever_served:
                 # Known is declared, or served now or at any time since start:
@@ -358,12 +361,12 @@ class Proxy:
                 writer.answer(Reply(405, body, [JSON, (b"Allow", ", ".join(allowed).encode())]))
                 return
             replica = self._maker_of(ident)
-            if writer.entry is not None:
-                writer.entry.model = writer.entry.served_model = replica.model
+            if (entry := current_entry.get()) is not None:
+                entry.model = entry.served_model = replica.model
             headers = self._forwarded.framed(request.raw_headers)
-            if writer.entry is not None:
-                writer.entry.attempts += 1
-                writer.entry.replica = replica.id
+            if entry is not None:
+                entry.attempts += 1
+                entry.replica = replica.id
             try:
                 failed = await self.forwarder.attempt(
                     request, writer, replica, request.body, headers, replica.model, False
@@ -470,7 +473,7 @@ class Proxy:
         """
         # Framed once for every attempt; only Host and the length differ.
         headers = self._forwarded.framed(request.raw_headers)
-        entry = writer.entry
+        entry = current_entry.get()
         if pinned is not None:
             await self._serve_pinned(request, writer, obj, requested, stream, headers, pinned)
             return
@@ -546,7 +549,7 @@ class Proxy:
         pinned: Replica,
     ) -> None:
         """A request that continues a response: to the replica that made it, and no other."""
-        entry = writer.entry
+        entry = current_entry.get()
         if entry is not None:
             entry.attempts += 1
             entry.served_model = pinned.model
@@ -607,11 +610,11 @@ class Proxy:
                         retry_after=retry_after,
                     )
                 held = hold.held_seconds()
-                if writer.entry is not None:
-                    writer.entry.held_seconds = held
-                    writer.entry.attempts += 1
-                    writer.entry.served_model = model
-                    writer.entry.replica = replica.id
+                if (entry := current_entry.get()) is not None:
+                    entry.held_seconds = held
+                    entry.attempts += 1
+                    entry.served_model = model
+                    entry.replica = replica.id
                 failed = await self.forwarder.attempt(
                     request,
                     writer,

@@ -20,6 +20,11 @@ from prometheus_client.registry import Collector
 # the label set stays bounded whatever a peer sends.
 LOG_EVERY_SECONDS = 60.0
 
+# A protocol error is its connection's or its replica's, never a request's: its
+# line names no request id (router/run/logs.py), even when written in a request's
+# task (the next request read, and refused, as one ends).
+_NO_REQUEST = {"request_id": None}
+
 
 class ProtocolErrors:
     """Counts per reason; the first of each reason per minute is logged with how many were not."""
@@ -46,7 +51,7 @@ class ProtocolErrors:
         self._last_logged[reason] = now
         more = self._unlogged.pop(reason, 0)
         suffix = f" ({more} more since the last such line)" if more else ""
-        self._log.log(self._level if level is None else level, "%s: %s%s", reason, detail, suffix)
+        self._log.log(self._level if level is None else level, "%s: %s%s", reason, detail, suffix, extra=_NO_REQUEST)
 
 
 class ProtocolErrorCollector(Collector):

@@ -172,7 +172,7 @@ class RouterServer(Listening):
                 clock=self.clock,
             )
 
-        # The client port's own HTTP/1.1 server (server.py): the request
+        # The client port's own HTTP/1.1 server (router/http/server/): the request
         # path stays in one protocol object, with no framework per request.
         if config.access_log:
             proxy.access_log = AccessLog(config.access_log)

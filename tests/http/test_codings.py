@@ -62,3 +62,13 @@ def test_a_stream_is_undone_piece_by_piece_up_to_its_bound() -> None:
 @pytest.mark.parametrize("coding", [b"br", b"gzip, gzip"])
 def test_a_stream_in_a_coding_it_cannot_undo_is_unreadable(coding: bytes) -> None:
     assert StreamDecoder(coding, 100).feed(b"\x1f\x8b") is None
+
+
+def test_a_stream_whose_coded_bytes_go_bad_is_unreadable_from_there() -> None:
+    """Bytes that are no deflate data after a good start: the decoder gives what it had, then None."""
+    coded = gzip.compress(TEXT)
+    decoder = StreamDecoder(b"gzip", 1 << 20)
+    start = decoder.feed(coded[:10])
+    assert start == b""
+    assert decoder.feed(b"\xff" * 64) is None
+    assert decoder.feed(coded[10:]) is None

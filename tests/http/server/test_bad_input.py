@@ -1,4 +1,4 @@
-"""Request smuggling vectors on the client port: 400, connection closed, nothing forwarded."""
+"""Request smuggling vectors and slow heads on the client port's server: refused or closed, nothing handled."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.conftest import StartFake, StartRouter, replica_entry
+from tests.http.harness import StartServer, Stub
 
 BODY = b'{"model": "m", "messages": []}'
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
@@ -41,31 +41,27 @@ async def send_raw(host: str, port: int, data: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("name", list(VECTORS))
-async def test_smuggling_vectors_are_refused_and_never_forwarded(
-    start_fake: StartFake, start_router: StartRouter, name: str
-) -> None:
-    fake = await start_fake("m")
-    server = await start_router([replica_entry("r0", fake)])
-    host, port = server.client_address  # type: ignore[misc]
+async def test_smuggling_vectors_are_refused_and_never_forwarded(start_server: StartServer, name: str) -> None:
+    stub = Stub()
+    server = await start_server(stub)
+    host, port = server.address
     answer = await send_raw(host, port, VECTORS[name])
     # A head too large is 431 (RFC 6585); every other vector is malformed framing.
     expected = b"431" if name in ("oversize header", "too many headers") else b"400"
     assert answer.split(b" ", 2)[1] == expected, answer[:200]
-    assert fake.seen == []
+    assert stub.seen == []
 
 
-async def test_a_slowloris_client_is_closed_and_others_keep_their_latency(
-    start_fake: StartFake, start_router: StartRouter
-) -> None:
+async def test_a_slowloris_client_is_closed_and_others_keep_their_latency(start_server: StartServer) -> None:
     import time
 
     import orjson
 
     from tests.helpers import CHAT, post
 
-    fake = await start_fake("m")
-    server = await start_router([replica_entry("r0", fake)], header_timeout_seconds=1.0)
-    host, port = server.client_address  # type: ignore[misc]
+    stub = Stub()
+    server = await start_server(stub, header_timeout=1.0)
+    host, port = server.address
     reader, writer = await asyncio.open_connection(host, port)
     began = time.monotonic()
     closed_after = None
@@ -75,7 +71,7 @@ async def test_a_slowloris_client_is_closed_and_others_keep_their_latency(
             writer.write(bytes([byte]))
             await writer.drain()
             step = time.monotonic()
-            status, _, _ = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+            status, _, _ = await post(f"http://{host}:{port}/v1/chat/completions", orjson.dumps(CHAT))
             assert status == 200
             latencies.append(time.monotonic() - step)
             try:
@@ -91,22 +87,20 @@ async def test_a_slowloris_client_is_closed_and_others_keep_their_latency(
     assert closed_after is not None, "the slow client was never closed"
     assert 1.0 <= closed_after < 3.0
     assert max(latencies) < 0.5
-    assert fake.seen and all(seen.path == "/v1/chat/completions" for seen in fake.seen)
-    assert len(fake.seen) == len(latencies)
+    assert stub.seen and all(seen.path == "/v1/chat/completions" for seen in stub.seen)
+    assert len(stub.seen) == len(latencies)
 
 
-async def test_a_slow_head_after_a_first_request_is_closed_too(
-    start_fake: StartFake, start_router: StartRouter
-) -> None:
+async def test_a_slow_head_after_a_first_request_is_closed_too(start_server: StartServer) -> None:
     import time
 
     import orjson
 
     from tests.helpers import CHAT
 
-    fake = await start_fake("m")
-    server = await start_router([replica_entry("r0", fake)], header_timeout_seconds=1.0)
-    host, port = server.client_address  # type: ignore[misc]
+    stub = Stub()
+    server = await start_server(stub, header_timeout=1.0)
+    host, port = server.address
     reader, writer = await asyncio.open_connection(host, port)
     body = orjson.dumps(CHAT)
     try:
@@ -135,4 +129,4 @@ async def test_a_slow_head_after_a_first_request_is_closed_too(
         writer.close()
     assert closed_after is not None, "the slow second head was never cut off"
     assert 0.9 <= closed_after < 3.0
-    assert len(fake.seen) == 1
+    assert len(stub.seen) == 1

@@ -1,6 +1,6 @@
-"""The upstream client (router/http/client.py) against replicas that misbehave.
+"""The upstream client (router/http/client/) against replicas that misbehave.
 
-Each replica is a real socket on 127.0.0.1 (tests/http/test_client.py's
+Each replica is a real socket on 127.0.0.1 (tests/helpers.py's
 RawServer) that sends exact bytes at exact moments: answers nobody asked
 for, two answers for one request, answers cut short, trailers, silence in
 the middle of a body, heads without end, a protocol switch. Whatever a
@@ -517,13 +517,13 @@ async def test_the_idle_sweep_runs_only_while_a_body_is_in_progress(
 ) -> None:
     raw = await raw_server(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhel"))
     client = make_client(idle_timeout=0.2)
-    assert client._watch is None
+    assert client.watching is None
     resp = await client.request(raw.origin, HEAD, b"{}")
-    assert client._watch is not None
+    assert client.watching is not None
     resp.release()
     # Nothing in progress: the next sweep finds no body and does not rearm.
     await asyncio.sleep(0.15)
-    assert client._watch is None
+    assert client.watching is None
     # Every idle_timeout / 4, within [0.05 s, 5 s].
     assert make_client(idle_timeout=300.0)._watch_every == 5.0
     assert make_client(idle_timeout=0.01)._watch_every == 0.05
@@ -839,14 +839,14 @@ async def test_a_connection_shows_its_origin_and_state(raw_server: StartRaw, mak
     client = make_client()
     resp: Response = await client.request(raw.origin, HEAD, b"{}")
     connection = resp._connection
-    assert repr(connection) == f"<_Connection {raw.origin.key} body>"
+    assert repr(connection) == f"<Connection {raw.origin.key} body>"
     assert await resp.read() == b"hello"
-    assert repr(connection) == f"<_Connection {raw.origin.key} done>"
+    assert repr(connection) == f"<Connection {raw.origin.key} done>"
     resp.release()
-    assert repr(connection) == f"<_Connection {raw.origin.key} idle>"
+    assert repr(connection) == f"<Connection {raw.origin.key} idle>"
     assert client.open_connections == 1
     await client.close()
-    assert repr(connection) == f"<_Connection {raw.origin.key} closed>"
+    assert repr(connection) == f"<Connection {raw.origin.key} closed>"
     assert client.open_connections == 0
 
 

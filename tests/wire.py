@@ -1,4 +1,4 @@
-"""Raw HTTP/1.1 on real sockets, both ways, for the conformance tier.
+"""Raw HTTP/1.1 on real sockets, both ways: hostile clients of the client port, misbehaving replicas.
 
 `Wire` is a client that writes exact bytes to the router and reads each
 answer the way a strict client would: by its Content-Length, by its chunks

@@ -16,7 +16,7 @@ import orjson
 
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.helpers import get_json, samples, scrape, wait_for
-from tests.http.conformance.wire import CHAT, Exchange, StartRaw, Wire, json_answer, post
+from tests.wire import CHAT, Exchange, StartRaw, Wire, json_answer, post
 
 
 def _asking_for(model: str) -> bytes:

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import StartRouter
 from tests.helpers import protocol_errors, wait_for
-from tests.http.conformance.wire import (
+from tests.wire import (
     JSON_OK,
     Exchange,
     StartRaw,

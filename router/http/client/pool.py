@@ -1,0 +1,250 @@
+"""The proxy's own HTTP/1.1 client to the replicas: keep-alive pools per origin, and their sweeps.
+
+aiohttp's ClientSession spends more CPU per request than the whole rest of
+the router (URL objects, cookie and trace machinery, a request object per
+call, a StreamReader per body). A replica speaks plain HTTP/1.1 to one
+proxy, so this client does only that: a pool of keep-alive connections per
+origin, the request written in one `transport.write()`, the response parsed
+by llhttp (httptools), and a stream's chunks handed straight to a sink in
+the protocol callback, with no task switch per chunk. Failures are
+classified for the proxy's retry rules (errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+
+from router.core.origin import Origin
+from router.http.client.connection import Connection
+from router.http.client.errors import ConnectFailed, ConnectionBroken
+from router.http.client.reader import _ACTIVE, _BODY, _IDLE
+from router.http.client.response import Response
+from router.http.protocol_errors import ProtocolErrors
+
+
+class Client:
+    """Keep-alive connection pools, one per origin, for every replica."""
+
+    def __init__(self, *, connect_timeout: float, keepalive_seconds: float, idle_timeout: float = 300.0) -> None:
+        self.connect_timeout = connect_timeout
+        self.keepalive_seconds = keepalive_seconds
+        # Longest silence of a replica in the middle of a body.
+        self.idle_timeout = idle_timeout
+        self._idle: dict[str, list[Connection]] = {}
+        self._all: set[Connection] = set()
+        self._tls: ssl.SSLContext | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        # The one timer that watches every connection with a request in
+        # progress: for its head's deadline, then for the replica's silence in
+        # its body. No timer per request, no clock call per request or chunk:
+        # a deadline is set by the sweep's clock (`now`, one sweep old at most
+        # while the loop keeps time), so that it is never early.
+        self.watching: asyncio.TimerHandle | None = None
+        self.now = 0.0
+        # The silence watch's period; the sweep's own is shorter for a head
+        # deadline shorter than it (head_due).
+        self._watch_every = min(max(idle_timeout / 4, 0.05), 5.0)
+        self._every = self._watch_every
+        self._head_timeout: float | None = None
+        self.protocol_errors = ProtocolErrors(logging.getLogger("router.http.client"), level=logging.WARNING)
+
+    async def request(self, origin: Origin, head: bytes, body: bytes, head_timeout: float | None = None) -> Response:
+        """Send one request (head already framed) and wait for the response head.
+
+        Raises ConnectFailed; HeadTimeout when no head came within
+        `head_timeout` seconds of sending; or ConnectionBroken(before_head=True)
+        when the connection ended or garbled before the head (`answered` if
+        any of an answer had come). A kept-alive connection that the replica
+        closed before the request had gone out whole (`unsent`) is the one
+        break retried, once, on a fresh connection; one the replica had
+        already closed when it was picked is not used at all.
+        """
+        connection = self._reuse(origin)
+        if connection is not None:
+            try:
+                return await self._exchange(connection, head, body, head_timeout)
+            except ConnectionBroken as exc:
+                # A request written whole may have been read and acted on,
+                # answer or not (a POST, a paid generation, a prompt that
+                # kills the engine): never sent again, here or elsewhere.
+                if not exc.unsent:
+                    raise
+                # The keep-alive race: the replica closed the idle connection
+                # before the request had gone out whole. Once more, on a fresh
+                # connection (a refusal now is honest: nothing was sent).
+        connection = await self._connect(origin)
+        return await self._exchange(connection, head, body, head_timeout)
+
+    async def _exchange(self, connection: Connection, head: bytes, body: bytes, head_timeout: float | None) -> Response:
+        # One write for a small request; a big body is not copied into the head.
+        future = connection.send(head + body if len(body) < 65536 else head, head_timeout)
+        if len(body) >= 65536:
+            connection.transport.write(body)
+        try:
+            return await future
+        except BaseException:
+            # Cancelled (client gone, first-byte timeout) or broken: the
+            # connection is mid-request and can never be reused.
+            connection.abandon()
+            raise
+
+    def _reuse(self, origin: Origin) -> Connection | None:
+        idle = self._idle.get(origin.key)
+        if not idle:
+            return None
+        cutoff = time.monotonic() - self.keepalive_seconds
+        while idle:
+            # The most recently used first: the most likely to be open still.
+            connection = idle.pop()
+            # Anything readable on an idle connection ends it: most often the
+            # replica's close, already in the kernel but not yet seen by the
+            # event loop. Found now, it costs nothing; found after the request
+            # went out, it would cost the request (Go's errServerClosedIdle is
+            # the same close, seen by its reader while the connection idles).
+            if connection.idle_since >= cutoff and connection.state is _IDLE and not connection.readable.poll(0):
+                return connection
+            connection.close()
+        return None
+
+    async def _connect(self, origin: Origin) -> Connection:
+        loop = asyncio.get_running_loop()
+        tls: ssl.SSLContext | None = None
+        if origin.tls:
+            if self._tls is None:
+                self._tls = ssl.create_default_context()
+            tls = self._tls
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, protocol = await loop.create_connection(
+                    lambda: Connection(self, origin),
+                    origin.host,
+                    origin.port,
+                    ssl=tls,
+                    server_hostname=origin.host if tls else None,
+                )
+        except TimeoutError as exc:
+            raise ConnectFailed(f"no connection within {self.connect_timeout:g} s") from exc
+        except OSError as exc:
+            raise ConnectFailed(str(exc) or type(exc).__name__) from exc
+        if protocol.state is not _IDLE:
+            # Between the connection and this line the replica spoke first
+            # (counted, closed) or hung up: nothing was sent yet.
+            raise ConnectFailed("the connection ended before the request went out")
+        self._all.add(protocol)
+        return protocol
+
+    def idle_again(self, connection: Connection) -> None:
+        connection.idle_since = time.monotonic()
+        self._idle.setdefault(connection.origin.key, []).append(connection)
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(self.keepalive_seconds, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close connections idle longer than the keep-alive, before the replica does.
+
+        Each origin's list is replaced before any of its connections is
+        closed: close() takes a connection out of the list it is in, and a
+        list changed while it is walked skips every other connection, which
+        then stays open for good. The next sweep is due when the oldest
+        connection left reaches the keep-alive (each list is in the order
+        its connections went idle), not a whole period later, so none
+        outlives it by more than a timer's lateness.
+        """
+        self._sweeper = None
+        now = time.monotonic()
+        cutoff = now - self.keepalive_seconds
+        stale: list[Connection] = []
+        due: float | None = None
+        for key, idle in list(self._idle.items()):
+            keep = [c for c in idle if c.idle_since > cutoff and c.state is _IDLE]
+            if len(keep) < len(idle):
+                stale.extend(c for c in idle if c.idle_since <= cutoff or c.state is not _IDLE)
+            if keep:
+                self._idle[key] = keep
+                oldest = keep[0].idle_since
+                due = oldest if due is None else min(due, oldest)
+            else:
+                del self._idle[key]
+        for connection in stale:
+            connection.close()
+        if due is not None:
+            delay = max(due + self.keepalive_seconds - now, 0.0)
+            self._sweeper = asyncio.get_running_loop().call_later(delay, self._sweep)
+
+    def head_due(self, timeout: float) -> float:
+        """When a head asked for now is late, by the sweep's clock: `timeout` from now at least,
+        and about a sweep more (checked every timeout / 4, within [0.05 s, 1 s])."""
+        if timeout != self._head_timeout:
+            self._head_timeout = timeout
+            self._every = min(self._watch_every, max(0.05, min(1.0, timeout / 4)))
+        if self.watching is None:
+            self.watch()
+        return self.now + timeout + self._every
+
+    def watch(self) -> None:
+        """Start the sweep, which is not running (`watching` is None): a request is in progress."""
+        loop = asyncio.get_running_loop()
+        self.now = loop.time()
+        self.watching = loop.call_later(self._every, self._watch_in_progress)
+
+    def _watch_in_progress(self) -> None:
+        """Fail heads past their deadline, and end bodies whose replica went quiet: one sweep
+        for every connection with a request in progress.
+
+        A connection in its body counts its reads; a count unchanged since the
+        last sweep is silence, timed from the sweep that first saw it unchanged
+        (so never cut before `idle_timeout`, at most two sweeps after). A
+        paused connection is waiting for the proxy's client, not the replica:
+        skipped, and its quiet time starts afresh once resumed.
+        """
+        self.watching = None
+        busy = [c for c in self._all if c.state is _BODY or (c.head_due and c.state is _ACTIVE)]
+        if not busy:
+            return  # no timer while no request is in progress
+        loop = asyncio.get_running_loop()
+        self.now = now = loop.time()
+        limit = self.idle_timeout
+        late: list[Connection] = []
+        quiet: list[Connection] = []
+        for connection in busy:
+            if connection.state is _ACTIVE:
+                if connection.head_due < now:
+                    late.append(connection)
+            elif connection.paused:
+                connection.seen_reads = -1
+            elif connection.reads != connection.seen_reads:
+                connection.seen_reads = connection.reads
+                connection.quiet_since = now
+            elif now - connection.quiet_since > limit:
+                quiet.append(connection)
+        for connection in late:
+            connection.head_late()
+        for connection in quiet:
+            connection.went_quiet(limit)
+        self.watching = loop.call_later(self._every, self._watch_in_progress)
+
+    def forget(self, connection: Connection) -> None:
+        self._all.discard(connection)
+        idle = self._idle.get(connection.origin.key)
+        if idle and connection in idle:
+            idle.remove(connection)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._all)
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        if self.watching is not None:
+            self.watching.cancel()
+            self.watching = None
+        for connection in list(self._all):
+            connection.close()
+        self._idle.clear()
+        # One loop turn so that the transports' close callbacks run.
+        await asyncio.sleep(0)
