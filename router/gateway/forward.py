@@ -14,10 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import quote
-
-from prometheus_client import CollectorRegistry, Histogram
 
 from router.core.errors import (
     UpstreamConnectError,
@@ -29,13 +26,14 @@ from router.core.pool import Pool
 from router.core.replicas import Replica
 from router.gateway.access_log import current_entry
 from router.gateway.answers import error_body, error_response, replica_answer
+from router.gateway.metrics import DataPathMetrics
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
 from router.http.codings import StreamDecoder, decoded
 from router.http.headers import RESPONSE_HEADERS
 from router.http.messages import Reply, Request
 from router.http.writer import Writer, WriteStalled
 
-log = logging.getLogger("router.gateway.proxy")
+log = logging.getLogger("router.gateway.forward")
 
 # A replica answering these is busy or broken, not saying no to the request:
 # another replica may well serve it.
@@ -121,63 +119,18 @@ class _Remembering:
             self._remember(bytes(self._first))
 
 
+def answer_failed(writer: Writer, failed: Failed) -> None:
+    """The client gets what failed (the replica's own answer, or the router's error); the access log, how."""
+    if (entry := current_entry.get()) is not None:
+        if isinstance(failed.error, UpstreamTimeout):
+            entry.outcome = "timeout"
+        elif isinstance(failed.error, UpstreamResetError):
+            entry.outcome = "upstream_reset"
+    writer.answer(failed.reply())
+
+
 def _is_sse(resp: Response) -> bool:
     return (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
-
-
-class DataPathMetrics:
-    """Histograms observed per request; their children are bound once per model."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.duration = Histogram(
-            "router_request_duration_seconds",
-            "Inference requests from arrival to the last byte sent, by model.",
-            ["model"],
-            registry=registry,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
-        )
-        self.first_byte = Histogram(
-            "router_time_to_first_byte_seconds",
-            "From arrival to the replica's response head, by model.",
-            ["model"],
-            registry=registry,
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-        )
-        self.held = Histogram(
-            "router_held_seconds",
-            "How long requests held for a cold model waited before a replica answered, by model.",
-            ["model"],
-            registry=registry,
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
-        )
-        self.queue_wait = Histogram(
-            "router_queue_wait_seconds",
-            "How long requests waited for a slot under max_in_flight(_per_replica), served or refused after "
-            "queue_timeout_seconds, by model.",
-            ["model"],
-            registry=registry,
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-        )
-        self._duration: dict[str, Any] = {}
-        self._first_byte: dict[str, Any] = {}
-
-    def observe_duration(self, model: str, seconds: float) -> None:
-        child = self._duration.get(model)
-        if child is None:
-            child = self._duration[model] = self.duration.labels(model)
-        child.observe(seconds)
-
-    def observe_held(self, model: str, seconds: float) -> None:
-        self.held.labels(model).observe(seconds)
-
-    def observe_queue_wait(self, model: str, seconds: float) -> None:
-        self.queue_wait.labels(model).observe(seconds)
-
-    def observe_first_byte(self, model: str, seconds: float) -> None:
-        child = self._first_byte.get(model)
-        if child is None:
-            child = self._first_byte[model] = self.first_byte.labels(model)
-        child.observe(seconds)
 
 
 class Forwarder:
@@ -216,6 +169,12 @@ class Forwarder:
         `extra`: headers of the router's own added to the answer (X-Router-Held-Seconds).
         `remember`: given the answer's first bytes (a /v1/responses answer: its id).
         """
+        # The access log's line says how many replicas were tried, and the last.
+        entry = current_entry.get()
+        if entry is not None:
+            entry.attempts += 1
+            entry.served_model = model
+            entry.replica = replica.id
         origin = replica.origin
         method = request.method
         head = b"".join(
@@ -253,7 +212,6 @@ class Forwarder:
             # once; a refusal of that second connect is a ConnectFailed.)
             reset = UpstreamResetError(f"Replica {replica.id} failed before its answer: {exc}")
             return self._failed(replica, reset, False)
-        entry = current_entry.get()
         try:
             ttfb = time.perf_counter() - began
             self.metrics.observe_first_byte(model, ttfb)

@@ -41,8 +41,8 @@ from router.core.pool import Limits, Pool
 from router.core.usage import Ticker
 from router.gateway.access_log import AccessLog
 from router.gateway.answers import server_error
-from router.gateway.forward import DataPathMetrics
-from router.gateway.proxy import Proxy
+from router.gateway.dispatch import Proxy
+from router.gateway.metrics import DataPathMetrics
 from router.gateway.wake import Waker
 from router.http.client import Client
 from router.http.protocol_errors import ProtocolErrorCollector

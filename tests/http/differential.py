@@ -299,7 +299,7 @@ def forwarded_stream(p: Parsed) -> bool:
 
 
 def expected_status(p: Parsed) -> int:
-    """The status router/gateway/proxy.py gives a request it read (the replica answers 200)."""
+    """The status router/gateway/dispatch.py gives a request it read (the replica answers 200)."""
     if p.method == b"POST" and p.path in INFERENCE_PATHS:
         model = model_of(p.body)
         if model is None:

@@ -1,0 +1,176 @@
+"""The retry and fallback policy: each model of the chain in turn, each up to max_attempts replicas.
+
+Before the first byte reaches the client a failed attempt is retried on
+another replica, then on the model's fallbacks; only when the replica cannot
+have acted on the request (a refused connection, a busy answer). A failure
+that reached the client, or one the replica may have acted on, ends it there.
+"""
+
+from __future__ import annotations
+
+import time
+
+from router.core.config import Config
+from router.core.errors import NoReplicaAvailable, Overloaded
+from router.core.pool import Pool
+from router.core.replicas import Replica
+from router.gateway.affinity import Affinity
+from router.gateway.answers import error_response
+from router.gateway.bodies import with_model
+from router.gateway.catalog import Routes
+from router.gateway.forward import Failed, Forwarder, answer_failed
+from router.gateway.hold import Holding
+from router.gateway.metrics import DataPathMetrics
+from router.gateway.responses import ResponsesMemory
+from router.http.messages import Reply, Request
+from router.http.writer import Writer
+
+
+class Chain:
+    def __init__(
+        self,
+        config: Config,
+        pool: Pool,
+        forwarder: Forwarder,
+        routes: Routes,
+        responses: ResponsesMemory,
+        holding: Holding,
+        metrics: DataPathMetrics,
+    ) -> None:
+        self.pool = pool
+        self.forwarder = forwarder
+        self.routes = routes
+        self.responses = responses
+        self.holding = holding
+        self.metrics = metrics
+        self._max_attempts = config.max_attempts
+        self._queue_timeout = config.queue_timeout_seconds
+        # The models routed by session or prompt prefix: how their requests are keyed.
+        self._affinity = {
+            name: Affinity(model) for name, model in config.models.items() if model.routing in ("session", "prefix")
+        }
+
+    async def serve(
+        self,
+        request: Request,
+        writer: Writer,
+        obj: dict[str, object],
+        requested: str,
+        model: str,
+        stream: bool,
+        headers: bytes,
+    ) -> None:
+        """Each model of the chain in turn, each up to max_attempts replicas, until one answers."""
+        pool = self.pool
+        # A /v1/responses answer's id is remembered with its replica: requests
+        # that continue it must reach the replica that keeps it.
+        remembering = request.path == "/v1/responses"
+        chain = (model, *self.routes.fallbacks.get(model, ()))
+        last: Failed | None = None
+        only_connect_failures = True
+        only_loading = True
+        for target in chain:
+            # The replica must see the name it serves (vLLM refuses an alias or
+            # another model's name); only then is the body re-encoded.
+            body = request.body if target == requested else with_model(request.body, obj, target)
+            avoid: Replica | None = None
+            refused: set[Replica] = set()
+            key = None
+            if self._affinity and (affinity := self._affinity.get(target)) is not None:
+                key = affinity.key(request, obj)
+            for attempt in range(self._max_attempts):
+                replica = pool.acquire(target, avoid, refused, key)
+                if replica is None:
+                    if not pool.saturated(target):
+                        break
+                    replica = await self._wait(target, avoid, refused, key)
+                    if replica is None:
+                        break
+                if attempt:
+                    pool.tallies.retried(target)
+                elif target != model:
+                    pool.tallies.fell_back(model, target)
+                try:
+                    failed = await self.forwarder.attempt(
+                        request,
+                        writer,
+                        replica,
+                        body,
+                        headers,
+                        target,
+                        stream,
+                        None,
+                        self.responses.remember(replica) if remembering else None,
+                    )
+                finally:
+                    pool.release(replica)
+                if failed is None:
+                    return
+                last = failed
+                only_connect_failures = only_connect_failures and failed.connect_failure
+                only_loading = only_loading and failed.loading
+                if not failed.retryable:
+                    answer_failed(writer, failed)
+                    return
+                avoid = replica
+                refused.add(replica)
+        cold_start = self.holding.cold_start.get(model)
+        if cold_start and (last is None or only_loading):
+            # Scaled to zero, or every replica still loading: held until one answers.
+            await self.holding.hold(request, writer, obj, requested, model, stream, headers, cold_start)
+            return
+        writer.answer(self._unserved(chain, last, only_connect_failures))
+
+    async def serve_pinned(
+        self,
+        request: Request,
+        writer: Writer,
+        obj: dict[str, object],
+        requested: str,
+        stream: bool,
+        headers: bytes,
+        pinned: Replica,
+    ) -> None:
+        """A request that continues a response: to the replica that made it (already acquired), and no other."""
+        body = request.body if pinned.model == requested else with_model(request.body, obj, pinned.model)
+        try:
+            failed = await self.forwarder.attempt(
+                request, writer, pinned, body, headers, pinned.model, stream, None, self.responses.remember(pinned)
+            )
+        finally:
+            self.pool.release(pinned)
+        if failed is not None:
+            answer_failed(writer, failed)
+
+    async def _wait(
+        self, model: str, avoid: Replica | None, refused: set[Replica], key: bytes | None
+    ) -> Replica | None:
+        """Every replica of `model` is at its limit: wait in its queue for one (503 after the timeout)."""
+        started = time.perf_counter()
+        replica, timed_out = await self.pool.acquire_or_wait(
+            model, avoid, refused, wait_seconds=self._queue_timeout, key=key
+        )
+        # A wait that ended in a 503 counts too: it is the wait the client saw.
+        self.metrics.observe_queue_wait(model, time.perf_counter() - started)
+        if timed_out:
+            self.pool.tallies.refused_overloaded(model)
+            raise Overloaded(
+                f"Every replica of '{model}' is at its concurrency limit; waited {self._queue_timeout:g} s.",
+                retry_after=1,
+            )
+        return replica
+
+    def _unserved(self, chain: tuple[str, ...], last: Failed | None, only_connect_failures: bool) -> Reply:
+        """No attempt answered: the last replica's own answer, or a 503 when none could be reached."""
+        if last is None or only_connect_failures:
+            # Demand is counted under the model the name leads to (an alias's model).
+            self.pool.tallies.unserved_request(chain[0])
+            names = " or ".join(repr(name) for name in chain)
+            detail = f" (last failure: {last.error.message})" if last is not None else ""
+            return error_response(
+                NoReplicaAvailable(
+                    f"No replica of {names} can serve the request now{detail}.",
+                    retry_after=self.pool.retry_after(chain),
+                )
+            )
+        return last.reply()

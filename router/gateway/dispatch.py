@@ -1,0 +1,213 @@
+"""The client port's one handler: who may ask, for what, and where each request goes.
+
+Every answer goes through the request's Writer. An inference request (a POST
+to a path of `routed_paths`) is read for its model name (bodies.py), checked
+against what is served (catalog.py), and handed to the retry and fallback
+chain (chain.py), or to the replica that keeps the response it continues
+(responses.py). Every error the router makes is OpenAI-shaped (answers.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from router.core.config import Config
+from router.core.errors import ClientFacingError, ModelNotFound, quoted
+from router.core.pool import Pool
+from router.core.replicas import Replica
+from router.gateway.access_log import AccessLog, Entry, current_entry
+from router.gateway.answers import JSON, error_body, error_response
+from router.gateway.bodies import parse_form, parse_request
+from router.gateway.catalog import Catalog, Routes
+from router.gateway.chain import Chain
+from router.gateway.forward import Forwarder, answer_failed
+from router.gateway.hold import Holding
+from router.gateway.keys import ApiKeys
+from router.gateway.metrics import DataPathMetrics
+from router.gateway.responses import ResponsesMemory
+from router.gateway.wake import Waker
+from router.http.client import Client
+from router.http.headers import REQUEST_ID, HeaderFilter
+from router.http.messages import Reply, Request
+from router.http.writer import Writer
+
+# The methods each path under /v1/responses/{id} allows.
+_STORED = {"": ("GET", "DELETE"), "cancel": ("POST",), "input_items": ("GET",)}
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: Config,
+        pool: Pool,
+        client: Client,
+        metrics: DataPathMetrics,
+        *,
+        started_at: float | None = None,
+    ) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.routes = routes = Routes(config)
+        self.keys = keys = ApiKeys(config.api_keys)
+        self.catalog = Catalog(pool, routes, keys, int(started_at if started_at is not None else time.time()))
+        forwarder = Forwarder(
+            pool,
+            client,
+            metrics,
+            first_byte_timeout=config.first_byte_timeout_seconds,
+            write_stall_timeout=config.write_stall_timeout_seconds,
+            expose_replica=config.expose_replica_header,
+        )
+        self.forwarder = forwarder
+        self.responses = ResponsesMemory(pool, config.remembered_responses)
+        self.holding = Holding(config, pool, forwarder, metrics)
+        self.chain = Chain(config, pool, forwarder, routes, self.responses, self.holding, metrics)
+        # The POST paths routed by the model they name (config routed_paths).
+        self.routed = frozenset(config.routed_paths)
+        # Headers never passed to a replica as the client sent them: its key,
+        # and X-Request-Id, which the router sets (the client's, checked, or its own).
+        self._forwarded = HeaderFilter(keys.drop | REQUEST_ID)
+        self.access_log: AccessLog | None = None
+
+    @property
+    def waker(self) -> Waker | None:
+        """The wake calls made when a request is held (config wake_url)."""
+        return self.holding.waker
+
+    @waker.setter
+    def waker(self, waker: Waker | None) -> None:
+        self.holding.waker = waker
+
+    async def dispatch(self, request: Request, writer: Writer) -> None:
+        """The client port's one handler: every answer goes through `writer`."""
+        path = request.path
+        method = request.method
+        if method == "POST" and path in self.routed:
+            await self.inference(request, writer)
+        elif path.startswith("/v1/responses/"):
+            await self.stored_response(request, writer)
+        elif method == "GET" or method == "HEAD":  # noqa: PLR1714 (two compares beat a tuple here)
+            if path == "/v1/models":
+                writer.answer(self.catalog.models(request))
+            elif path.startswith("/v1/models/"):
+                writer.answer(self.catalog.model_info(request, path[len("/v1/models/") :]))
+            else:
+                writer.answer(self.not_found(request))
+        else:
+            writer.answer(self.not_found(request))
+
+    def refuse_keyless_body(self, request: Request) -> Reply | None:
+        """The client port's head check while api_keys is set: a request that announces a body
+        and has no valid key is refused from its head (401), before a byte of the body is read
+        or a 100 sent, so that clients without a key never hold the bodies' shared budget.
+
+        The server answers it in its turn and closes; its access-log line is written here.
+        """
+        reply = self.keys.refusal(request)
+        if reply is not None and self.access_log is not None:
+            entry = Entry(request.request_id.decode("ascii"), request.peer, request.method, request.path, 0)
+            entry.status = reply.status
+            # The body's bytes, as a stream counts them: the head is the server's to write, later.
+            entry.bytes_out = len(reply.body)
+            self.access_log.write(entry)
+        return reply
+
+    async def dispatch_logged(self, request: Request, writer: Writer) -> None:
+        """dispatch(), with the request's line written to the access log when it ends."""
+        assert self.access_log is not None
+        ident = request.request_id.decode("ascii")
+        entry = Entry(ident, request.peer, request.method, request.path, len(request.body))
+        # The writer fills in what it writes (status, bytes); the gateway's own
+        # fields are reached through current_entry, for this request's task only.
+        writer.meter = entry
+        token = current_entry.set(entry)
+        try:
+            await self.dispatch(request, writer)
+        except asyncio.CancelledError:
+            entry.outcome = "client_gone"
+            raise
+        except Exception:
+            entry.outcome = "error"
+            if not writer.started:
+                entry.status = 500  # what the server answers for a handler that failed
+            raise
+        finally:
+            current_entry.reset(token)
+            self.access_log.write(entry)
+
+    async def inference(self, request: Request, writer: Writer) -> None:
+        started = time.perf_counter()
+        try:
+            if self.keys.active:
+                self.keys.check(request)
+            body = request.body
+            if body.startswith(b"--"):
+                # Multipart form data (the audio endpoints): the model is a form field.
+                obj, requested, stream = parse_form(body, request.header(b"content-type"))
+            else:
+                obj, requested, stream = parse_request(body)
+            if (entry := current_entry.get()) is not None:
+                entry.model = requested
+            routes = self.routes
+            model = routes.aliases.get(requested, requested)
+            pool = self.pool
+            if not pool.serves(model) and model not in routes.declared and model not in pool.ever_served:
+                # Known is declared, or served now or at any time since start:
+                # a model scaled to zero is unavailable (503), not unknown (404).
+                pool.tallies.unserved_request(model)
+                raise ModelNotFound(
+                    f"The model {quoted(requested)} does not exist or no replica serves it.", param="model"
+                )
+            # Framed once for every attempt; only Host and the length differ.
+            headers = self._forwarded.framed(request.raw_headers)
+            if request.path == "/v1/responses" and (previous := obj.get("previous_response_id")) is not None:
+                pinned: Replica = self.responses.maker_of(previous)
+                await self.chain.serve_pinned(request, writer, obj, requested, stream, headers, pinned)
+            else:
+                await self.chain.serve(request, writer, obj, requested, model, stream, headers)
+        except ClientFacingError as exc:
+            writer.answer(error_response(exc))
+            return
+        self.metrics.observe_duration(model, time.perf_counter() - started)
+
+    async def stored_response(self, request: Request, writer: Writer) -> None:
+        """GET /v1/responses/{id} (and its cancel, input_items): only the replica that made it knows it."""
+        try:
+            if self.keys.active:
+                self.keys.check(request)
+            ident, _, rest = request.path[len("/v1/responses/") :].partition("/")
+            allowed = _STORED.get(rest)
+            if allowed is None or not ident:
+                writer.answer(self.not_found(request))
+                return
+            if request.method not in allowed:
+                writer.answer(_not_allowed(request, ", ".join(allowed).encode()))
+                return
+            replica = self.responses.maker_of(ident)
+            if (entry := current_entry.get()) is not None:
+                entry.model = replica.model
+            headers = self._forwarded.framed(request.raw_headers)
+            try:
+                failed = await self.forwarder.attempt(
+                    request, writer, replica, request.body, headers, replica.model, False
+                )
+            finally:
+                self.pool.release(replica)
+            if failed is not None:
+                answer_failed(writer, failed)
+        except ClientFacingError as exc:
+            writer.answer(error_response(exc))
+
+    def not_found(self, request: Request) -> Reply:
+        if request.path in self.routed or request.path == "/v1/models":
+            return _not_allowed(request, b"GET, HEAD" if request.path == "/v1/models" else b"POST")
+        body = error_body(404, f"Unknown path: {request.path}", "invalid_request_error", "unknown_url")
+        return Reply(404, body, [JSON])
+
+
+def _not_allowed(request: Request, allow: bytes) -> Reply:
+    body = error_body(
+        405, f"Method {request.method} is not allowed on {request.path}.", "invalid_request_error", "method_not_allowed"
+    )
+    return Reply(405, body, [JSON, (b"Allow", allow)])
