@@ -1,0 +1,185 @@
+"""When a model is full: priority classes and tenants' shares of its queue, through the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import orjson
+import pytest
+
+from router.run.app import RouterServer
+from router.tools.fake import FakeReplica
+from tests.conftest import StartFake, StartRouter, replica_entry
+from tests.helpers import CHAT, in_flight, post, wait_for
+
+KEYS = {
+    "flood": {"key": "sk-flood", "tenant": "a", "priority": "batch"},
+    "chat": {"key": "sk-chat", "tenant": "b"},
+}
+
+
+class Busy:
+    """A router whose one replica takes one request at a time, kept busy until `free()`.
+
+    The busy request stalls at the replica; once the test has queued what it
+    wants, `free()` lets it go (its client leaves), and the queued requests
+    reach the replica one at a time, in the order the queue gives them.
+    """
+
+    def __init__(self, fake: FakeReplica, server: RouterServer) -> None:
+        self.fake = fake
+        self.server = server
+        self._busy: asyncio.Task[Any] | None = None
+        self.tasks: list[asyncio.Task[Any]] = []
+
+    async def hold(self) -> None:
+        self.fake.behaviour.stall = True
+        self._busy = asyncio.create_task(
+            post(
+                self.server.client_url + "/v1/chat/completions",
+                orjson.dumps(CHAT),
+                {"Authorization": "Bearer sk-chat", "Content-Type": "application/json"},
+            )
+        )
+        await wait_for(lambda: in_flight(self.server) == {"r0": 1} and len(self.fake.seen) == 1)
+        self.fake.behaviour.stall = False
+
+    def ask(self, name: str, key: str = "sk-chat", **extra: Any) -> None:
+        """A chat completion through the SDK, its prompt `name`, queued behind the busy one."""
+
+        async def one() -> Any:
+            async with openai.AsyncOpenAI(
+                base_url=self.server.client_url + "/v1", api_key=key, max_retries=0
+            ) as client:
+                return await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": name}], max_tokens=2, **extra
+                )
+
+        self.tasks.append(asyncio.create_task(one()))
+
+    async def queued(self, count: int) -> None:
+        await wait_for(lambda: self.server.pool.waiting("m") == count)
+
+    async def free(self) -> list[str]:
+        """Let the busy one go and every queued one be served: their prompts, in the order they reached the replica."""
+        assert self._busy is not None
+        self._busy.cancel()
+        await asyncio.gather(self._busy, return_exceptions=True)
+        for answer in await asyncio.gather(*self.tasks):
+            assert answer.choices[0].message.content == "tok0 tok1 "
+        return [orjson.loads(seen.body)["messages"][0]["content"] for seen in self.fake.seen[1:]]
+
+
+@pytest.fixture
+def busy(start_fake: StartFake, start_router: StartRouter) -> Any:
+    """`async with busy(**settings) as router`: a Busy router with KEYS (start_router stops it at the end)."""
+
+    @contextlib.asynccontextmanager
+    async def make(**settings: Any) -> AsyncIterator[Busy]:
+        fake = await start_fake("m")
+        server = await start_router(
+            [replica_entry("r0", fake)], max_in_flight_per_replica=1, **{"api_keys": KEYS, **settings}
+        )
+        router = Busy(fake, server)
+        await router.hold()
+        yield router
+
+    return make
+
+
+async def test_an_interactive_request_goes_before_a_batch_tenants_flood(busy: Any) -> None:
+    async with busy() as router:
+        for i in range(5):
+            router.ask(f"flood{i}", "sk-flood")
+        await router.queued(5)
+        router.ask("chat", "sk-chat")
+        await router.queued(6)
+        assert await router.free() == ["chat", "flood0", "flood1", "flood2", "flood3", "flood4"]
+
+
+async def test_the_body_priority_lowers_a_request_and_reaches_the_engine_untouched(busy: Any) -> None:
+    """vLLM's `priority` above 0 makes a request batch; the replica still sees it as sent."""
+    async with busy() as router:
+        router.ask("later-by-priority", extra_body={"priority": 3})
+        await router.queued(1)
+        router.ask("plain")
+        await router.queued(2)
+        assert await router.free() == ["plain", "later-by-priority"]
+        sent = orjson.loads(router.fake.seen[2].body)
+        assert sent["priority"] == 3
+
+
+async def test_x_priority_lowers_a_request_and_never_raises_one(busy: Any) -> None:
+    async with busy() as router:
+        router.ask("lowered", "sk-chat", extra_headers={"X-Priority": "batch"})
+        await router.queued(1)
+        router.ask("not-raised", "sk-flood", extra_headers={"X-Priority": "interactive"})
+        await router.queued(2)
+        router.ask("interactive", "sk-chat")
+        await router.queued(3)
+        assert await router.free() == ["interactive", "lowered", "not-raised"]
+
+
+async def test_tenants_share_freed_slots_in_proportion_to_their_weights(busy: Any) -> None:
+    keys = {"heavy": {"key": "sk-heavy", "weight": 2}, "light": {"key": "sk-light"}}
+    async with busy(api_keys={**KEYS, **keys}) as router:
+        for i in range(8):
+            router.ask(f"heavy{i}", "sk-heavy")
+            router.ask(f"light{i}", "sk-light")
+        await router.queued(16)
+        order = await router.free()
+        first_rounds = [name.rstrip("0123456789") for name in order[:9]]
+        assert first_rounds.count("heavy") == 6 and first_rounds.count("light") == 3
+        # FIFO within each tenant.
+        assert [n for n in order if n.startswith("heavy")] == [f"heavy{i}" for i in range(8)]
+
+
+async def test_a_tenant_past_its_queue_bound_gets_429_with_retry_after_and_others_still_queue(busy: Any) -> None:
+    async with busy(max_queued_per_tenant=2) as router:
+        router.ask("flood0", "sk-flood")
+        router.ask("flood1", "sk-flood")
+        await router.queued(2)
+        async with openai.AsyncOpenAI(
+            base_url=router.server.client_url + "/v1", api_key="sk-flood", max_retries=0
+        ) as client:
+            with pytest.raises(openai.RateLimitError) as refused:
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert refused.value.status_code == 429
+        assert refused.value.response.headers["Retry-After"] == "1"
+        error = refused.value.response.json()["error"]
+        assert (error["code"], error["type"]) == ("rate_limit_exceeded", "requests")
+        assert "Tenant 'a'" in error["message"] and "sk-flood" not in error["message"]
+        router.ask("chat", "sk-chat")
+        await router.queued(3)
+        assert await router.free() == ["chat", "flood0", "flood1"]
+
+
+async def test_a_queued_requests_line_names_its_tenant_class_and_wait_never_its_key(busy: Any, tmp_path: Path) -> None:
+    log_path = tmp_path / "access.log"
+    async with busy(access_log=str(log_path)) as router:
+        for i in range(2):
+            router.ask(f"flood{i}", "sk-flood", extra_headers={"X-Request-Id": f"flood{i}"})
+        await router.queued(2)
+        await router.free()
+        router.ask("at-once", "sk-chat", extra_headers={"X-Request-Id": "at-once"})
+        await asyncio.gather(*router.tasks)
+
+        def lines() -> dict[str, Any]:
+            text = log_path.read_text() if log_path.exists() else ""
+            return {doc["id"]: doc for doc in map(orjson.loads, text.splitlines())}
+
+        await wait_for(lambda: {"flood0", "flood1", "at-once"} <= set(lines()))
+        by_id = lines()
+        for name in ("flood0", "flood1"):
+            line = by_id[name]
+            assert (line["tenant"], line["priority"], line["status"]) == ("a", "batch", 200)
+            assert line["queued_seconds"] > 0
+        # Served at once: its tenant, and no queue.
+        assert by_id["at-once"]["tenant"] == "b"
+        assert by_id["at-once"]["priority"] is None and by_id["at-once"]["queued_seconds"] is None
+        assert "sk-" not in log_path.read_text()
