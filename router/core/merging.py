@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from router.core.replicas import ReplicaState
-from router.core.usage import Demand, ReplicaUsage, UsageSnapshot
+from router.core.usage import Demand, Queued, ReplicaUsage, UsageSnapshot
 
 Key = tuple[str, str, str]  # (id, url, model): one replica; an id whose URL changed is another
 
@@ -106,8 +106,16 @@ def combine(
     demand: dict[str, Demand] = {}
     # A gauge: the live workers' queues add up, and a dead worker's queue is gone with it.
     queued: dict[str, int] = {}
+    queues: dict[tuple[str, str, str], Queued] = {}
     for snapshot in snapshots:
         _add_into(queued, snapshot.queued)
+        for key, figures in snapshot.queues.items():
+            so_far = queues.get(key)
+            queues[key] = (
+                figures
+                if so_far is None
+                else Queued(so_far.queued + figures.queued, _least(so_far.oldest_since, figures.oldest_since))
+            )
         for model, d in snapshot.demand.items():
             # Held requests add up; the oldest wait and the latest ask win.
             known = demand.get(model)
@@ -175,6 +183,7 @@ def combine(
         affinity=MappingProxyType(tallies["affinity"]),
         demand=MappingProxyType(demand),
         queued=MappingProxyType(queued),
+        queues=MappingProxyType(queues),
     )
 
 

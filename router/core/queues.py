@@ -152,12 +152,15 @@ class Queues:
         line = self._lines.get(model)
         return line.oldest_seq() if line else -1
 
-    def figures(self) -> dict[tuple[str, int, str], QueueFigures]:
-        """Queued requests by (model, class rank, tenant): every one that ever queued, at 0 once empty."""
-        out = dict.fromkeys(self._seen, QueueFigures(0, None))
+    def figures(self) -> dict[tuple[str, str, str], QueueFigures]:
+        """Queued requests by (model, class, tenant): every one that ever queued, at 0 once empty."""
+        names = [c.name for c in self._lines.queueing.classes]
+        out = {(model, names[rank], tenant): QueueFigures(0, None) for model, rank, tenant in self._seen}
         for model, line in self._lines.items():
             for flow in line.flows():
-                out[(model, flow.band, flow.tenant)] = QueueFigures(len(flow.waiters), next(iter(flow.waiters)).since)
+                out[(model, names[flow.band], flow.tenant)] = QueueFigures(
+                    len(flow.waiters), next(iter(flow.waiters)).since
+                )
         return out
 
 

@@ -75,6 +75,14 @@ class Demand(NamedTuple):
     last_asked: float | None
 
 
+class Queued(NamedTuple):
+    """One tenant's requests queued for a model in one priority class."""
+
+    queued: int
+    # Unix seconds the oldest of them began waiting; None with none queued.
+    oldest_since: float | None
+
+
 @dataclass(frozen=True, slots=True)
 class UsageSnapshot:
     router: str
@@ -93,6 +101,8 @@ class UsageSnapshot:
     demand: Mapping[str, Demand] = field(default_factory=lambda: MappingProxyType({}))
     # Requests waiting now for a slot under the limits (max_in_flight, max_in_flight_per_replica), by model.
     queued: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # The same by (model, priority class, tenant): each that ever queued, at 0 once empty.
+    queues: Mapping[tuple[str, str, str], Queued] = field(default_factory=lambda: MappingProxyType({}))
 
     def to_json(self) -> dict[str, Any]:
         """The whole snapshot as JSON (a worker's report to its supervisor); from_json() reads it back."""
@@ -108,6 +118,7 @@ class UsageSnapshot:
             **{name: dict(getattr(self, name)) for name in TALLIES_BY_MODEL},
             "demand": {model: list(d) for model, d in self.demand.items()},
             "queued": dict(self.queued),
+            "queues": [[*key, *figures] for key, figures in self.queues.items()],
         }
 
     @classmethod
@@ -127,6 +138,7 @@ class UsageSnapshot:
             **{name: MappingProxyType(doc[name]) for name in TALLIES_BY_MODEL},
             demand=MappingProxyType({model: Demand(*d) for model, d in doc["demand"].items()}),
             queued=MappingProxyType(doc["queued"]),
+            queues=MappingProxyType({(m, p, t): Queued(n, since) for m, p, t, n, since in doc["queues"]}),
         )
 
     def report(self) -> RouterReport:
@@ -285,6 +297,12 @@ class Snapshotter:
             ),
             demand=MappingProxyType(demand),
             queued=MappingProxyType(pool.queued()),
+            queues=MappingProxyType(
+                {
+                    key: Queued(n, None if since is None else since + offset)
+                    for key, (n, since) in pool.queue_figures().items()
+                }
+            ),
         )
 
 

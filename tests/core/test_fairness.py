@@ -204,9 +204,9 @@ async def test_queue_figures_count_by_model_class_and_tenant_and_stay_at_zero_on
     served.ask("b0", Caller("b", priority=1))
     await served.queued()
     figures = pool.queue_figures()
-    assert figures == {("m", 0, "a"): (2, 100.0), ("m", 1, "b"): (1, 101.0)}
+    assert figures == {("m", "interactive", "a"): (2, 100.0), ("m", "batch", "b"): (1, 101.0)}
     await served.serve(replica, 3)
-    assert pool.queue_figures() == {("m", 0, "a"): (0, None), ("m", 1, "b"): (0, None)}
+    assert pool.queue_figures() == {("m", "interactive", "a"): (0, None), ("m", "batch", "b"): (0, None)}
 
 
 async def test_a_held_request_goes_before_every_queued_one_once_its_model_is_up() -> None:

@@ -15,7 +15,7 @@ import pytest
 from router.run.app import RouterServer
 from router.tools.fake import FakeReplica
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import CHAT, in_flight, post, wait_for
+from tests.helpers import CHAT, in_flight, post, samples, scrape, wait_for
 
 KEYS = {
     "flood": {"key": "sk-flood", "tenant": "a", "priority": "batch"},
@@ -183,3 +183,49 @@ async def test_a_queued_requests_line_names_its_tenant_class_and_wait_never_its_
         assert by_id["at-once"]["tenant"] == "b"
         assert by_id["at-once"]["priority"] is None and by_id["at-once"]["queued_seconds"] is None
         assert "sk-" not in log_path.read_text()
+
+
+async def test_the_queue_shows_by_class_and_tenant_in_metrics_status_and_ctl_never_a_key(busy: Any) -> None:
+    import io
+
+    from router.tools import ctl
+
+    async with busy() as router:
+        server = router.server
+        for i in range(3):
+            router.ask(f"flood{i}", "sk-flood")
+        router.ask("chat", "sk-chat", extra_headers={"X-Priority": "batch"})
+        await router.queued(4)
+        assert server.ticker is not None
+        server.ticker.tick()
+        text = await scrape(server)
+        batch_a = (("model", "m"), ("priority", "batch"), ("tenant", "a"))
+        batch_b = (("model", "m"), ("priority", "batch"), ("tenant", "b"))
+        assert samples(text, "router_queued_requests") == {batch_a: 3.0, batch_b: 1.0}
+
+        def run(*args: str) -> str:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                assert ctl.main(list(args)) == 0
+            return out.getvalue()
+
+        doc = orjson.loads(await asyncio.to_thread(run, "status", "--server", server.admin_url, "--json"))
+        assert [(q["priority"], q["tenant"], q["queued"]) for q in doc["queue"]] == [
+            ("batch", "a", 3),
+            ("batch", "b", 1),
+        ]
+        assert all(q["oldest_waited_seconds"] >= 0 for q in doc["queue"])
+        status = await asyncio.to_thread(run, "status", "--server", server.admin_url)
+        section = status.split("queued at the limits, by priority class and tenant:", 1)[1].splitlines()
+        assert section[1].split() == ["MODEL", "PRIORITY", "TENANT", "QUEUED", "OLDEST-WAITING"]
+        assert [row.split()[:4] for row in section[2:4]] == [["m", "batch", "a", "3"], ["m", "batch", "b", "1"]]
+        await router.free()
+        server.ticker.tick()
+        text = await scrape(server)
+        # An emptied queue is a fact: its series stay, at 0.
+        assert samples(text, "router_queued_requests") == {batch_a: 0.0, batch_b: 0.0}
+        waits = samples(text, "router_queue_wait_seconds_count")
+        assert waits == {(("model", "m"), ("priority", "batch")): 4.0}
+        after = await asyncio.to_thread(run, "status", "--server", server.admin_url)
+        assert "queued at the limits" not in after
+        assert "sk-" not in text + status + after
