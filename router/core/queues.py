@@ -129,10 +129,13 @@ class Queues:
         if not line:
             return
         now = self._clock.now()
-        while (waiter := line.next(now)) is not None:
+        saturated = self._saturated
+        # Saturated: every candidate at a limit, so no waiter could be served;
+        # asked first, it spares a pick and a try for each slot handed over.
+        while not saturated(model) and (waiter := line.next(now)) is not None:
             replica = self._acquire(model, waiter.avoid, waiter.exclude, waiter.key)
-            if replica is None and (waiter.hold or self._saturated(model)):
-                # Nothing for this one now; those behind it wait their turn.
+            if replica is None and waiter.hold:
+                # A held request waits for a replica, never for None; those behind it wait their turn.
                 return
             line.take(waiter, served=replica is not None)
             # A replica, or None: nothing left that this waiter may use.
