@@ -236,7 +236,7 @@ class ColdStart:
         spell.timer = None
         queue = self._lines.get(model)
         # The oldest held request (a queued one only when none is held).
-        waiter = queue.next(self._clock.now()) if queue else None
+        waiter = queue.next(self._clock.now) if queue else None
         if queue is None or waiter is None:
             return
         # Every replica may be tried again: a refusal was the engine loading.

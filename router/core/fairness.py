@@ -31,7 +31,7 @@ removed from each dict in O(1).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from router.core.tenants import Queueing
 from router.core.waiters import Waiter
@@ -124,36 +124,40 @@ class Line:
                 del self._per_tenant[tenant]
         self._count -= 1
 
-    def next(self, now: float) -> Waiter | None:
-        """The request the next free slot goes to (still in the line); requests already gone are dropped."""
+    def next(self, now: Callable[[], float]) -> Waiter | None:
+        """The request the next free slot goes to (still in the line); requests already gone are dropped.
+
+        `now` is the clock, read only when a lower class has requests that may be aged.
+        """
+        held = self.held
+        bands = self._bands
+        count = len(bands)
         while True:
-            waiter = self._peek(now)
-            if waiter is None or not waiter.future.done():
+            if held:
+                waiter = next(iter(held))
+            else:
+                first = 0
+                while first < count and not bands[first].flows:
+                    first += 1
+                if first == count:
+                    return None
+                waiter = next(iter(next(iter(bands[first].flows.values())).waiters))
+                time: float | None = None
+                for index in range(first + 1, count):
+                    band = bands[index]
+                    if band.max_queue is not None and band.arrivals:
+                        oldest = next(iter(band.arrivals))
+                        if time is None:
+                            time = now()
+                        if time - oldest.since >= band.max_queue and (
+                            waiter.priority == first or oldest.since < waiter.since
+                        ):
+                            # Aged: before the higher classes (the oldest of the aged first).
+                            waiter = oldest
+            if not waiter.future.done():
                 return waiter
             # Gone (client left, deadline): its own finally removes it too; skip it now.
             self.discard(waiter)
-
-    def _peek(self, now: float) -> Waiter | None:
-        if self.held:
-            return next(iter(self.held))
-        bands = self._bands
-        count = len(bands)
-        first = 0
-        while first < count and not bands[first].flows:
-            first += 1
-        if first == count:
-            return None
-        aged: Waiter | None = None
-        for index in range(first + 1, count):
-            band = bands[index]
-            if band.max_queue is not None and band.arrivals:
-                oldest = next(iter(band.arrivals))
-                if now - oldest.since >= band.max_queue and (aged is None or oldest.since < aged.since):
-                    aged = oldest
-        if aged is not None:
-            return aged
-        flow = next(iter(bands[first].flows.values()))
-        return next(iter(flow.waiters))
 
     def take(self, waiter: Waiter, *, served: bool) -> None:
         """`waiter`, which next() chose, leaves the line; `served`: it got a slot, which its tenant's turn pays."""

@@ -125,10 +125,11 @@ class Queues:
 
     def serve(self, model: str) -> None:
         """Give what `model` can serve now to its waiters, each slot to the one whose turn it is."""
+        # An emptied line may stay until its last waiter's own cleanup: next() finds nobody there.
         line = self._lines.get(model)
-        if not line:
+        if line is None:
             return
-        now = self._clock.now()
+        now = self._clock.now
         saturated = self._saturated
         # Saturated: every candidate at a limit, so no waiter could be served;
         # asked first, it spares a pick and a try for each slot handed over.
