@@ -18,7 +18,9 @@ One model, two replicas (fake ones, each its own process, answering after
    own connections, the limits split over the workers.
 4. The pick, in process: 10,000 requests queued for one model over 1, 10
    and 100 tenants; the CPU time of a release() that hands the slot to the
-   next in turn (target: 100 tenants within 10% of 10).
+   next in turn (target: 100 tenants within 10% of 10), and the same in
+   instructions counted by callgrind (when valgrind is installed), which
+   the machine's other work does not move.
 
 Timings on this shared machine are noisy: each figure is the median of
 `--repeats` runs, and every run is shown. The load is light (8 requests in
@@ -31,6 +33,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,12 +53,15 @@ sys.path.insert(0, str(ROOT))
 from bench.compare import free_port, wait_http  # noqa: E402
 from router.core.config import ReplicaConfig  # noqa: E402
 from router.core.pool import Limits, Pool  # noqa: E402
+from router.core.replicas import Replica  # noqa: E402
 from router.core.tenants import Caller, Queueing  # noqa: E402
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 CAPACITY = 4
 FLOOD = 400
 CONCURRENCY = 32
+QUEUED = 10_000
+PICKS = 5_000
 
 
 class Fleet:
@@ -198,24 +205,26 @@ async def shares(fleet: Fleet, seconds: float) -> dict[str, Any]:
     return {"served": total, "a_share": served["a"] / total, "refused": dict(refused)}
 
 
-def pick_cost(tenants: int, *, queued: int = 10_000, picks: int = 5_000, rounds: int = 5) -> float:
-    """ns per release() that hands its slot to the next queued request in turn, `queued` over `tenants`."""
+async def queued_pool(tenants: int, queued: int) -> tuple[Pool, Replica, list[asyncio.Task[Any]]]:
+    """One replica at its limit and `queued` requests waiting for it, spread over `tenants` in turn."""
+    pool = Pool([ReplicaConfig("r0", "m", "http://127.0.0.1:9000")], limits=Limits(per_replica=1), queueing=Queueing())
+    replica = pool.acquire("m")
+    assert replica is not None
+    callers = [Caller(f"t{i}") for i in range(tenants)]
+    waiting = [
+        asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=3600, caller=callers[i % tenants]))
+        for i in range(queued)
+    ]
+    await asyncio.sleep(0)
+    assert pool.waiting("m") == queued
+    return pool, replica, waiting
+
+
+def pick_cost(tenants: int, *, queued: int = QUEUED, picks: int = PICKS, rounds: int = 5) -> float:
+    """CPU ns per release() that hands its slot to the next queued request in turn, `queued` over `tenants`."""
 
     async def one_round() -> float:
-        pool = Pool(
-            [ReplicaConfig("r0", "m", "http://127.0.0.1:9000")],
-            limits=Limits(per_replica=1),
-            queueing=Queueing(),
-        )
-        replica = pool.acquire("m")
-        assert replica is not None
-        callers = [Caller(f"t{i}") for i in range(tenants)]
-        waiting = [
-            asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=3600, caller=callers[i % tenants]))
-            for i in range(queued)
-        ]
-        await asyncio.sleep(0)
-        assert pool.waiting("m") == queued
+        pool, replica, waiting = await queued_pool(tenants, queued)
         release = pool.release
         # CPU time, not wall time: on a shared machine the process is often off its core.
         began = time.process_time_ns()
@@ -230,6 +239,52 @@ def pick_cost(tenants: int, *, queued: int = 10_000, picks: int = 5_000, rounds:
     return min(asyncio.run(one_round()) for _ in range(rounds))
 
 
+def pick_child(tenants: int, picks: int) -> None:
+    """Under callgrind: set up the queue, make `picks` picks, and leave at once (no teardown to count)."""
+
+    async def run() -> None:
+        pool, replica, _ = await queued_pool(tenants, QUEUED)
+        for _ in range(picks):
+            pool.release(replica)
+        sys.stdout.flush()
+        os._exit(0)
+
+    asyncio.run(run())
+
+
+def pick_instructions(tenants: int, tmp: Path) -> float:
+    """Instructions per pick, counted by callgrind: a run with PICKS picks less one with none, over PICKS.
+
+    Both runs do the same set-up with the same hash seed, so what is left is the picks alone.
+    """
+    totals = []
+    for picks in (0, PICKS):
+        out = tmp / f"pick-{tenants}-{picks}.callgrind"
+        subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                __file__,
+                "--pick-child",
+                f"{tenants}:{picks}",
+            ],
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+            check=True,
+            capture_output=True,
+            timeout=1800,
+        )
+        totals.append(
+            max(
+                int(line.split()[1])
+                for line in out.read_text(errors="replace").splitlines()
+                if line.startswith(("summary:", "totals:"))
+            )
+        )
+    return (totals[1] - totals[0]) / PICKS
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=60.0, help="how long the shares are counted")
@@ -237,7 +292,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=["flood", "shares", "workers", "pick"], action="append", default=[])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--pick-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pick_child:
+        tenants, picks = map(int, args.pick_child.split(":"))
+        pick_child(tenants, picks)
     wanted = set(args.only) or {"flood", "shares", "workers", "pick"}
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="router-fairness-") as tmpdir:
@@ -260,6 +319,8 @@ def main() -> int:
                 results[f"{label}-{weights[0]}:{weights[1]}"] = runs
         if "pick" in wanted:
             results["pick"] = {str(n): [pick_cost(n) for _ in range(args.repeats)] for n in (1, 10, 100)}
+            if shutil.which("valgrind"):
+                results["pick_instructions"] = {str(n): pick_instructions(n, tmp) for n in (1, 10, 100)}
     if args.json:
         print(json.dumps(results))
     else:
@@ -303,6 +364,10 @@ def report(results: dict[str, Any], service: float) -> None:
         for n, values in pick.items():
             print(f"   {n:>3} tenants: {', '.join(f'{v:.0f}' for v in values)}; best {best[n]:.0f}")
         print(f"   100 tenants / 10 tenants: {best['100'] / best['10']:.3f}x")
+    if "pick_instructions" in results:
+        counted = results["pick_instructions"]
+        shown = ", ".join(f"{n} tenants {v:,.0f}" for n, v in counted.items())
+        print(f"   instructions per pick (callgrind): {shown}; 100 / 10: {counted['100'] / counted['10']:.3f}x")
 
 
 if __name__ == "__main__":
