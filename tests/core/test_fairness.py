@@ -257,3 +257,28 @@ def test_a_request_may_lower_its_class_never_raise_it(
 
 def test_a_body_priority_cannot_lower_a_request_when_there_is_one_class() -> None:
     assert lowered(0, None, 5, {b"only": 0}) == 0
+
+
+async def test_of_several_aged_classes_the_oldest_request_goes_first() -> None:
+    """Aged requests go by how long they waited, not by their classes."""
+    classes = (
+        PriorityClass("premium", 600.0),
+        PriorityClass("standard", 600.0, 10.0),
+        PriorityClass("bulk", 600.0, 5.0),
+    )
+    clock = FakeClock()
+    pool, replica = busy_pool(Queueing(classes), clock=clock)
+    served = Served(pool)
+    served.ask("bulk", Caller("a", priority=2))
+    await served.queued()
+    clock.advance(2.0)
+    served.ask("standard", Caller("a", priority=1))
+    for i in range(2):
+        served.ask(f"premium{i}", Caller("b"))
+    await served.queued()
+    clock.advance(2.0)
+    # 4 s in, nothing aged: the highest class first.
+    assert await served.serve(replica, 1) == ["premium0"]
+    clock.advance(8.0)
+    # 12 s in: bulk (12 s of its 5) and standard (10 s of its 10) both aged; bulk waited longer.
+    assert await served.serve(replica, 3) == ["bulk", "standard", "premium1"]
