@@ -435,9 +435,9 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
 
 _DISCOVERY_KEYS = {"kubernetes"}
 _KUBERNETES_KEYS = {"namespace", "selector", "selector_on", "port", "model_label", "labels_from", "kubeconfig"}
-# RFC 1123 labels (namespaces), IANA service names (named ports), label keys: what the API server accepts.
+# RFC 1123 labels (namespaces, and EndpointSlice port names), label keys: what the API server accepts.
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_PORT_NAME = _DNS_LABEL
 
 
 def _discovery(where: check.Where, value: object) -> KubernetesDiscovery:
@@ -453,8 +453,9 @@ def _discovery(where: check.Where, value: object) -> KubernetesDiscovery:
     port_raw = raw["port"]
     port: str | int
     if isinstance(port_raw, str):
-        port = check.string(where, f"{key}.port", port_raw)
-        if not _PORT_NAME.fullmatch(port) or len(port) > 15:
+        # discovery/v1's EndpointPort.name: "" (a Service's one unnamed port) or a DNS label of up to 63.
+        port = check.string(where, f"{key}.port", port_raw, empty_ok=True)
+        if port and (not _PORT_NAME.fullmatch(port) or len(port) > 63):
             raise where.error(
                 f"{key}.port", f"must be a port number or a port name of the EndpointSlices, got {port!r}"
             )
