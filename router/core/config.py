@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from router.core import config_checks as check
+from router.core.engines import ROUTED_PATHS
 from router.core.errors import ConfigError
 from router.core.picking import DEFAULT_POLICY, POLICIES
 
@@ -74,28 +75,6 @@ def _replica_url(where: check.Where, key: str, value: object) -> str:
             f"ends in /v1: give the base URL without it (the router appends the client's /v1/... path), got {url!r}",
         )
     return url
-
-
-# The POST paths routed by the model they name: what vLLM and SGLang serve.
-ROUTED_PATHS = (
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/embeddings",
-    "/v1/responses",
-    "/v1/rerank",
-    "/rerank",
-    "/v2/rerank",
-    "/v1/score",
-    "/score",
-    "/pooling",
-    "/classify",
-    "/tokenize",
-    "/detokenize",
-    "/v1/audio/transcriptions",
-    "/v1/audio/translations",
-    "/v1/audio/speech",
-    "/v1/images/generations",
-)
 
 
 # The label on a model's EndpointSlices (copied there from its Service) that names the model.

@@ -27,6 +27,7 @@ import pytest
 
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
+from router.tools.fake.echo import ECHOED
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
 from tests.helpers import CHAT, Serve, wait_for
 
@@ -165,21 +166,7 @@ async def test_an_alias_is_rewritten_in_a_multipart_form_too(start_fake: StartFa
     assert status == 200 and doc["model"] == "whisper"
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        "/v1/rerank",
-        "/rerank",
-        "/v2/rerank",
-        "/v1/score",
-        "/score",
-        "/pooling",
-        "/classify",
-        "/tokenize",
-        "/detokenize",
-        "/v1/images/generations",
-    ],
-)
+@pytest.mark.parametrize("path", ECHOED)
 async def test_the_engines_other_endpoints_are_routed_by_model_and_cross_byte_for_byte(
     start_fake: StartFake, start_router: StartRouter, path: str
 ) -> None:
