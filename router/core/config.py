@@ -214,6 +214,12 @@ class Config:
     routed_paths: tuple[str, ...] = _setting(
         ROUTED_PATHS, check.paths, "POST paths routed by the model their body names"
     )
+    # vLLM's /tokenize takes a body without a model; llama.cpp ignores the field.
+    default_model: str = _setting(
+        "",
+        lambda w, k, v: check.string(w, k, v, empty_ok=True),
+        "where a request naming no model goes; unset: the only model served, else 400",
+    )
     remembered_responses: int = _count(100_000, "response ids kept with the replica that made them (/v1/responses)")
     # Replica ids are internal: only an operator who wants them in answers turns this on.
     expose_replica_header: bool = _setting(False, check.boolean, "X-Router-Replica: the replica that answered")

@@ -147,6 +147,8 @@ class Proxy:
                 obj, requested, stream = parse_form(body, request.header(b"content-type"))
             else:
                 obj, requested, stream = parse_request(body)
+            if requested is None:
+                requested = self.routes.unnamed(self.pool)
             if (entry := current_entry.get()) is not None:
                 entry.model = requested
             routes = self.routes
