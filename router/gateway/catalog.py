@@ -29,7 +29,6 @@ class Routes:
             for alias in model.aliases:
                 self.aliases[alias] = name
 
-
     def unnamed(self, pool: Pool) -> str:
         """The name a request that names no model is served under: default_model, else the
         only model served; a 400 naming the models served when there is no telling."""

@@ -13,11 +13,13 @@ import asyncio
 import time
 
 from router.core.config import Config
+from router.core.engines import ANTHROPIC_PATHS
 from router.core.errors import ClientFacingError, ModelNotFound, quoted
 from router.core.pool import Pool
 from router.core.replicas import Replica
 from router.gateway.access_log import AccessLog, Entry, current_entry
 from router.gateway.answers import JSON, error_body, error_response
+from router.gateway.anthropic import AnthropicWriter, reshaped
 from router.gateway.bodies import parse_form, parse_request
 from router.gateway.catalog import Catalog, Routes
 from router.gateway.chain import Chain
@@ -105,6 +107,9 @@ class Proxy:
         The server answers it in its turn and closes; its access-log line is written here.
         """
         reply = self.keys.refusal(request)
+        if reply is not None and request.path in ANTHROPIC_PATHS:
+            body = reshaped(reply.body, reply.status)
+            reply = Reply(reply.status, body or reply.body, reply.headers)
         if reply is not None and self.access_log is not None:
             entry = Entry(request.request_id.decode("ascii"), request.peer, request.method, request.path, 0)
             entry.status = reply.status
@@ -138,6 +143,8 @@ class Proxy:
 
     async def inference(self, request: Request, writer: Writer) -> None:
         started = time.perf_counter()
+        if request.path in ANTHROPIC_PATHS:
+            writer = AnthropicWriter(writer)
         try:
             if self.keys.active:
                 self.keys.check(request)

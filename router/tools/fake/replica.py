@@ -22,6 +22,7 @@ from aiohttp import web
 
 from router.tools.fake.echo import ECHOED, TRANSCRIBED, Echo
 from router.tools.fake.inference import Inference
+from router.tools.fake.messages import Messages
 from router.tools.fake.responses import ResponsesApi
 from router.tools.fake.switches import Behaviour, Seen
 
@@ -64,6 +65,9 @@ class FakeReplica:
         app.router.add_post("/v1/embeddings", inference.embeddings)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/responses", responses.create)
+        messages = Messages(self)
+        app.router.add_post("/v1/messages", messages.create)
+        app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
         app.router.add_get("/v1/responses/{id}", responses.stored)
         app.router.add_post("/v1/responses/{id}/cancel", responses.stored)
         app.router.add_get("/v1/responses/{id}/input_items", responses.stored)
