@@ -6,6 +6,7 @@ from typing import Any
 
 import orjson
 
+from router.core.cards import Cards
 from router.core.config import Config
 from router.core.errors import BadRequest, ClientFacingError, ModelNotFound, quoted
 from router.core.pool import Pool
@@ -52,6 +53,8 @@ class Catalog:
         self.routes = routes
         self.keys = keys
         self.created = created
+        # What the replicas' own /v1/models say of each model (read by router.control.cards).
+        self.cards = Cards()
 
     def models(self, request: Request) -> Reply:
         try:
@@ -77,4 +80,12 @@ class Catalog:
         return names
 
     def _doc(self, name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "router"}
+        doc: dict[str, Any] = {"id": name, "object": "model", "created": self.created, "owned_by": "router"}
+        target = self.routes.aliases.get(name)
+        card = self.cards.get(name if target is None else target)
+        if card is not None:
+            doc.update(card.fields())
+        if target is not None:
+            # An alias's card says what it resolves to, as vLLM's card of a LoRA adapter names its base.
+            doc["parent"] = target
+        return doc

@@ -53,6 +53,8 @@ class FakeReplica:
     cached_tokens: int = 0
     # Larger request bodies get 413: at least what a router in front lets through.
     max_body_bytes: int = 64 * 1024 * 1024
+    # Fields of the model cards in this replica's /v1/models, as vLLM's carry them (max_model_len, root).
+    card: dict[str, Any] = field(default_factory=dict)
     _runner: web.AppRunner | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -180,5 +182,5 @@ class FakeReplica:
         return web.Response(body=orjson.dumps(info), content_type="application/json")
 
     async def _models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": self.name} for m in self.models]
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": self.name, **self.card} for m in self.models]
         return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
