@@ -209,8 +209,14 @@ class Config:
     ejection_max_seconds: float = _seconds(300.0, "")
     # A 2xx readmits an ejected replica early; anything else, or no answer, ejects a ready one.
     health_check_interval_seconds: float = _seconds(0.0, "active checks of every replica; 0 = off", minimum=0.0)
-    health_check_path: str = _setting("/health", check.path, 'a 2xx is healthy ("/v1/models" for llama.cpp)')
-    health_check_timeout_seconds: float = _seconds(2.0, "")
+    # vLLM's, SGLang's and llama-server's /health: 503 while loading or dead (docs/engines.md).
+    health_check_path: str = _setting(
+        "/health", check.path, "a 2xx is healthy: vLLM's, SGLang's and llama-server's /health (docs/engines.md)"
+    )
+    # SGLang's /health sleeps a second before it looks for its one-token generation's answer.
+    health_check_timeout_seconds: float = _seconds(
+        5.0, "SGLang's /health runs a one-token generation: a second at least"
+    )
     routed_paths: tuple[str, ...] = _setting(
         ROUTED_PATHS, check.paths, "POST paths routed by the model their body names"
     )
