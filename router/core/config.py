@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from router.core import config_checks as check
-from router.core.engines import ROUTED_PATHS
+from router.core.engines import ROUTED_PATHS, UPGRADE_PATHS
 from router.core.errors import ConfigError
 from router.core.picking import DEFAULT_POLICY, POLICIES
 
@@ -219,6 +219,9 @@ class Config:
     )
     routed_paths: tuple[str, ...] = _setting(
         ROUTED_PATHS, check.paths, "POST paths routed by the model their body names"
+    )
+    upgrade_paths: tuple[str, ...] = _setting(
+        UPGRADE_PATHS, check.paths, "GET paths whose WebSocket upgrades are routed by the query's model"
     )
     # vLLM's /tokenize takes a body without a model; llama.cpp ignores the field.
     default_model: str = _setting(

@@ -18,6 +18,7 @@ import orjson
 
 from router.gateway.answers import JSON, content_encoding
 from router.http.messages import Reply
+from router.http.pipe import Pipe
 from router.http.writer import Meter, Writer
 
 # The error types of Anthropic's API reference, by status; any other 4xx is an invalid
@@ -123,3 +124,6 @@ class AnthropicWriter:
 
     async def drain(self) -> None:
         await self._writer.drain()
+
+    def switch(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> Pipe | None:
+        return self._writer.switch(status, reason, headers)

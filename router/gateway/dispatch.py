@@ -28,6 +28,7 @@ from router.gateway.hold import Holding
 from router.gateway.keys import ApiKeys
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.responses import ResponsesMemory
+from router.gateway.tunnel import Tunnels, asks_websocket
 from router.gateway.wake import Waker
 from router.http.client import Client
 from router.http.headers import REQUEST_ID, HeaderFilter
@@ -70,6 +71,9 @@ class Proxy:
         # Headers never passed to a replica as the client sent them: its key,
         # and X-Request-Id, which the router sets (the client's, checked, or its own).
         self._forwarded = HeaderFilter(keys.drop | REQUEST_ID)
+        # The GET paths whose WebSocket upgrades are routed by the query's model (config upgrade_paths).
+        self.upgrades = frozenset(config.upgrade_paths)
+        self.tunnels = Tunnels(config, pool, routes, keys, self._forwarded)
         self.access_log: AccessLog | None = None
 
     @property
@@ -90,7 +94,9 @@ class Proxy:
         elif path.startswith("/v1/responses/"):
             await self.stored_response(request, writer)
         elif method == "GET" or method == "HEAD":  # noqa: PLR1714 (two compares beat a tuple here)
-            if path == "/v1/models":
+            if path in self.upgrades and method == "GET":
+                await self.tunnels.serve(request, writer)
+            elif path == "/v1/models":
                 writer.answer(self.catalog.models(request))
             elif path.startswith("/v1/models/"):
                 writer.answer(self.catalog.model_info(request, path[len("/v1/models/") :]))
@@ -98,6 +104,10 @@ class Proxy:
                 writer.answer(self.not_found(request))
         else:
             writer.answer(self.not_found(request))
+
+    def may_switch(self, request: Request) -> bool:
+        """The server's upgrade check: a WebSocket upgrade on a path of upgrade_paths."""
+        return request.path in self.upgrades and asks_websocket(request)
 
     def refuse_keyless_body(self, request: Request) -> Reply | None:
         """The client port's head check while api_keys is set: a request that announces a body

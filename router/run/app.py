@@ -190,6 +190,8 @@ class RouterServer(Listening):
             captured=[m.session_header.encode() for m in config.models.values() if m.routing == "session"],
             # Keys are checked from the head when a body follows: nothing of it is read without one.
             head_check=proxy.refuse_keyless_body if proxy.keys.active else None,
+            # WebSocket upgrades on upgrade_paths may switch their connection (router/gateway/tunnel.py).
+            upgrade_check=proxy.may_switch if proxy.upgrades else None,
             error=server_error,
             log_exception=log.exception,
         )

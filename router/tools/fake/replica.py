@@ -78,6 +78,7 @@ class FakeReplica:
         for path in TRANSCRIBED:
             app.router.add_post(path, echo.transcribe)
         app.router.add_post("/v1/audio/speech", echo.speech)
+        app.router.add_get("/v1/realtime", self._realtime)
         app.router.add_get("/health", self._health)
         # What SGLang's and vLLM's own routers probe before they route (bench/compare.py).
         app.router.add_get("/get_model_info", self._engine_info)
@@ -175,6 +176,29 @@ class FakeReplica:
         if self.behaviour.fail_status is not None:
             return web.Response(status=503, text="unhealthy")
         return web.Response(text="ok")
+
+    async def _realtime(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's realtime API over WebSocket: session.created first, then every message echoed back."""
+        if self.record:
+            self.remember(request, b"")
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        self.active += 1
+        try:
+            created = {"type": "session.created", "model": request.query.get("model"), "served_by": self.name}
+            await ws.send_bytes(orjson.dumps(created))
+            async for message in ws:
+                if message.type == web.WSMsgType.TEXT:
+                    if message.data == "close":
+                        await ws.close()
+                    else:
+                        await ws.send_str(message.data)
+                elif message.type == web.WSMsgType.BINARY:
+                    await ws.send_bytes(message.data)
+        finally:
+            self.active -= 1
+            self.completed += 1
+        return ws
 
     async def _engine_info(self, request: web.Request) -> web.Response:
         model = self.models[0]
