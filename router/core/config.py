@@ -223,6 +223,10 @@ class Config:
     upgrade_paths: tuple[str, ...] = _setting(
         UPGRADE_PATHS, check.paths, "GET paths whose WebSocket upgrades are routed by the query's model"
     )
+    # Off for engines whose /v1/models is not theirs to give (behind an auth the router lacks).
+    model_cards: bool = _setting(
+        True, check.boolean, "read each replica's /v1/models as it joins: max_model_len, root, parent"
+    )
     # vLLM's /tokenize takes a body without a model; llama.cpp ignores the field.
     default_model: str = _setting(
         "",

@@ -253,9 +253,10 @@ class RouterServer(Listening):
         if worker_socket is None:
             self._tasks.append(loop.create_task(ticker.run()))
             self._tasks += [loop.create_task(source.run(fleet)) for source in self.sources]
-        # Each replica's /v1/models when it joins or comes back: the catalog's model cards.
-        self.cards = CardReader(self.pool, session, self.proxy.catalog.cards)
-        self._tasks.append(loop.create_task(self.cards.run()))
+        if config.model_cards:
+            # Each replica's /v1/models when it joins or comes back: the catalog's model cards.
+            self.cards = CardReader(self.pool, session, self.proxy.catalog.cards)
+            self._tasks.append(loop.create_task(self.cards.run()))
         if config.health_check_interval_seconds > 0:
             self.health = HealthChecker(
                 self.pool,

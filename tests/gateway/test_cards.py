@@ -36,7 +36,9 @@ async def test_the_catalog_carries_the_engines_card_for_the_model_and_its_alias(
     fake = await start_fake("llama", card=VLLM_CARD)
     plain = await start_fake("tiny")  # as llama.cpp: a card with none of the fields
     server = await start_router(
-        [replica_entry("r0", fake), replica_entry("r1", plain)], models={"llama": {"aliases": ["default"]}}
+        [replica_entry("r0", fake), replica_entry("r1", plain)],
+        models={"llama": {"aliases": ["default"]}},
+        model_cards=True,
     )
     await wait_for(lambda: card_read(server, "llama") and card_read(server, "tiny"))
     async with sdk(server) as client:
@@ -55,7 +57,7 @@ async def test_a_readmitted_replicas_card_is_read_again(start_fake: StartFake, s
     """A restarted engine may serve another max_model_len: read again when it comes back."""
     fake = await start_fake("llama", card={"max_model_len": 4096})
     other = await start_fake("llama", card={"max_model_len": 4096})
-    server = await start_router([replica_entry("r0", fake), replica_entry("r1", other)])
+    server = await start_router([replica_entry("r0", fake), replica_entry("r1", other)], model_cards=True)
     await wait_for(lambda: card_read(server, "llama"))
     fake.card = other.card = {"max_model_len": 32768}
     replica = server.pool.get("r0")
@@ -90,7 +92,7 @@ async def stuck_models() -> AsyncIterator[str]:
 
 
 async def test_a_card_that_is_not_read_never_holds_a_request(stuck_models: str, start_router: StartRouter) -> None:
-    server = await start_router([{"id": "r0", "model": "m", "url": stuck_models, "labels": {}}])
+    server = await start_router([{"id": "r0", "model": "m", "url": stuck_models, "labels": {}}], model_cards=True)
     assert server.cards is not None
     await wait_for(lambda: server.cards is not None and server.cards.reads >= 1)
     async with sdk(server) as client:
@@ -99,3 +101,12 @@ async def test_a_card_that_is_not_read_never_holds_a_request(stuck_models: str, 
     assert [model.model_dump(exclude_none=True) for model in listed] == [
         {"id": "m", "object": "model", "created": listed[0].created, "owned_by": "router"}
     ]
+
+
+async def test_model_cards_off_reads_nothing(start_fake: StartFake, start_router: StartRouter) -> None:
+    """model_cards = false: no replica sees a request the router did not forward."""
+    fake = await start_fake("llama", card=VLLM_CARD)
+    server = await start_router([replica_entry("r0", fake)], model_cards=False)
+    assert server.cards is None
+    doc = await get_json(server.client_url + "/v1/models/llama")
+    assert "max_model_len" not in doc and fake.seen == []
