@@ -141,3 +141,22 @@ async def test_the_sdks_x_api_key_is_a_client_key_and_is_never_forwarded(
             await client.messages.create(model="m", max_tokens=4, messages=HELLO)
     assert isinstance(refused.value.body, dict) and refused.value.body["error"]["type"] == "authentication_error"
     assert len(fake.seen) == 1
+
+
+async def test_a_stream_the_replica_breaks_off_ends_with_anthropics_error_event(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(tokens=8, reset_after_chunks=2))
+    server = await start_router([replica_entry("r0", fake)])
+
+    async def read_all(client: anthropic.AsyncAnthropic) -> None:
+        async with client.messages.stream(model="m", max_tokens=8, messages=HELLO) as stream:
+            async for _ in stream:
+                pass
+
+    async with sdk(server) as client:
+        with pytest.raises(anthropic.APIStatusError) as broken:
+            await read_all(client)
+    assert isinstance(broken.value.body, dict) and broken.value.body["type"] == "error"
+    assert broken.value.body["error"]["type"] == "api_error"
+    assert "broke off the stream" in broken.value.body["error"]["message"]

@@ -118,7 +118,13 @@ class Messages:
         await resp.write(_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
         await resp.write(_event("ping", {}))
         delay = replica.behaviour.token_delay
+        reset = replica.behaviour.reset_after_chunks
         for i in range(n):
+            if reset is not None and i >= reset:
+                # Reset mid-stream, as an engine that dies does.
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
             if delay:
                 await asyncio.sleep(delay)
             delta = {"index": 0, "delta": {"type": "text_delta", "text": f"tok{i} "}}
