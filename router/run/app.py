@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from router.control.admin import Admin
+from router.control.cards import CardReader
 from router.control.fleet import LocalFleet
 from router.control.health import HealthChecker
 from router.control.sinks import Sinks, build_sinks
@@ -119,6 +120,7 @@ class RouterServer(Listening):
         self._tasks: list[asyncio.Task[None]] = []
         self._client_listener: asyncio.Server | None = None
         self.health: HealthChecker | None = None
+        self.cards: CardReader | None = None
         self.client_address: tuple[str, int] | None = None
         self.admin_address: tuple[str, int] | None = None
 
@@ -188,6 +190,8 @@ class RouterServer(Listening):
             captured=[m.session_header.encode() for m in config.models.values() if m.routing == "session"],
             # Keys are checked from the head when a body follows: nothing of it is read without one.
             head_check=proxy.refuse_keyless_body if proxy.keys.active else None,
+            # WebSocket upgrades on upgrade_paths may switch their connection (router/gateway/tunnel.py).
+            upgrade_check=proxy.may_switch if proxy.upgrades else None,
             error=server_error,
             log_exception=log.exception,
         )
@@ -249,6 +253,10 @@ class RouterServer(Listening):
         if worker_socket is None:
             self._tasks.append(loop.create_task(ticker.run()))
             self._tasks += [loop.create_task(source.run(fleet)) for source in self.sources]
+        if config.model_cards:
+            # Each replica's /v1/models when it joins or comes back: the catalog's model cards.
+            self.cards = CardReader(self.pool, session, self.proxy.catalog.cards)
+            self._tasks.append(loop.create_task(self.cards.run()))
         if config.health_check_interval_seconds > 0:
             self.health = HealthChecker(
                 self.pool,
