@@ -97,6 +97,16 @@ class SetDiff:
 _LEAST_LOADED = Routing()
 
 
+class _Batch:
+    """One set_replicas(): the policies holding their changes, and the models to tell of them."""
+
+    __slots__ = ("changed", "held")
+
+    def __init__(self) -> None:
+        self.held: dict[Policy[Replica], None] = {}
+        self.changed: dict[str, None] = {}
+
+
 def _replica_name(replica: Replica) -> str:
     return replica.id
 
@@ -115,6 +125,7 @@ class ReplicaSet:
         "leaving",
         "models",
         "_affinity",
+        "_batch",
         "_changed",
         "_now",
         "_per_replica",
@@ -149,6 +160,9 @@ class ReplicaSet:
         self.candidates: dict[str, Policy[Replica]] = {}
         # Every model that had a replica since start: known, so never 404.
         self.ever_served: set[str] = set()
+        # While a whole set is applied: the policies holding their changes, and
+        # the models whose waiters are told once it is in.
+        self._batch: _Batch | None = None
 
     def set_replicas(self, configs: Iterable[ReplicaConfig]) -> SetDiff:
         """Make `configs` the desired set, atomically (no await in here).
@@ -156,7 +170,22 @@ class ReplicaSet:
         A replica whose URL or model changed is a removal plus an addition; a
         removed one drains: it takes no new request and is forgotten when its
         last request ends. Labels alone change in place.
+
+        The policies lay out what depends on the whole set (a hash ring) once
+        for the batch, and the pool's waiters are told of it once it is whole:
+        no pick can come between the parts of one set.
         """
+        self._batch = batch = _Batch()
+        try:
+            return self._apply(configs)
+        finally:
+            self._batch = None
+            for policy in batch.held:
+                policy.settle()
+            for model in batch.changed:
+                self._changed(model)
+
+    def _apply(self, configs: Iterable[ReplicaConfig]) -> SetDiff:
         desired = {c.id: c for c in configs}
         added: list[str] = []
         removed: list[str] = []
@@ -205,7 +234,7 @@ class ReplicaSet:
         if not siblings:
             del self.models[replica.model]
             del self.candidates[replica.model]
-            self._changed(replica.model)
+            self._tell(replica.model)
         if replica.in_flight:
             self.leaving.add(replica)
 
@@ -224,16 +253,27 @@ class ReplicaSet:
                 self._affinity.setdefault(replica.model, [0, 0, 0]),
             )
             candidates = self.candidates[replica.model] = POLICIES[routing.policy](self._rng, settings)
+        batch = self._batch
+        if batch is not None and candidates not in batch.held:
+            candidates.hold()
+            batch.held[candidates] = None
         serving = replica.state is ReplicaState.READY
         if serving and replica not in candidates:
             candidates.add(replica, replica.in_flight)
             # A new, readmitted or undrained replica: the model's waiters first.
-            self._changed(replica.model)
+            self._tell(replica.model)
         elif not serving:
             candidates.discard(replica)
             if not len(candidates):
                 # The model's last candidate left: its waiters wait for nothing now.
-                self._changed(replica.model)
+                self._tell(replica.model)
+
+    def _tell(self, model: str) -> None:
+        """The pool's waiters for `model` may go: now, or once the batch is whole."""
+        if self._batch is not None:
+            self._batch.changed[model] = None
+        else:
+            self._changed(model)
 
     # Views --------------------------------------------------------------------
 
