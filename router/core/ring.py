@@ -93,20 +93,22 @@ class Layout(Generic[T]):
         for item in new:
             hashed[item] = member_points(self._name_of(item))
         bound = _RELAY_SHARE * len(self.points)
-        resting = POINTS_PER_MEMBER * (len(hashed) - len(candidates)) > bound
-        if resting:
+        many_new = POINTS_PER_MEMBER * len(new) > bound
+        many_resting = POINTS_PER_MEMBER * (len(hashed) - len(candidates)) > bound
+        if not (new or many_resting):
+            return
+        if many_new or many_resting:
+            # Laid out for the candidates alone: the resting ones' points go.
             for item in [item for item in hashed if item not in candidates]:
                 del hashed[item]
-        if POINTS_PER_MEMBER * len(new) > bound:
-            # Many new ones (the first layout): every candidate's points sorted once.
+        if many_new:
+            # (The first layout, or a large batch): every candidate's points sorted once.
             self._sort(candidates)
-        elif resting or new:
-            if resting:
+        else:
+            if many_resting:
                 self._compact(candidates)
             if new:
                 self._merge(new)
-        else:
-            return
         self.builds += 1
 
     def _sort(self, candidates: Iterable[T]) -> None:

@@ -89,7 +89,7 @@ def test_resting_points_are_dropped_once_they_are_a_quarter_of_the_ring() -> Non
 Step = tuple[bool, int, int]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, len(NAMES) - 1), st.integers(0, 3)), max_size=60))
 def test_the_ring_after_any_changes_is_the_ring_laid_out_whole(steps: list[Step]) -> None:
     ring: BoundedHashRing[str] = BoundedHashRing(random.Random(1), PolicySettings("m"))
