@@ -74,6 +74,10 @@ class Pool:
         # is removed in O(1). Held requests wait in the same lines.
         self._waiting: Lines = {}
         self._seq = itertools.count()
+        # Replicas whose usage may have changed since the usage tick last looked
+        # (router.core.usage): marked where they change, in the critical
+        # sections that change them, so that a tick looks at these alone.
+        self.touched: dict[Replica, None] = {}
         self._set = ReplicaSet(
             now=self._now,
             rng=rng or random.Random(),
@@ -81,6 +85,7 @@ class Pool:
             per_replica=limits.per_replica,
             affinity=self.tallies.affinity,
             changed=self._candidates_changed,
+            touched=self.touched,
         )
         self._by_id = self._set.by_id
         self._leaving = self._set.leaving
@@ -150,6 +155,7 @@ class Pool:
         replica.in_flight += 1
         replica.requests += 1
         replica.last_used = self._now()
+        self.touched[replica] = None
         return replica
 
     def acquire_this(self, replica_id: str) -> Replica | None:
@@ -172,6 +178,7 @@ class Pool:
         replica.in_flight += 1
         replica.requests += 1
         replica.last_used = self._now()
+        self.touched[replica] = None
         return replica
 
     def release(self, replica: Replica) -> None:

@@ -131,6 +131,7 @@ class ReplicaSet:
         "_per_replica",
         "_rng",
         "_routing",
+        "_touched",
     )
 
     def __init__(
@@ -142,11 +143,14 @@ class ReplicaSet:
         per_replica: int,
         affinity: dict[str, list[int]],
         changed: Callable[[str], None],
+        touched: dict[Replica, None],
     ) -> None:
         """`changed(model)`: the model gained a candidate, or lost its last one (its waiters may go).
 
         `affinity`: where each model's policy counts its first picks (Tallies.affinity).
+        `touched`: where a replica whose state or labels change is marked for the usage tick.
         """
+        self._touched = touched
         self._now = now
         self._rng = rng
         self._routing = routing
@@ -199,9 +203,10 @@ class ReplicaSet:
             elif (config.url, config.model) != (replica.base_url, replica.model):
                 changed.append(replica_id)
                 self._remove(replica)
-            elif config != replica.config:
+            elif config is not replica.config and config != replica.config:
                 changed.append(replica_id)
                 replica.config = config
+                self._touched[replica] = None
             else:
                 unchanged.append(replica_id)
         now = self._now()
@@ -239,7 +244,12 @@ class ReplicaSet:
             self.leaving.add(replica)
 
     def refresh(self, replica: Replica) -> None:
-        """Make `replica` a candidate of its model's policy if it is ready, and no longer one if not."""
+        """Make `replica` a candidate of its model's policy if it is ready, and no longer one if not.
+
+        Every change of a replica's state comes through here (added, removed,
+        drained, ejected, back): marked for the usage tick.
+        """
+        self._touched[replica] = None
         candidates = self.candidates.get(replica.model)
         if candidates is None:
             if replica.removed:

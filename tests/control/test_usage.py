@@ -209,8 +209,18 @@ async def test_the_usage_document_is_pushed_each_tick(
     await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
     await wait_for(lambda: any(doc["last_used"] for doc in received))
     doc = received[-1]
-    assert set(doc) == {"router", "started_at", "generated_at", "tick_seconds", "last_used", "watching_since", "demand"}
+    assert set(doc) == {
+        "router",
+        "started_at",
+        "generated_at",
+        "tick_seconds",
+        "last_used",
+        "watching_since",
+        "model",
+        "demand",
+    }
     assert set(doc["watching_since"]) == {"a", "b"}
+    assert doc["model"] == {"a": "m", "b": "m"}
     assert server.push is not None and server.push.failures == 0
 
 
