@@ -193,7 +193,13 @@ class RouterServer(Listening):
         )
         self.registry.register(ProtocolErrorCollector(client.protocol_errors, self.upstream.protocol_errors))
 
-        self.fleet = fleet = LocalFleet(self.pool, self.registry, ticker.snapshot)
+        self.fleet = fleet = LocalFleet(
+            self.pool,
+            self.registry,
+            ticker.snapshot,
+            # A worker's series are its supervisor's to export.
+            exposition=sinks.exposition if worker_socket is None else bytes,
+        )
         admin = Admin(
             fleet,
             sinks.latest,

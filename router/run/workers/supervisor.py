@@ -291,7 +291,7 @@ class Supervisor(Listening):
         own = await loop.run_in_executor(None, generate_latest, self.registry)
         extra = CollectorRegistry()
         extra.register(MergedCollector(self.families, merged))
-        return own + generate_latest(extra)
+        return own + generate_latest(extra) + self.sinks.exposition()
 
 
 class _WorkerCollector(Collector):
