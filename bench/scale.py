@@ -206,6 +206,13 @@ async def _tick(n: int, rounds: int, push: bool) -> dict[str, float]:
         server = RouterServer(load_config(str(Path(tmp) / "r.toml")))
         await server.start()
         try:
+            # As `router serve` does after start-up, where it does.
+            from router.run.app import freeze_start_up  # type: ignore[attr-defined,unused-ignore]
+
+            freeze_start_up()
+        except ImportError:
+            pass
+        try:
             pool, ticker = server.pool, server.ticker
             assert ticker is not None
             for i, r in enumerate(list(pool)):

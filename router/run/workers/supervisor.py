@@ -34,7 +34,7 @@ from router.control.sources import build_sources, exclusive_source, initial_set,
 from router.core.config import Config
 from router.core.merging import Memory, combine
 from router.core.usage import UsageSnapshot, publish
-from router.run.app import SNAPSHOT_PATH, Listening, run_until_signalled
+from router.run.app import SNAPSHOT_PATH, Listening, freeze_start_up, run_until_signalled
 from router.run.session import make_session
 from router.run.worker_metrics import METRICS_PATH, MergedCollector, Report, SampleKey, merge, retire
 from router.run.workers.fanout import SupervisedFleet
@@ -339,6 +339,7 @@ async def serve_workers(
     """`router serve --workers N`: run until SIGTERM/SIGINT; SIGHUP reloads the replicas."""
     supervisor = Supervisor(config, config_path=config_path, workers=workers, log_level=log_level)
     await supervisor.start()
+    freeze_start_up()
     await run_until_signalled(
         supervisor,
         stop_server=supervisor.stop,
