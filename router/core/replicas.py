@@ -191,35 +191,48 @@ class ReplicaSet:
 
     def _apply(self, configs: Iterable[ReplicaConfig]) -> SetDiff:
         desired = {c.id: c for c in configs}
+        by_id = self.by_id
         added: list[str] = []
         removed: list[str] = []
         changed: list[str] = []
         unchanged: list[str] = []
-        for replica_id, replica in list(self.by_id.items()):
+        leaving: list[Replica] = []
+        for replica_id, replica in by_id.items():
             config = desired.get(replica_id)
-            if config is None:
+            if config is replica.config:
+                # The very config it has (a push's unchanged entry): nothing to compare.
+                unchanged.append(replica_id)
+            elif config is None:
                 removed.append(replica_id)
-                self._remove(replica)
+                leaving.append(replica)
             elif (config.url, config.model) != (replica.base_url, replica.model):
                 changed.append(replica_id)
-                self._remove(replica)
-            elif config is not replica.config and config != replica.config:
+                leaving.append(replica)
+            elif config != replica.config:
                 changed.append(replica_id)
                 replica.config = config
                 self._touched[replica] = None
             else:
+                # Equal: kept as this object, which the next push of the same entry gives
+                # again (and looked at by the next tick, should equal values differ in type).
+                replica.config = config
+                self._touched[replica] = None
                 unchanged.append(replica_id)
-        now = self._now()
-        for replica_id, config in desired.items():
-            if replica_id in self.by_id:
-                continue
-            if replica_id not in changed:
-                added.append(replica_id)
-            replica = Replica(config, added_at=now)
-            self.ever_served.add(replica.model)
-            self.by_id[replica_id] = replica
-            self.models.setdefault(replica.model, []).append(replica)
-            self.refresh(replica)
+        for replica in leaving:
+            self._remove(replica)
+        if len(by_id) < len(desired):
+            now = self._now()
+            replaced = set(changed)
+            for replica_id, config in desired.items():
+                if replica_id in by_id:
+                    continue
+                if replica_id not in replaced:
+                    added.append(replica_id)
+                replica = Replica(config, added_at=now)
+                self.ever_served.add(replica.model)
+                by_id[replica_id] = replica
+                self.models.setdefault(replica.model, []).append(replica)
+                self.refresh(replica)
         return SetDiff(tuple(added), tuple(removed), tuple(changed), tuple(unchanged))
 
     def set_draining(self, replica_id: str, draining: bool) -> Replica | None:
