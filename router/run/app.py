@@ -37,6 +37,7 @@ from router.control.sources import (
 from router.core.clock import Clock, LoopClock
 from router.core.config import Config
 from router.core.ejection import EjectionPolicy
+from router.core.merging import report_json
 from router.core.picking import Routing
 from router.core.pool import Limits, Pool
 from router.core.usage import Ticker
@@ -303,8 +304,12 @@ class RouterServer(Listening):
         await self.upstream.close()
 
     async def _snapshot_json(self, request: web.Request) -> web.Response:
+        """The supervisor's collection: what changed since its last report taken (`?since=BOOK.SEQ`), else all."""
         assert self.ticker is not None
-        body = orjson.dumps(self.ticker.snapshot().to_json())
+        book, _, seq = request.query.get("since", "").partition(".")
+        own = self.ticker.snapshotter.book.number
+        since = int(seq) if seq.isdigit() and book == str(own) else None
+        body = orjson.dumps(report_json(self.ticker.snapshot(since=since)))
         return web.Response(body=body, content_type="application/json")
 
     async def _metrics_json(self, request: web.Request) -> web.Response:
