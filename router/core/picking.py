@@ -48,7 +48,9 @@ class Policy(Protocol[T]):
 
     def increment(self, item: T) -> None: ...
 
-    def decrement(self, item: T) -> None: ...
+    def decrement(self, item: T) -> bool:
+        """One request less on `item`; False when it is not a candidate (nothing counted)."""
+        ...
 
     @property
     def lowest_load(self) -> int | None:
@@ -180,14 +182,17 @@ class LeastLoaded(Generic[T]):
         if load == self._lowest and not self._buckets[load]:
             self._lowest = load + 1
 
-    def decrement(self, item: T) -> None:
+    def decrement(self, item: T) -> bool:
         slot = self._slots.get(item)
-        if slot is None or slot[0] == 0:
-            return
+        if slot is None:
+            return False
         load = slot[0]
+        if load == 0:
+            return True
         self._unplace(slot)
         self._place(item, slot, load - 1)
         self._lowest = min(self._lowest, load - 1)
+        return True
 
     def _place(self, item: T, slot: list[int], load: int) -> None:
         buckets = self._buckets
@@ -332,15 +337,18 @@ class BoundedHashRing(LeastLoaded[T]):
         if load == self._lowest and not self._buckets[load]:
             self._lowest = load + 1
 
-    def decrement(self, item: T) -> None:
+    def decrement(self, item: T) -> bool:
         slot = self._slots.get(item)
-        if slot is None or slot[0] == 0:
-            return
-        self._total -= 1
+        if slot is None:
+            return False
         load = slot[0]
+        if load == 0:
+            return True
+        self._total -= 1
         self._unplace(slot)
         self._place(item, slot, load - 1)
         self._lowest = min(self._lowest, load - 1)
+        return True
 
     def home(self, key: bytes) -> T | None:
         """The candidate `key` belongs to, whatever the loads."""

@@ -186,9 +186,8 @@ class Pool:
         replica.in_flight -= 1
         self.in_flight -= 1
         candidates = self._candidates.get(replica.model)
-        if candidates is not None and replica in candidates:
-            candidates.decrement(replica)
-        elif replica.removed and replica.in_flight == 0:
+        # (decrement() says whether it is a candidate: no `in` asked first, on every request.)
+        if (candidates is None or not candidates.decrement(replica)) and replica.removed and replica.in_flight == 0:
             self._leaving.discard(replica)
         if self._waiting:
             self._hand_off(replica.model)
