@@ -136,6 +136,13 @@ def _recoveries(labels: _Labels, value: object) -> str:
 
 def _requests(labels: _Labels, value: object) -> str:
     starts = labels.requests
+    counts = cast(Mapping[str, int], value)
+    if len(counts) == 1:
+        # The usual case: every answer 2xx.
+        ((status_class, count),) = counts.items()
+        start = starts.get(status_class)
+        if start is not None:
+            return f"{start}{_number(count)}\n"
     lines = []
     for status_class, count in sorted(cast(Mapping[str, int], value).items()):
         start = starts.get(status_class)
@@ -155,17 +162,15 @@ def _errors(labels: _Labels, value: object) -> str:
     )
 
 
-# Per family of _RECORD_FAMILIES: the record's field it shows, and its lines from that field.
-_RENDER: tuple[tuple[int, Callable[[_Labels, object], str]], ...] = (
-    (ReplicaUsage._fields.index("last_used"), _last_used),
-    (ReplicaUsage._fields.index("watching_since"), _watching),
-    (ReplicaUsage._fields.index("in_flight"), _in_flight),
-    (ReplicaUsage._fields.index("state"), _state),
-    (ReplicaUsage._fields.index("ejections"), _ejections),
-    (ReplicaUsage._fields.index("recoveries"), _recoveries),
-    (ReplicaUsage._fields.index("responses"), _requests),
-    (ReplicaUsage._fields.index("errors"), _errors),
-)
+# The record's fields each family of _RECORD_FAMILIES shows, by place.
+_LAST_USED_AT = ReplicaUsage._fields.index("last_used")
+_WATCHING_AT = ReplicaUsage._fields.index("watching_since")
+_IN_FLIGHT_AT = ReplicaUsage._fields.index("in_flight")
+_STATE_AT = ReplicaUsage._fields.index("state")
+_EJECTIONS_AT = ReplicaUsage._fields.index("ejections")
+_RECOVERIES_AT = ReplicaUsage._fields.index("recoveries")
+_RESPONSES_AT = ReplicaUsage._fields.index("responses")
+_ERRORS_AT = ReplicaUsage._fields.index("errors")
 
 
 class PrometheusSink:
@@ -220,10 +225,25 @@ class PrometheusSink:
                 # New, or (a key come back naming another replica) new again.
                 labels = labels_of[key] = _Labels(record)
                 before = None
-            for (field, render), lines in zip(_RENDER, all_lines, strict=True):
-                value = record[field]
-                if before is None or before[field] != value:
-                    lines[key] = render(labels, value)
+            # Only the families whose field moved (a busy replica's stamp and counts, mostly),
+            # written out: thousands of records may have changed since the last scrape.
+            last_used, watching, in_flight, state, ejections, recoveries, requests, errors = all_lines
+            if before is None or before[_LAST_USED_AT] != record[_LAST_USED_AT]:
+                last_used[key] = _last_used(labels, record[_LAST_USED_AT])
+            if before is None or before[_WATCHING_AT] != record[_WATCHING_AT]:
+                watching[key] = _watching(labels, record[_WATCHING_AT])
+            if before is None or before[_IN_FLIGHT_AT] != record[_IN_FLIGHT_AT]:
+                in_flight[key] = _in_flight(labels, record[_IN_FLIGHT_AT])
+            if before is None or before[_STATE_AT] != record[_STATE_AT]:
+                state[key] = _state(labels, record[_STATE_AT])
+            if before is None or before[_EJECTIONS_AT] != record[_EJECTIONS_AT]:
+                ejections[key] = _ejections(labels, record[_EJECTIONS_AT])
+            if before is None or before[_RECOVERIES_AT] != record[_RECOVERIES_AT]:
+                recoveries[key] = _recoveries(labels, record[_RECOVERIES_AT])
+            if before is None or before[_RESPONSES_AT] != record[_RESPONSES_AT]:
+                requests[key] = _requests(labels, record[_RESPONSES_AT])
+            if before is None or before[_ERRORS_AT] != record[_ERRORS_AT]:
+                errors[key] = _errors(labels, record[_ERRORS_AT])
             rendered[key] = record
         self._dirty.clear()
 
