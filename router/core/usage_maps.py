@@ -85,7 +85,30 @@ class UsageMaps:
         key_of, twins = self._key_of, self._twins
         self.moved = set()
         ids: set[str] = set()
+        last_used_of, watching_of, horizon_of = self.last_used, self.watching_since, self.horizon
         for key, before, after in changes:
+            if before is not None and after is not None and after.id not in twins:
+                # The usual change: a replica's only record moved (its stamp, its counts).
+                # Its maps from it alone, written out: every replica may have moved.
+                rid, model = after.id, after.model
+                if after.requests != before.requests:
+                    total = requests.get(model, 0) + after.requests - before.requests
+                    if total:
+                        requests[model] = total
+                    else:
+                        requests.pop(model, None)
+                stamp, watching = after.last_used, after.watching_since
+                if stamp != before.last_used:
+                    if stamp is None:
+                        last_used_of.pop(rid, None)
+                    else:
+                        last_used_of[rid] = stamp
+                    self.moved.add("last_used")
+                if watching != before.watching_since:
+                    watching_of[rid] = watching
+                    self.moved.add("watching_since")
+                horizon_of[rid] = stamp if stamp is not None and stamp > watching else watching
+                continue
             if before is not None:
                 left = requests.get(before.model, 0) - before.requests
                 if left:
