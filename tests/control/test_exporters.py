@@ -205,6 +205,19 @@ def test_a_scrape_between_two_ticks_serves_the_same_bytes() -> None:
     assert prometheus.exposition() != first
 
 
+def test_a_router_nobody_scrapes_keeps_nothing_of_replicas_gone() -> None:
+    clock = FakeClock(0.0)
+    pool = Pool(fleet(4), clock=clock)
+    prometheus = PrometheusSink()
+    ticker = ticker_of(pool, clock, prometheus)
+    for generation in range(50):
+        # Discovery's churn: every replica replaced by a new one, and no scrape meanwhile.
+        pool.set_replicas([ReplicaConfig(f"g{generation}-{i}", "m", f"http://127.0.0.1:{9000 + i}") for i in range(4)])
+        ticker.tick()
+    assert len(prometheus._dirty) == 4
+    assert len(samples_of(prometheus.exposition())) == 4 * 9
+
+
 async def test_the_push_sends_the_body_the_latest_copy_holds() -> None:
     received: list[bytes] = []
 

@@ -197,10 +197,17 @@ class PrometheusSink:
         maps = self._maps
         changes = maps.follow(snapshot)
         if maps.steps == self._step + 1:
-            self._dirty.update(key for key, _, _ in changes)
+            dirty, rendered = self._dirty, self._rendered
+            for key, _, after in changes:
+                if after is not None or key in rendered:
+                    dirty.add(key)
+                else:
+                    # Gone before any scrape showed it: nothing to take out (and, with no
+                    # scraper, nothing kept of replicas long gone).
+                    dirty.discard(key)
         else:
             # A step missed: compare every record with the one its lines show.
-            self._dirty.update(maps.records, self._rendered)
+            self._dirty = {*maps.records, *self._rendered}
         self._step = maps.steps
         self.snapshot = snapshot
 
