@@ -320,26 +320,31 @@ def parse_replicas(where: check.Where, key: str, value: object) -> tuple[Replica
     if not isinstance(value, list):
         raise where.error(key, f"must be an array of tables, got {check.type_name(value)}")
     seen: dict[str, int] = {}
-    out: list[ReplicaConfig] = []
-    for index, raw in enumerate(value):
-        item_key = f"{key}[{index}]"
-        check.table(where, item_key, raw, _REPLICA_KEYS)
-        for name in ("id", "model", "url"):
-            if name not in raw:
-                raise where.error(f"{item_key}.{name}", "is required")
-        replica_id = check.string(where, f"{item_key}.id", raw["id"])
-        if replica_id in seen:
-            raise where.error(f"{item_key}.id", f"duplicate replica id {replica_id!r} (also {key}[{seen[replica_id]}])")
-        seen[replica_id] = index
-        out.append(
-            ReplicaConfig(
-                id=replica_id,
-                model=check.string(where, f"{item_key}.model", raw["model"]),
-                url=_replica_url(where, f"{item_key}.url", raw["url"]),
-                labels=_labels(where, f"{item_key}.labels", raw.get("labels", {})),
-            )
-        )
-    return tuple(out)
+    return tuple(parse_replica(where, key, index, raw, seen) for index, raw in enumerate(value))
+
+
+def parse_replica(where: check.Where, key: str, index: int, raw: object, seen: dict[str, int]) -> ReplicaConfig:
+    """Validate `key[index]`, one replica of a set; `seen`: the ids before it, by index (this one is added)."""
+    item_key = f"{key}[{index}]"
+    table = check.table(where, item_key, raw, _REPLICA_KEYS)
+    for name in ("id", "model", "url"):
+        if name not in table:
+            raise where.error(f"{item_key}.{name}", "is required")
+    replica_id = check.string(where, f"{item_key}.id", table["id"])
+    check_unique(where, key, index, replica_id, seen)
+    return ReplicaConfig(
+        id=replica_id,
+        model=check.string(where, f"{item_key}.model", table["model"]),
+        url=_replica_url(where, f"{item_key}.url", table["url"]),
+        labels=_labels(where, f"{item_key}.labels", table.get("labels", {})),
+    )
+
+
+def check_unique(where: check.Where, key: str, index: int, replica_id: str, seen: dict[str, int]) -> None:
+    """`key[index]`'s id is not one of `seen` (the ids before it, by index); it is one from now on."""
+    if replica_id in seen:
+        raise where.error(f"{key}[{index}].id", f"duplicate replica id {replica_id!r} (also {key}[{seen[replica_id]}])")
+    seen[replica_id] = index
 
 
 def _models(where: check.Where, value: object, replicas: tuple[ReplicaConfig, ...]) -> Mapping[str, ModelConfig]:
