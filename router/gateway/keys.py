@@ -20,8 +20,9 @@ class ApiKeys:
         # is needed, and a hundred tenants cost one lookup).
         self._callers = callers(keys, classes)
         self.active = bool(self._callers)
-        # The router consumes the client's key; the replicas never see it.
-        self.drop = frozenset({b"authorization"}) if self._callers else frozenset()
+        # The router consumes the client's key; the replicas never see it. Anthropic's
+        # clients send theirs as X-Api-Key.
+        self.drop = frozenset({b"authorization", b"x-api-key"}) if self._callers else frozenset()
 
     def check(self, request: Request) -> Caller:
         """Whose request it is, as its key says; Unauthorized without a known key (while keys are set)."""
@@ -29,11 +30,14 @@ class ApiKeys:
             return ANYONE
         header = (request.header(b"authorization") or b"").decode("latin-1")
         scheme, _, given = header.partition(" ")
+        if not header and (api_key := request.header(b"x-api-key")):
+            # The Anthropic SDK's own header (its auth_token is sent as Bearer).
+            scheme, given = "bearer", api_key.decode("latin-1")
         if scheme.lower() == "bearer" and given:
             caller = self._callers.get(hashlib.sha256(given.strip().encode("latin-1")).digest())
             if caller is not None:
                 return caller
-        raise Unauthorized("Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.")
+        raise Unauthorized("Incorrect or missing API key. Send it as 'Authorization: Bearer <key>' (or 'X-Api-Key').")
 
     def refusal(self, request: Request) -> Reply | None:
         """check() as the client port's head check: the 401 to answer, or None."""
