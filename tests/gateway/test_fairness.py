@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,11 +17,12 @@ import pytest
 from router.run.app import RouterServer
 from router.tools.fake import FakeReplica
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import CHAT, in_flight, post, samples, scrape, wait_for
+from tests.helpers import CHAT, get_json, in_flight, post, samples, scrape, wait_for
 
 KEYS = {
     "flood": {"key": "sk-flood", "tenant": "a", "priority": "batch"},
-    "chat": {"key": "sk-chat", "tenant": "b"},
+    # Kept as its SHA-256 alone, as an operator should.
+    "chat": {"key_sha256": hashlib.sha256(b"sk-chat").hexdigest(), "tenant": "b"},
 }
 
 
@@ -125,6 +128,57 @@ async def test_x_priority_lowers_a_request_and_never_raises_one(busy: Any) -> No
         assert await router.free() == ["interactive", "lowered", "not-raised"]
 
 
+async def test_a_batch_request_aged_past_max_queue_seconds_goes_before_later_interactive_ones(busy: Any) -> None:
+    """Aging: a batch request that has waited its class's max_queue_seconds is served before a flood above it."""
+    classes = [
+        {"name": "interactive", "queue_timeout_seconds": 30},
+        {"name": "batch", "queue_timeout_seconds": 30, "max_queue_seconds": 0.2},
+    ]
+    async with busy(priority_classes=classes) as router:
+        router.ask("aged", "sk-flood")
+        await router.queued(1)
+        # Past its class's max_queue_seconds on the router's clock (the loop's) before the flood comes.
+        await asyncio.sleep(0.3)
+        for i in range(3):
+            router.ask(f"chat{i}", "sk-chat")
+        await router.queued(4)
+        assert await router.free() == ["aged", "chat0", "chat1", "chat2"]
+
+
+async def test_without_keys_every_request_is_tenant_default_and_the_model_counts_all_it_queues(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    """No api_keys: tenant `default`; the per-model queue and the usage map's demand read as before."""
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], max_in_flight_per_replica=1)
+    router = Busy(fake, server)
+    fake.behaviour.stall = True
+    busy = asyncio.create_task(
+        post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT), {"Content-Type": "application/json"})
+    )
+    await wait_for(lambda: in_flight(server) == {"r0": 1} and len(fake.seen) == 1)
+    fake.behaviour.stall = False
+    router.ask("plain", "anything")
+    router.ask("lowered", "anything", extra_headers={"X-Priority": "batch"})
+    await router.queued(2)
+    assert server.ticker is not None
+    server.ticker.tick()
+    queued = samples(await scrape(server), "router_queued_requests")
+    assert queued == {
+        (("model", "m"), ("priority", "interactive"), ("tenant", "default")): 1.0,
+        (("model", "m"), ("priority", "batch"), ("tenant", "default")): 1.0,
+    }
+    status = await get_json(server.admin_url + "/api/v1/status")
+    assert [(m["model"], m["queued"]) for m in status["models"]] == [("m", 2)]
+    # Queued requests found the model served: no demand for a missing model, as before.
+    usage = await get_json(server.admin_url + "/api/v1/usage")
+    assert usage["demand"] == {}
+    busy.cancel()
+    await asyncio.gather(busy, return_exceptions=True)
+    for answer in await asyncio.gather(*router.tasks):
+        assert answer.choices[0].message.content == "tok0 tok1 "
+
+
 async def test_tenants_share_freed_slots_in_proportion_to_their_weights(busy: Any) -> None:
     keys = {"heavy": {"key": "sk-heavy", "weight": 2}, "light": {"key": "sk-light"}}
     async with busy(api_keys={**KEYS, **keys}) as router:
@@ -185,11 +239,14 @@ async def test_a_queued_requests_line_names_its_tenant_class_and_wait_never_its_
         assert "sk-" not in log_path.read_text()
 
 
-async def test_the_queue_shows_by_class_and_tenant_in_metrics_status_and_ctl_never_a_key(busy: Any) -> None:
+async def test_the_queue_shows_by_class_and_tenant_in_metrics_status_and_ctl_never_a_key(
+    busy: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     import io
 
     from router.tools import ctl
 
+    caplog.set_level(logging.DEBUG)
     async with busy() as router:
         server = router.server
         for i in range(3):
@@ -228,4 +285,11 @@ async def test_the_queue_shows_by_class_and_tenant_in_metrics_status_and_ctl_nev
         assert waits == {(("model", "m"), ("priority", "batch")): 4.0}
         after = await asyncio.to_thread(run, "status", "--server", server.admin_url)
         assert "queued at the limits" not in after
-        assert "sk-" not in text + status + after
+        admin = [
+            orjson.dumps(await get_json(server.admin_url + path)).decode()
+            for path in ("/api/v1/status", "/api/v1/usage", "/api/v1/replicas", "/api/v1/endpoints")
+        ]
+        # Neither a key nor its digest, anywhere an operator looks: only the tenants' names.
+        told = "\n".join([text, status, after, *admin, caplog.text])
+        for secret in ("sk-", hashlib.sha256(b"sk-chat").hexdigest(), hashlib.sha256(b"sk-flood").hexdigest()):
+            assert secret not in told
