@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections import OrderedDict
 from collections.abc import Callable
 from types import TracebackType
 
 from router.core.clock import Clock, Timer
+from router.core.fairness import Lines
 from router.core.replicas import Replica
 from router.core.tallies import Tallies
-from router.core.waiters import Lines, Waiter
+from router.core.waiters import Waiter
 
 # While a model is cold, one held request at a time is tried on its replicas,
 # this long after the last try failed, doubling up to the cap: an engine that
@@ -67,7 +67,7 @@ class ColdStart:
     """The held requests of every model: their cold spells, their count, and the timers of their deadlines.
 
     The waiters sit in the pool's lines (`lines`), beside those queued at
-    the limits, in one arrival order; `spells` is read by the pool too.
+    the limits and ahead of them; `spells` is read by the pool too.
     """
 
     __slots__ = (
@@ -130,12 +130,9 @@ class ColdStart:
             self.spells[model] = ColdSpell()
         future: asyncio.Future[Replica | None] = asyncio.get_running_loop().create_future()
         waiter = Waiter(future, model, None, (), hold.seq, hold=True, since=hold.since, deadline=hold.deadline)
-        queue = self._lines.get(model)
-        if queue is None:
-            queue = self._lines[model] = OrderedDict()
-        queue[waiter] = None
+        queue = self._lines.open(model)
+        queue.add(waiter, first=again)
         if again:
-            queue.move_to_end(waiter, last=False)
             expiry = self._expiries.get(model)
             if expiry is not None and expiry[0] > hold.deadline:
                 expiry[1].cancel()
@@ -156,9 +153,8 @@ class ColdStart:
                     self.end_try(model, handed, waiter.probe, None)
             raise
         finally:
-            queue.pop(waiter, None)
-            if not queue and self._lines.get(model) is queue:
-                del self._lines[model]
+            queue.discard(waiter)
+            self._lines.close(model, queue)
             self._holds[model] -= 1
             if not self._holds[model]:
                 del self._holds[model]
@@ -199,8 +195,8 @@ class ColdStart:
         """Shutting down: every held request's wait ends now. How many there were."""
         ended = 0
         for queue in list(self._lines.values()):
-            for waiter in list(queue):
-                if waiter.hold and not waiter.future.done():
+            for waiter in list(queue.held):
+                if not waiter.future.done():
                     waiter.future.set_exception(HoldEnded("the router is shutting down"))
                     ended += 1
         for spell in self.spells.values():
@@ -221,7 +217,7 @@ class ColdStart:
         queue = self._lines.get(model)
         if not queue:
             return None
-        return min((w.since for w in queue if w.hold), default=None)
+        return min((w.since for w in queue.held), default=None)
 
     def held_models(self) -> list[str]:
         return list(self._holds)
@@ -239,27 +235,25 @@ class ColdStart:
             return
         spell.timer = None
         queue = self._lines.get(model)
-        while queue:
-            waiter = next(iter(queue))
-            if waiter.future.done():
-                queue.popitem(last=False)
-                continue
-            # Every replica may be tried again: a refusal was the engine loading.
-            replica = self._acquire(model)
-            if replica is None:
-                # None ready, or all at a limit: an arrival or a release calls again.
-                return
-            queue.popitem(last=False)
-            spell.probing = True
-            waiter.probe = spell
-            waiter.future.set_result(replica)
+        # The oldest held request (a queued one only when none is held).
+        waiter = queue.next(self._clock.now) if queue else None
+        if queue is None or waiter is None:
             return
+        # Every replica may be tried again: a refusal was the engine loading.
+        replica = self._acquire(model)
+        if replica is None:
+            # None ready, or all at a limit: an arrival or a release calls again.
+            return
+        queue.take(waiter, served=True)
+        spell.probing = True
+        waiter.probe = spell
+        waiter.future.set_result(replica)
 
     def _expire_soon(self, model: str) -> None:
         if model in self._expiries:
             return
         queue = self._lines.get(model)
-        first = next((w for w in queue if w.hold), None) if queue else None
+        first = queue.oldest_held() if queue else None
         if first is not None:
             timer = self._clock.call_at(first.deadline, lambda: self._expire(model))
             self._expiries[model] = (first.deadline, timer)
@@ -270,9 +264,7 @@ class ColdStart:
         queue = self._lines.get(model)
         now = self._clock.now()
         if queue:
-            for waiter in list(queue):
-                if not waiter.hold:
-                    continue
+            for waiter in list(queue.held):
                 if waiter.deadline > now:
                     break
                 if not waiter.future.done():

@@ -27,6 +27,14 @@ from router.core import config_checks as check
 from router.core.engines import ROUTED_PATHS, UPGRADE_PATHS
 from router.core.errors import ConfigError
 from router.core.picking import DEFAULT_POLICY, POLICIES
+from router.core.tenants import (
+    DEFAULT_CLASSES,
+    ClientKey,
+    PriorityClass,
+    check_key_classes,
+    parse_api_keys,
+    parse_priority_classes,
+)
 
 LabelValue = str | int | float | bool
 
@@ -167,8 +175,9 @@ class Config:
         "or env ROUTER_ADMIN_TOKEN; required on mutating admin calls when set",
         fallback=lambda env: env.get("ROUTER_ADMIN_TOKEN", ""),
     )
-    api_keys: tuple[str, ...] = _setting(
-        (), check.string_list, "client keys (Authorization: Bearer ...); empty = no client auth"
+    # Only each key's SHA-256 is kept (router.core.tenants): never the key.
+    api_keys: tuple[ClientKey, ...] = _setting(
+        (), parse_api_keys, "client keys (Authorization: Bearer ...), or [api_keys.NAME] tables; empty = no client auth"
     )
     max_body_bytes: int = _count(32 * 1024 * 1024, "larger request bodies get 413", minimum=1)
     usage_push_url: str = _setting("", check.optional_url, "optional: POST the usage map here each tick")
@@ -203,6 +212,10 @@ class Config:
     max_in_flight_per_replica: int = _count(0, "concurrency limits, 0 = none; beyond them requests queue ...")
     max_in_flight: int = _count(0, "")
     queue_timeout_seconds: float = _seconds(5.0, "... this long at most, then get 503 server_overloaded", minimum=0.0)
+    # So that one tenant's flood cannot fill a model's queue for the others.
+    max_queued_per_tenant: int = _count(
+        0, "per model and tenant (per worker); one more gets 429 rate_limit_exceeded; 0 = no bound"
+    )
     shutdown_grace_seconds: float = _seconds(30.0, "SIGTERM: how long requests in flight may finish", minimum=0.0)
     ejection_failures: int = _count(5, "failures in a row that eject a replica", minimum=1)
     ejection_base_seconds: float = _seconds(10.0, "first ejection; doubles in a row, up to ejection_max_seconds")
@@ -246,6 +259,8 @@ class Config:
     wake_cooldown_seconds: float = _seconds(10.0, "at most one wake call per model this often while requests stay held")
     replicas: tuple[ReplicaConfig, ...] = ()
     models: Mapping[str, ModelConfig] = field(default_factory=lambda: MappingProxyType({}))
+    # [[priority_classes]], highest first (router.core.tenants): interactive and batch unless declared.
+    priority_classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
     # [discovery.kubernetes]: the replica set comes from the Kubernetes API instead of [[replicas]].
     discovery: KubernetesDiscovery | None = None
     source: str = "<defaults>"
@@ -258,7 +273,7 @@ def settings() -> dict[str, tuple[Any, Setting]]:
 
 _SETTINGS = settings()
 # The tables beside the settings.
-_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery"}
+_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery", "priority_classes"}
 # `router scaler`'s table (router/scaler/settings.py reads and checks it), so
 # that one file may configure both; `router serve` does not read it.
 _OTHER_COMMANDS_TABLES = {"scaler"}
@@ -433,7 +448,11 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
     discovery = _discovery(where, raw["discovery"]) if "discovery" in raw else None
     if discovery is not None and replicas:
         raise where.error("replicas", "cannot be used with [discovery.kubernetes], which owns the whole replica set")
-    return Config(**values, replicas=replicas, models=models, discovery=discovery, source=source)
+    classes = parse_priority_classes(where, raw.get("priority_classes"), values["queue_timeout_seconds"])
+    check_key_classes(where, values["api_keys"], classes)
+    return Config(
+        **values, replicas=replicas, models=models, priority_classes=classes, discovery=discovery, source=source
+    )
 
 
 _DISCOVERY_KEYS = {"kubernetes"}

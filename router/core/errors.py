@@ -8,6 +8,7 @@
         ├── ModelNotFound        404 model_not_found
         ├── ResponseNotFound     404 a response id this router did not see, or whose replica is gone
         ├── BodyTooLarge         413 request_too_large
+        ├── RateLimited          429 rate_limit_exceeded: the tenant's share of a model's queue is full (Retry-After)
         ├── NoReplicaAvailable   503 no replica of the model (or its fallbacks) can serve
         ├── ModelCold            503 held past cold_start_seconds, or max_held reached (Retry-After)
         ├── Overloaded           503 every replica at its limit past the queue wait
@@ -84,6 +85,13 @@ class BodyTooLarge(ClientFacingError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class RateLimited(ClientFacingError):
+    status = 429
+    # OpenAI's own for a limit on the number of requests.
+    type = "requests"
+    code = "rate_limit_exceeded"
 
 
 class NoReplicaAvailable(ClientFacingError):

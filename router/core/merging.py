@@ -29,7 +29,7 @@ from typing import Any
 
 from router.core.records import Changes, Follower, RecordBook
 from router.core.replicas import ReplicaState
-from router.core.usage import Demand, ReplicaUsage, UsageSnapshot, record_from_json, record_json
+from router.core.usage import Demand, Queued, ReplicaUsage, UsageSnapshot, record_from_json, record_json
 
 Key = tuple[str, str, str]  # (id, url, model): one replica; an id whose URL changed is another
 
@@ -142,7 +142,7 @@ def _combined(key: Key, parts: list[ReplicaUsage], memory: Memory) -> ReplicaUsa
 
 
 # The router's tallies, demand and queues, as combined from its workers'.
-Figures = tuple[dict[str, dict[Any, int]], dict[str, Demand], dict[str, int]]
+Figures = tuple[dict[str, dict[Any, int]], dict[str, Demand], dict[str, int], dict[tuple[str, str, str], Queued]]
 
 
 def _figures(snapshots: Iterable[UsageSnapshot], memory: Memory) -> Figures:
@@ -151,8 +151,16 @@ def _figures(snapshots: Iterable[UsageSnapshot], memory: Memory) -> Figures:
     demand: dict[str, Demand] = {}
     # A gauge: the live workers' queues add up, and a dead worker's queue is gone with it.
     queued: dict[str, int] = {}
+    queues: dict[tuple[str, str, str], Queued] = {}
     for snapshot in snapshots:
         _add_into(queued, snapshot.queued)
+        for key, figures in snapshot.queues.items():
+            so_far = queues.get(key)
+            queues[key] = (
+                figures
+                if so_far is None
+                else Queued(so_far.queued + figures.queued, _least(so_far.oldest_since, figures.oldest_since))
+            )
         for model, d in snapshot.demand.items():
             # Held requests add up; the oldest wait and the latest ask win.
             known = demand.get(model)
@@ -167,7 +175,7 @@ def _figures(snapshots: Iterable[UsageSnapshot], memory: Memory) -> Figures:
             )
         for name in _TALLIES:
             _add_into(tallies[name], getattr(snapshot, name))
-    return tallies, demand, queued
+    return tallies, demand, queued, queues
 
 
 def _snapshot(
@@ -180,7 +188,7 @@ def _snapshot(
     tick_seconds: float,
     **book: Any,
 ) -> UsageSnapshot:
-    tallies, demand, queued = figures
+    tallies, demand, queued, queues = figures
     return UsageSnapshot(
         router=router,
         started_at=started_at,
@@ -196,6 +204,7 @@ def _snapshot(
         affinity=MappingProxyType(tallies["affinity"]),
         demand=MappingProxyType(demand),
         queued=MappingProxyType(queued),
+        queues=MappingProxyType(queues),
         **book,
     )
 

@@ -9,7 +9,8 @@ runs per tick or per admin call, never per request.
 
 The pool is the one door to its parts, each in its own module: the replica
 set and draining (router.core.replicas), ejection (router.core.ejection),
-the cold-start holds (router.core.coldstart) and the tallies
+the cold-start holds (router.core.coldstart), the queue at the limits
+(router.core.queues, in the order of router.core.fairness) and the tallies
 (router.core.tallies). It keeps its own reference to each collection that
 acquire() and release() read, so the hot path reads no more attributes than
 it would if the parts were one class. All of them read one injected clock
@@ -18,10 +19,8 @@ it would if the parts were one class. All of them read one injected clock
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import random
-from collections import OrderedDict
 from collections.abc import Container, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -29,14 +28,17 @@ from router.core.clock import Clock, LoopClock
 from router.core.coldstart import ColdStart
 from router.core.config import ReplicaConfig
 from router.core.ejection import EjectionPolicy, Ejections
+from router.core.fairness import Lines
 from router.core.picking import Routing
+from router.core.queues import Queues
 from router.core.replicas import Replica, ReplicaSet, ReplicaState, SetDiff
 from router.core.tallies import Tallies
-from router.core.waiters import Lines, Waiter
+from router.core.tenants import Queueing
 
 _NO_ROUTING: Mapping[str, Routing] = {}
 _LOOP_CLOCK = LoopClock()
 _DEFAULT_EJECTION = EjectionPolicy()
+_DEFAULT_QUEUEING = Queueing()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,19 +61,20 @@ class Pool:
         ejection: EjectionPolicy = _DEFAULT_EJECTION,
         limits: Limits = Limits(),
         routing: Mapping[str, Routing] = _NO_ROUTING,
+        queueing: Queueing = _DEFAULT_QUEUEING,
     ) -> None:
-        """`routing`: the picking policy per model; least-loaded otherwise."""
+        """`routing`: the picking policy per model; least-loaded otherwise. `queueing`: the order of its queue."""
         self.clock = clock
         # The clock's reading itself, bound once: acquire() calls it per request.
         self._now = clock.now
         self.tallies = Tallies()
         self.limits = limits
         self.in_flight = 0
-        # Requests waiting for a replica, per model, oldest first. A slot that
-        # frees is handed straight to the oldest waiter that can take it (no
+        # Requests waiting for a replica, per model (router.core.fairness). A
+        # slot that frees is handed straight to the waiter whose turn it is (no
         # wake-up to lose, no newcomer to overtake it); a waiter that leaves
         # is removed in O(1). Held requests wait in the same lines.
-        self._waiting: Lines = {}
+        self._waiting = Lines(queueing)
         self._seq = itertools.count()
         # Replicas whose usage may have changed since the usage tick last looked
         # (router.core.usage): marked where they change, in the critical
@@ -95,6 +98,14 @@ class Pool:
         self.ejection = ejection
         self._ejections = Ejections(ejection, now=self._now, replicas=self._set)
         self._ejected = self._ejections.ejected
+        self._queues = Queues(
+            clock,
+            self._waiting,
+            seq=self._seq.__next__,
+            acquire=self.acquire,
+            release=self.release,
+            saturated=self.saturated,
+        )
         self._cold_start = ColdStart(
             clock,
             self.tallies,
@@ -112,6 +123,10 @@ class Pool:
         self.held = self._cold_start.held
         self.oldest_held = self._cold_start.oldest_held
         self.held_models = self._cold_start.held_models
+        self.acquire_or_wait = self._queues.acquire_or_wait
+        self.waiting = self._queues.waiting
+        self.queued = self._queues.queued
+        self.queue_figures = self._queues.figures
         self.try_eject = self._ejections.try_eject
         self.eject = self._ejections.eject
         self.readmit = self._ejections.readmit
@@ -192,90 +207,20 @@ class Pool:
             self._hand_off(replica.model)
             if self.limits.total:
                 # A slot under the router-wide limit frees for every model.
-                for model in sorted(self._waiting, key=self._oldest_seq):
+                for model in sorted(self._waiting, key=self._queues.oldest_seq):
                     self._hand_off(model)
 
-    # Waiting ------------------------------------------------------------------
-
-    async def acquire_or_wait(
-        self,
-        model: str,
-        avoid: Replica | None = None,
-        exclude: Container[Replica] = (),
-        *,
-        wait_seconds: float,
-        key: Hashable | None = None,
-    ) -> tuple[Replica | None, bool]:
-        """acquire(), or wait up to `wait_seconds` in `model`'s FIFO queue while it is saturated.
-
-        Returns (replica, timed_out): a replica; or None and False when no
-        replica can take the request (none ready, or all excluded); or None
-        and True when every candidate stayed at its limit until the deadline.
-        """
-        replica = self.acquire(model, avoid, exclude, key)
-        if replica is not None or not self.saturated(model):
-            return replica, False
-        waiter = Waiter(asyncio.get_running_loop().create_future(), model, avoid, exclude, next(self._seq), key=key)
-        return await self._wait(waiter, self._now() + wait_seconds)
-
-    async def _wait(self, waiter: Waiter, deadline: float) -> tuple[Replica | None, bool]:
-        model = waiter.model
-        future = waiter.future
-        queue = self._waiting.get(model)
-        if queue is None:
-            queue = self._waiting[model] = OrderedDict()
-        queue[waiter] = None
-        timer = self.clock.call_at(deadline, lambda: _expire(waiter))
-        try:
-            replica = await future
-        except asyncio.CancelledError:
-            # The client left; a replica handed over meanwhile goes to the next.
-            if future.done() and not future.cancelled() and (handed := future.result()) is not None:
-                self.release(handed)
-            raise
-        finally:
-            timer.cancel()
-            queue.pop(waiter, None)
-            if not queue and self._waiting.get(model) is queue:
-                del self._waiting[model]
-        return replica, waiter.expired
-
-    def waiting(self, model: str) -> int:
-        """Requests waiting for a replica of `model` now."""
-        queue = self._waiting.get(model)
-        return len(queue) if queue else 0
-
-    def queued(self) -> dict[str, int]:
-        """Requests waiting now, by model (only models with some)."""
-        return {model: len(queue) for model, queue in self._waiting.items() if queue}
-
-    def _oldest_seq(self, model: str) -> int:
-        queue = self._waiting[model]
-        return next(iter(queue)).seq if queue else -1
+    # Waiting (router.core.queues) ------------------------------------------------
 
     def _hand_off(self, model: str) -> None:
-        """Give what `model` can serve now to its waiters, oldest first."""
-        queue = self._waiting.get(model)
-        if not queue:
-            return
+        """Give what `model` can serve now to its waiters, in their order."""
         spell = self._cold.get(model)
         if spell is not None:
             # A cold model's waiters go one probe at a time, never all at once.
-            self._cold_start.probe_soon(model, spell, 0.0)
+            if self._waiting.get(model):
+                self._cold_start.probe_soon(model, spell, 0.0)
             return
-        while queue:
-            waiter = next(iter(queue))
-            if waiter.future.done():
-                # Gone (client left, deadline): its finally removes it; skip it now.
-                queue.popitem(last=False)
-                continue
-            replica = self.acquire(model, waiter.avoid, waiter.exclude, waiter.key)
-            if replica is None and (waiter.hold or self.saturated(model)):
-                # Nothing for the head now; those behind it wait their turn.
-                return
-            queue.popitem(last=False)
-            # A replica, or None: nothing left that this waiter may use.
-            waiter.future.set_result(replica)
+        self._queues.serve(model)
 
     def _candidates_changed(self, model: str) -> None:
         if self._waiting:
@@ -343,10 +288,3 @@ class Pool:
 
     def serves(self, model: str) -> bool:
         return model in self._models
-
-
-def _expire(waiter: Waiter) -> None:
-    """A queued request's deadline passed before a replica was handed over: it gets None, and timed out."""
-    if not waiter.future.done():
-        waiter.expired = True
-        waiter.future.set_result(None)

@@ -67,6 +67,18 @@ class HeldFor:
 
 
 @dataclass(frozen=True, slots=True)
+class QueuedFor:
+    """A tenant's requests waiting now for a slot of a model under the limits, in one priority class."""
+
+    model: str
+    priority: str
+    tenant: str
+    queued: int
+    # How long the oldest of them has waited, as of the snapshot.
+    oldest_waited_seconds: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class FleetStatus:
     router: str
     generated_at: float
@@ -77,6 +89,7 @@ class FleetStatus:
     unasked: tuple[Unasked, ...]
     unserved: Mapping[str, int]
     held: tuple[HeldFor, ...] = ()
+    queue: tuple[QueuedFor, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -194,6 +207,17 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
             )
             for model, d in sorted(snapshot.demand.items())
             if d.held > 0
+        ),
+        queue=tuple(
+            QueuedFor(
+                model,
+                priority,
+                tenant,
+                q.queued,
+                None if q.oldest_since is None else round(max(0.0, now - q.oldest_since), 1),
+            )
+            for (model, priority, tenant), q in sorted(snapshot.queues.items())
+            if q.queued > 0
         ),
     )
 

@@ -99,6 +99,14 @@ class Demand(NamedTuple):
     last_asked: float | None
 
 
+class Queued(NamedTuple):
+    """One tenant's requests queued for a model in one priority class."""
+
+    queued: int
+    # Unix seconds the oldest of them began waiting; None with none queued.
+    oldest_since: float | None
+
+
 @dataclass(frozen=True, slots=True)
 class UsageSnapshot:
     router: str
@@ -117,6 +125,8 @@ class UsageSnapshot:
     demand: Mapping[str, Demand] = field(default_factory=lambda: MappingProxyType({}))
     # Requests waiting now for a slot under the limits (max_in_flight, max_in_flight_per_replica), by model.
     queued: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # The same by (model, priority class, tenant): each that ever queued, at 0 once empty.
+    queues: Mapping[tuple[str, str, str], Queued] = field(default_factory=lambda: MappingProxyType({}))
     # The record book behind the replicas (router.core.records): its number,
     # this snapshot's seq in it, each record's key (beside `replicas`), and
     # what changed since the seq the taker asked about (None: not asked, or
@@ -164,6 +174,7 @@ class UsageSnapshot:
             **{name: dict(getattr(self, name)) for name in TALLIES_BY_MODEL},
             "demand": {model: list(d) for model, d in self.demand.items()},
             "queued": dict(self.queued),
+            "queues": [[*key, *figures] for key, figures in self.queues.items()],
         }
 
     @classmethod
@@ -185,6 +196,7 @@ class UsageSnapshot:
             overloaded=MappingProxyType(doc["overloaded"]),
             demand=MappingProxyType({model: Demand(*d) for model, d in doc["demand"].items()}),
             queued=MappingProxyType(doc["queued"]),
+            queues=MappingProxyType({(m, p, t): Queued(n, since) for m, p, t, n, since in doc["queues"]}),
             book=doc.get("book", 0),
             seq=doc.get("seq", 0),
             keys=tuple(keys) if keys and len(keys) == len(replicas) else (),
@@ -415,6 +427,12 @@ class Snapshotter:
             ),
             demand=MappingProxyType(demand),
             queued=MappingProxyType(pool.queued()),
+            queues=MappingProxyType(
+                {
+                    key: Queued(n, None if since is None else since + offset)
+                    for key, (n, since) in pool.queue_figures().items()
+                }
+            ),
             book=self.book.number,
             seq=self.book.seq,
             keys=keys,

@@ -44,10 +44,13 @@ class Entry:
         "model",
         "outcome",
         "path",
+        "priority",
+        "queued_seconds",
         "replica",
         "served_model",
         "started",
         "status",
+        "tenant",
         "ttfb_seconds",
     )
 
@@ -65,6 +68,12 @@ class Entry:
         self.bytes_out = 0
         self.attempts = 0
         self.held_seconds: float | None = None
+        # The key's tenant (never the key); None before the key is checked.
+        self.tenant: str | None = None
+        # Set once the request waited in its model's queue at the limits: its
+        # class, and how long it waited there (every wait of its attempts).
+        self.priority: str | None = None
+        self.queued_seconds: float | None = None
         self.ttfb_seconds: float | None = None
         # ok, client_gone, upstream_reset, stalled, timeout, error
         self.outcome = "ok"
@@ -85,6 +94,9 @@ class Entry:
                 "bytes_out": self.bytes_out,
                 "attempts": self.attempts,
                 "held_seconds": None if self.held_seconds is None else round(self.held_seconds, 3),
+                "tenant": self.tenant,
+                "priority": self.priority,
+                "queued_seconds": None if self.queued_seconds is None else round(self.queued_seconds, 4),
                 "ttfb_seconds": None if self.ttfb_seconds is None else round(self.ttfb_seconds, 4),
                 "duration_seconds": round(now - self.started, 4),
                 "outcome": self.outcome,

@@ -14,6 +14,8 @@ from router.core.config import Config
 from router.core.errors import NoReplicaAvailable, Overloaded
 from router.core.pool import Pool
 from router.core.replicas import Replica
+from router.core.tenants import ANYONE, Caller, lowered
+from router.gateway.access_log import current_entry
 from router.gateway.affinity import Affinity
 from router.gateway.answers import error_response
 from router.gateway.bodies import with_model
@@ -44,7 +46,9 @@ class Chain:
         self.holding = holding
         self.metrics = metrics
         self._max_attempts = config.max_attempts
-        self._queue_timeout = config.queue_timeout_seconds
+        self._classes = config.priority_classes
+        # The names X-Priority may give, as the header's bytes, lower-cased.
+        self._ranks = {c.name.encode(): rank for rank, c in enumerate(config.priority_classes)}
         # The models routed by session or prompt prefix: how their requests are keyed.
         self._affinity = {
             name: Affinity(model) for name, model in config.models.items() if model.routing in ("session", "prefix")
@@ -59,8 +63,13 @@ class Chain:
         model: str,
         stream: bool,
         headers: bytes,
+        caller: Caller = ANYONE,
     ) -> None:
-        """Each model of the chain in turn, each up to max_attempts replicas, until one answers."""
+        """Each model of the chain in turn, each up to max_attempts replicas, until one answers.
+
+        `caller`: whose request it is (its key's tenant and class), which decides
+        its place in the queue when every replica is at its limit.
+        """
         pool = self.pool
         # A /v1/responses answer's id is remembered with its replica: requests
         # that continue it must reach the replica that keeps it.
@@ -83,7 +92,7 @@ class Chain:
                 if replica is None:
                     if not pool.saturated(target):
                         break
-                    replica = await self._wait(target, avoid, refused, key)
+                    replica = await self._wait(target, avoid, refused, key, self._rank(request, obj, caller), caller)
                     if replica is None:
                         break
                 if attempt:
@@ -142,20 +151,30 @@ class Chain:
         if failed is not None:
             answer_failed(writer, failed)
 
+    def _rank(self, request: Request, obj: dict[str, object], caller: Caller) -> int:
+        """The request's class: its key's, lowered by X-Priority or the body's `priority` (read only to wait)."""
+        return lowered(caller.priority, request.header(b"x-priority"), obj.get("priority"), self._ranks)
+
     async def _wait(
-        self, model: str, avoid: Replica | None, refused: set[Replica], key: bytes | None
+        self, model: str, avoid: Replica | None, refused: set[Replica], key: bytes | None, rank: int, caller: Caller
     ) -> Replica | None:
-        """Every replica of `model` is at its limit: wait in its queue for one (503 after the timeout)."""
+        """Every replica of `model` is at its limit: wait in its queue for one (503 after the class's timeout)."""
+        klass = self._classes[rank]
         started = time.perf_counter()
         replica, timed_out = await self.pool.acquire_or_wait(
-            model, avoid, refused, wait_seconds=self._queue_timeout, key=key
+            model, avoid, refused, wait_seconds=klass.queue_timeout_seconds, key=key, caller=caller, priority=rank
         )
+        waited = time.perf_counter() - started
         # A wait that ended in a 503 counts too: it is the wait the client saw.
-        self.metrics.observe_queue_wait(model, time.perf_counter() - started)
+        self.metrics.observe_queue_wait(model, klass.name, waited)
+        if (entry := current_entry.get()) is not None:
+            entry.priority = klass.name
+            entry.queued_seconds = waited + (entry.queued_seconds or 0.0)
         if timed_out:
             self.pool.tallies.refused_overloaded(model)
             raise Overloaded(
-                f"Every replica of '{model}' is at its concurrency limit; waited {self._queue_timeout:g} s.",
+                f"Every replica of '{model}' is at its concurrency limit; waited {klass.queue_timeout_seconds:g} s "
+                f"({klass.name}).",
                 retry_after=1,
             )
         return replica

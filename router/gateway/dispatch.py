@@ -17,6 +17,7 @@ from router.core.engines import ANTHROPIC_PATHS
 from router.core.errors import ClientFacingError, ModelNotFound, quoted
 from router.core.pool import Pool
 from router.core.replicas import Replica
+from router.core.tenants import ANYONE
 from router.gateway.access_log import AccessLog, Entry, current_entry
 from router.gateway.answers import JSON, error_body, error_response
 from router.gateway.anthropic import AnthropicWriter, reshaped
@@ -52,7 +53,7 @@ class Proxy:
         self.pool = pool
         self.metrics = metrics
         self.routes = routes = Routes(config)
-        self.keys = keys = ApiKeys(config.api_keys)
+        self.keys = keys = ApiKeys(config.api_keys, config.priority_classes)
         self.catalog = Catalog(pool, routes, keys, int(started_at if started_at is not None else time.time()))
         forwarder = Forwarder(
             pool,
@@ -156,8 +157,7 @@ class Proxy:
         if request.path in ANTHROPIC_PATHS:
             writer = AnthropicWriter(writer)
         try:
-            if self.keys.active:
-                self.keys.check(request)
+            caller = self.keys.check(request) if self.keys.active else ANYONE
             body = request.body
             if body.startswith(b"--"):
                 # Multipart form data (the audio endpoints): the model is a form field.
@@ -168,6 +168,7 @@ class Proxy:
                 requested = self.routes.unnamed(self.pool)
             if (entry := current_entry.get()) is not None:
                 entry.model = requested
+                entry.tenant = caller.tenant
             routes = self.routes
             model = routes.aliases.get(requested, requested)
             pool = self.pool
@@ -184,7 +185,7 @@ class Proxy:
                 pinned: Replica = self.responses.maker_of(previous)
                 await self.chain.serve_pinned(request, writer, obj, requested, stream, headers, pinned)
             else:
-                await self.chain.serve(request, writer, obj, requested, model, stream, headers)
+                await self.chain.serve(request, writer, obj, requested, model, stream, headers, caller)
         except ClientFacingError as exc:
             writer.answer(error_response(exc))
             return

@@ -1,40 +1,42 @@
-"""The client keys (`api_keys`): checked from a request's head, consumed, never forwarded."""
+"""The client keys (`api_keys`): checked from a request's head, consumed, never forwarded; each names a tenant."""
 
 from __future__ import annotations
 
-import hmac
+import hashlib
 
 from router.core.errors import Unauthorized
+from router.core.tenants import ANYONE, Caller, ClientKey, PriorityClass, callers
 from router.gateway.answers import error_response
 from router.http.messages import Reply, Request
 
 
 class ApiKeys:
-    """The client keys: compared in constant time, consumed, never forwarded."""
+    """The client keys, by SHA-256: whose requests each makes; consumed, never forwarded."""
 
-    def __init__(self, keys: tuple[str, ...]) -> None:
-        self._keys = tuple(key.encode() for key in keys)
-        self.active = bool(self._keys)
+    def __init__(self, keys: tuple[ClientKey, ...], classes: tuple[PriorityClass, ...]) -> None:
+        # Only the keys' digests are kept. A key is found by the digest of what
+        # the client sent: how long that takes depends on the digest alone,
+        # which says nothing of the key (no constant-time loop over every key
+        # is needed, and a hundred tenants cost one lookup).
+        self._callers = callers(keys, classes)
+        self.active = bool(self._callers)
         # The router consumes the client's key; the replicas never see it. Anthropic's
         # clients send theirs as X-Api-Key.
-        self.drop = frozenset({b"authorization", b"x-api-key"}) if self._keys else frozenset()
+        self.drop = frozenset({b"authorization", b"x-api-key"}) if self._callers else frozenset()
 
-    def check(self, request: Request) -> None:
-        if not self._keys:
-            return
+    def check(self, request: Request) -> Caller:
+        """Whose request it is, as its key says; Unauthorized without a known key (while keys are set)."""
+        if not self._callers:
+            return ANYONE
         header = (request.header(b"authorization") or b"").decode("latin-1")
         scheme, _, given = header.partition(" ")
         if not header and (api_key := request.header(b"x-api-key")):
             # The Anthropic SDK's own header (its auth_token is sent as Bearer).
             scheme, given = "bearer", api_key.decode("latin-1")
         if scheme.lower() == "bearer" and given:
-            candidate = given.strip().encode("latin-1")
-            # Compare with every key, in constant time, so timing tells nothing.
-            matched = False
-            for key in self._keys:
-                matched |= hmac.compare_digest(candidate, key)
-            if matched:
-                return
+            caller = self._callers.get(hashlib.sha256(given.strip().encode("latin-1")).digest())
+            if caller is not None:
+                return caller
         raise Unauthorized("Incorrect or missing API key. Send it as 'Authorization: Bearer <key>' (or 'X-Api-Key').")
 
     def refusal(self, request: Request) -> Reply | None:

@@ -35,8 +35,8 @@ class DataPathMetrics:
         self.queue_wait = Histogram(
             "router_queue_wait_seconds",
             "How long requests waited for a slot under max_in_flight(_per_replica), served or refused after "
-            "queue_timeout_seconds, by model.",
-            ["model"],
+            "their class's queue timeout, by model and priority class.",
+            ["model", "priority"],
             registry=registry,
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
@@ -52,8 +52,8 @@ class DataPathMetrics:
     def observe_held(self, model: str, seconds: float) -> None:
         self.held.labels(model).observe(seconds)
 
-    def observe_queue_wait(self, model: str, seconds: float) -> None:
-        self.queue_wait.labels(model).observe(seconds)
+    def observe_queue_wait(self, model: str, priority: str, seconds: float) -> None:
+        self.queue_wait.labels(model, priority).observe(seconds)
 
     def observe_first_byte(self, model: str, seconds: float) -> None:
         child = self._first_byte.get(model)

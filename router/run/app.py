@@ -41,6 +41,7 @@ from router.core.ejection import EjectionPolicy
 from router.core.merging import report_json
 from router.core.picking import Routing
 from router.core.pool import Limits, Pool
+from router.core.tenants import Queueing, unit_weight
 from router.core.usage import Ticker
 from router.gateway.access_log import AccessLog
 from router.gateway.answers import server_error
@@ -109,6 +110,7 @@ class RouterServer(Listening):
             ),
             limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
             routing={name: Routing(model.routing, model.balance_factor) for name, model in config.models.items()},
+            queueing=Queueing(config.priority_classes, config.max_queued_per_tenant, unit_weight(config.api_keys)),
         )
         self.sinks = Sinks()
         self._wall = wall

@@ -286,6 +286,24 @@ def cmd_status(args: argparse.Namespace) -> int:
                 ],
             ),
         ]
+    if doc.get("queue"):
+        parts += [
+            "",
+            "queued at the limits, by priority class and tenant:",
+            table(
+                ["MODEL", "PRIORITY", "TENANT", "QUEUED", "OLDEST-WAITING"],
+                [
+                    [
+                        q["model"],
+                        q["priority"],
+                        q["tenant"],
+                        q["queued"],
+                        human_duration(q["oldest_waited_seconds"]),
+                    ]
+                    for q in doc["queue"]
+                ],
+            ),
+        ]
     if doc["unserved"]:
         parts += [
             "",

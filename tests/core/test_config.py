@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from router.core.config import load_config, parse_config
+from router.core.config_checks import Where
 from router.core.errors import ConfigError
 
 GOOD = """
@@ -157,7 +158,7 @@ def test_the_readme_configuration_block_says_what_the_code_declares() -> None:
     block = section.split("```toml\n", 1)[1].split("```", 1)[0]
     documented = tomllib.loads(block)
     declared = settings()
-    assert set(documented) - {"replicas", "models", "discovery"} == set(declared)
+    assert set(documented) - {"replicas", "models", "discovery", "priority_classes"} == set(declared)
     comments = {
         m.group(1): (m.group(2) or "").strip()
         for m in re.finditer(r"^(\w+) = [^#\n]*?(?:# (.*))?$", block.split("[[replicas]]")[0], re.M)
@@ -175,6 +176,17 @@ def test_the_readme_configuration_block_says_what_the_code_declares() -> None:
     from router.core.config import _KUBERNETES_KEYS
 
     assert set(documented["discovery"]["kubernetes"]) == _KUBERNETES_KEYS
+    # The classes shown are the ones the router has when none is declared, every key shown.
+    from router.core.tenants import _CLASS_KEYS, _KEY_KEYS, DEFAULT_CLASSES, parse_api_keys, parse_priority_classes
+
+    shown = documented["priority_classes"]
+    assert set().union(*shown) == _CLASS_KEYS
+    assert parse_priority_classes(Where("README"), shown, 5.0) == DEFAULT_CLASSES
+    # And the table form of api_keys, in the block after it.
+    tables = tomllib.loads(section.split("```toml\n", 2)[2].split("```", 1)[0])
+    assert set().union(*tables["api_keys"].values()) | {"key"} == _KEY_KEYS
+    (example,) = parse_api_keys(Where("README"), "api_keys", tables["api_keys"])
+    assert (example.tenant, example.priority, example.weight) == ("search", "interactive", 2.0)
 
 
 def test_an_unknown_routing_policy_is_refused_with_the_known_ones() -> None:

@@ -13,7 +13,7 @@ from router.core.config import ReplicaConfig
 from router.core.merging import Combiner, Memory, WorkerReport, combine, report_json
 from router.core.pool import Pool
 from router.core.replicas import Replica
-from router.core.usage import RouterReport, Ticker, UsageSnapshot, merge_reports
+from router.core.usage import Queued, RouterReport, Ticker, UsageSnapshot, merge_reports
 from tests.fake_clock import FakeClock
 
 WALL = 1_764_000_000.0
@@ -121,6 +121,23 @@ def test_the_workers_queues_add_up_and_a_dead_workers_queue_leaves_with_it() -> 
     alone = combine([worker({"n": 1})], memory, router="r", started_at=0, generated_at=11, tick_seconds=1)
     assert dict(alone.queued) == {"n": 1}
     assert UsageSnapshot.from_json(both.to_json()).queued == both.queued
+
+
+def test_the_workers_queues_by_class_and_tenant_add_up_and_the_oldest_wait_wins() -> None:
+    def worker(queues: dict[tuple[str, str, str], Queued]) -> UsageSnapshot:
+        return UsageSnapshot("w", 0.0, 10.0, 1.0, (), queues=MappingProxyType(queues))
+
+    a, b = ("m", "batch", "a"), ("m", "interactive", "b")
+    both = combine(
+        [worker({a: Queued(2, 5.0), b: Queued(0, None)}), worker({a: Queued(3, 4.0), b: Queued(1, 7.0)})],
+        Memory(),
+        router="r",
+        started_at=0,
+        generated_at=10,
+        tick_seconds=1,
+    )
+    assert dict(both.queues) == {a: (5, 4.0), b: (1, 7.0)}
+    assert UsageSnapshot.from_json(both.to_json()).queues == both.queues
 
 
 # The supervisor of --workers: each worker's changes, combined as they come ------------------------

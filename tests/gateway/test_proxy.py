@@ -585,7 +585,7 @@ async def test_a_release_on_one_model_never_wakes_another_models_waiter(
 async def test_waits_for_a_slot_under_the_limits_are_observed_per_model_refused_ones_included(
     start_fake: StartFake, start_router: StartRouter
 ) -> None:
-    """router_queue_wait_seconds counts every wait at the limits: the one served and the one refused with 503."""
+    """router_queue_wait_seconds counts every wait at the limits, by class: the one served, the one refused with 503."""
     fake = await start_fake("m", behaviour=Behaviour(token_delay=0.1))
     server = await start_router([replica_entry("r0", fake)], max_in_flight_per_replica=1, queue_timeout_seconds=1.0)
     url = server.client_url + "/v1/chat/completions"
@@ -604,6 +604,7 @@ async def test_waits_for_a_slot_under_the_limits_are_observed_per_model_refused_
     assert (await short)[0] == 200
     assert (await waiting)[0] == 200
     text = await scrape(server)
-    assert samples(text, "router_queue_wait_seconds_count") == {(("model", "m"),): 2}
+    waits = (("model", "m"), ("priority", "interactive"))
+    assert samples(text, "router_queue_wait_seconds_count") == {waits: 2}
     # The refused wait lasted the whole queue timeout.
-    assert samples(text, "router_queue_wait_seconds_sum")[(("model", "m"),)] >= 1.0
+    assert samples(text, "router_queue_wait_seconds_sum")[waits] >= 1.0

@@ -452,3 +452,45 @@ async def test_held_requests_are_merged_over_the_workers_and_each_holds_its_shar
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_tenants_queue_bound_is_split_over_the_workers_and_their_queues_merge_by_tenant(
+    serve: Serve, start_fake: StartFake
+) -> None:
+    """Each worker queues its own connections: its share of the limits and of the tenant's bound; /metrics sums them."""
+    fake = await start_fake("m", behaviour=Behaviour(stall=True))
+    serve.write(
+        [{"id": "r0", "model": "m", "url": fake.url}],
+        'max_in_flight_per_replica = 2\nmax_queued_per_tenant = 4\n[api_keys.a]\nkey = "sk-a"\npriority = "batch"\n',
+    )
+    await serve.start("--workers", "2")
+    url = serve.client_url + "/v1/chat/completions"
+    count = 24
+
+    async def one() -> int:
+        # A connection of its own each, so that the kernel spreads them over the workers
+        # (that one worker gets at most 2 of the 24 has a chance of 1 in 28,000).
+        async with (
+            aiohttp.ClientSession() as own,
+            own.post(url, json=CHAT, headers={"Authorization": "Bearer sk-a"}) as resp,
+        ):
+            await resp.read()
+            return resp.status
+
+    tasks = [asyncio.create_task(one()) for _ in range(count)]
+    label = (("sample", "router_queued_requests"), ("model", "m"), ("priority", "batch"), ("tenant", "a"))
+    async with aiohttp.ClientSession() as session:
+        deadline = time.monotonic() + 15
+        while True:
+            queued = int((await metrics(session, serve)).get("router_queued_requests", {}).get(label, 0))
+            if len(fake.seen) + queued + sum(t.done() for t in tasks) == count:
+                break
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+    # Each worker: one request in flight (its share of 2), two queued (its share of 4), the rest refused.
+    in_flight = len(fake.seen)
+    assert in_flight == 2 and queued == 4
+    assert sorted(t.result() for t in tasks if t.done()) == [429] * (count - 6)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -381,6 +381,15 @@ class UsageCollector(Collector):
             demand = snapshot.demand.get(model)
             held.add_metric([model], demand.held if demand is not None else 0)
         yield held
+        queued = GaugeMetricFamily(
+            "router_queued_requests",
+            "Requests waiting now for a slot under the limits, by model, priority class and tenant.",
+            labels=["model", "priority", "tenant"],
+        )
+        # Every (model, class, tenant) that ever queued keeps its series, at 0 once empty.
+        for (model, priority, tenant), figures in sorted(snapshot.queues.items()):
+            queued.add_metric([model, priority, tenant], figures.queued)
+        yield queued
         yield _tallies(
             "router_client_write_stalls",
             "Streams cut off because the client read nothing for write_stall_timeout_seconds.",

@@ -39,6 +39,9 @@ def for_worker(config: Config, port: int, workers: int) -> Config:
         usage_push_url="",
         max_in_flight_per_replica=share(config.max_in_flight_per_replica),
         max_in_flight=share(config.max_in_flight),
+        # A tenant's bound on a model's queue too; weights need no share: each worker's
+        # queue gives its slots in the same proportions.
+        max_queued_per_tenant=share(config.max_queued_per_tenant),
         # The buffered-body cap bounds the router's memory: the workers' shares add up to it.
         max_buffered_body_bytes=share(config.max_buffered_body_bytes),
         # Held requests per model too: each worker holds its share.

@@ -100,6 +100,7 @@ def test_the_dashboard_covers_what_an_operator_looks_at() -> None:
         "router_retries_total",
         "router_fallbacks_total",
         "router_queue_wait_seconds_bucket",
+        "router_queued_requests",
         "router_discovery_stale_seconds",
         "router_workers",
         "router_worker_in_flight_requests",
