@@ -22,8 +22,11 @@ lint: setup
 
 # With coverage, the `router serve` processes the tests start included; below
 # the floor in pyproject.toml ([tool.coverage.report] fail_under) it fails.
+# Then the same tests on the compiled build (setup.py, scripts/compiled): what
+# `pip install` gives wherever a C compiler is.
 test: lint
-	$(BIN)/pytest --cov --cov-report=term
+	ROUTER_EXPECT_COMPILED=0 $(BIN)/pytest --cov --cov-report=term
+	$(BIN)/python scripts/compiled test -q
 
 # The peers (bench/peers: LiteLLM, SGLang's and vLLM's routers, nginx, wrk) go
 # into .cache/peers and need root for Debian's packages; the run needs wrk.

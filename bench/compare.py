@@ -211,6 +211,17 @@ def checkout(ref: str, into: Path) -> Path:
     return into
 
 
+def compiled_tree() -> Path | None:
+    """The working tree built compiled by scripts/compiled, or None (said why) where it cannot be."""
+    built = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compiled"), "build"], capture_output=True, text=True, check=False
+    )
+    if built.returncode != 0:
+        print(f"the compiled build is left out: {built.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return ROOT / ".cache" / "compiled"
+
+
 def make_paths(tmp: Path, fake: str, wanted: Sequence[str], baselines: Sequence[str] = ()) -> list[Path_]:
     py = sys.executable
     paths: list[Path_] = []
@@ -233,6 +244,18 @@ def make_paths(tmp: Path, fake: str, wanted: Sequence[str], baselines: Sequence[
             port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
             command = [py, "-m", "router", "serve", "--config", str(config), "--log-level", "warning", *extra]
             add(name, command, port, note=f"{replicas} replicas of the model" + (", --workers auto" if extra else ""))
+    if "router-compiled" in wanted:
+        # What `pip install` gives where a compiler is: the working tree with its
+        # hot modules compiled (setup.py), in .cache/compiled, started from there.
+        tree_ = compiled_tree()
+        if tree_ is not None:
+            config = router_config(tmp, "router-compiled", fake, 4)
+            port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
+            command = [py, "-m", "router", "serve", "--config", str(config), "--log-level", "warning"]
+            note = "4 replicas, the compiled build"
+            paths.append(
+                Path_("router-compiled", command, port=port, url=f"http://127.0.0.1:{port}", note=note, cwd=tree_)
+            )
     for ref in baselines:
         # The same router at another commit, started from its own tree: `python -m`
         # puts the working directory first on sys.path, ahead of the editable install.
@@ -728,7 +751,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
         "--paths",
-        default="direct,floor,router,router-workers,router-4000,nginx,vllm-router,sglang-router,litellm",
+        default="direct,floor,router,router-compiled,router-workers,router-4000,nginx,vllm-router,sglang-router,litellm",
         help="comma-separated; peers that bench/peers did not install are left out",
     )
     parser.add_argument("--workloads", default=",".join(WORKLOADS))

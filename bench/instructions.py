@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare import checkout, free_port, router_config, wait_http  # noqa: E402
+from bench.compare import checkout, compiled_tree, free_port, router_config, wait_http  # noqa: E402
 
 WORKLOADS = {
     "short": {"model": "fast", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16},
@@ -80,7 +80,14 @@ def callgrind_control(pid: int, *args: str) -> None:
 
 
 def measure(
-    name: str, cwd: Path | None, tmp: Path, fake: str, requests: int, extra: str = "", varied: bool = False
+    name: str,
+    cwd: Path | None,
+    tmp: Path,
+    fake: str,
+    requests: int,
+    extra: str = "",
+    varied: bool = False,
+    keep: Path | None = None,
 ) -> dict[str, float]:
     config = router_config(tmp, name.replace("@", "-"), fake, 4)
     if extra:
@@ -123,6 +130,9 @@ def measure(
             time.sleep(0.5)
             total = 0
             for dump in tmp.glob(f"{out.name}.*"):
+                if keep is not None:
+                    keep.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(dump, keep / f"{name.replace('@', '-')}-{workload}.callgrind")
                 for line in dump.read_text(errors="replace").splitlines():
                     if line.startswith("summary:") or line.startswith("totals:"):
                         total = max(total, int(line.split()[1]))
@@ -160,6 +170,19 @@ def main() -> int:
         help="also run the working tree with this routing on every model (router-POLICY), and least_loaded "
         "(router-varied) as its baseline, both with 64 sessions and prompts in turn",
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also run the working tree's compiled build (scripts/compiled build: router-compiled), "
+        "against which the ratios are then read",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        type=Path,
+        help="keep the callgrind dumps of the working tree (and of its compiled build) in DIR, one per "
+        "workload: bench/profile.py reads them",
+    )
     args = parser.parse_args()
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         parser.error("valgrind is not installed (Debian's valgrind package)")
@@ -175,7 +198,14 @@ def main() -> int:
         results: dict[str, dict[str, float]] = {}
         try:
             wait_http(fake_url + "/v1/models", process=fake)
-            results["router"] = measure("router", None, tmp, fake_url, args.requests)
+            results["router"] = measure("router", None, tmp, fake_url, args.requests, keep=args.profile)
+            if args.compiled:
+                tree = compiled_tree()
+                if tree is None:
+                    parser.error("the compiled build cannot be made here (scripts/compiled build)")
+                results["router-compiled"] = measure(
+                    "router-compiled", tree, tmp, fake_url, args.requests, keep=args.profile
+                )
             if args.access_log:
                 logged = f'access_log = "{tmp / "access.log"}"\n'
                 results["router-logged"] = measure("router-logged", None, tmp, fake_url, args.requests, logged)

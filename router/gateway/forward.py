@@ -201,8 +201,9 @@ class Forwarder:
             return self._failed(
                 replica, UpstreamTimeout(f"Replica {replica.id} sent no response within {timeout:g} s."), False
             )
-        except ConnectFailed as exc:
-            return self._failed(replica, UpstreamConnectError(f"Cannot connect to replica {replica.id}: {exc}"), True)
+        except ConnectFailed as refused:
+            message = f"Cannot connect to replica {replica.id}: {refused}"
+            return self._failed(replica, UpstreamConnectError(message), True)
         except ConnectionBroken as exc:
             # The replica took the request and ended the connection, or answered
             # part of it: it may have acted on it (a paid generation, a prompt
@@ -243,8 +244,8 @@ class Forwarder:
                 return None
             try:
                 data = await resp.read(WHOLE_ANSWER_BYTES)
-            except UpstreamIdle as exc:
-                error: UpstreamError = UpstreamTimeout(f"Replica {replica.id} stopped sending its answer: {exc}")
+            except UpstreamIdle as idle:
+                error: UpstreamError = UpstreamTimeout(f"Replica {replica.id} stopped sending its answer: {idle}")
                 return self._failed(replica, error, False)
             except ConnectionBroken as exc:
                 error = UpstreamResetError(f"Replica {replica.id} broke off its answer: {exc}")

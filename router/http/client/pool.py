@@ -127,8 +127,8 @@ class Client:
                 )
         except TimeoutError as exc:
             raise ConnectFailed(f"no connection within {self.connect_timeout:g} s") from exc
-        except OSError as exc:
-            raise ConnectFailed(str(exc) or type(exc).__name__) from exc
+        except OSError as refused:
+            raise ConnectFailed(str(refused) or type(refused).__name__) from refused
         if protocol.state is not _IDLE:
             # Between the connection and this line the replica spoke first
             # (counted, closed) or hung up: nothing was sent yet.

@@ -126,20 +126,33 @@ class Reader(asyncio.Protocol):
         # after it: a read holding many SSE events costs one client write.
         self._body: list[bytes] = []
 
-    if TYPE_CHECKING:
-        # The connection's (connection.py): what an answer needs of it, and
-        # how it ends a request that failed.
+    # The connection's (connection.py): what an answer needs of it, and
+    # how it ends a request that failed. Declared here as methods, not only
+    # for the type checker: a compiled class (setup.py) calls what its own
+    # class body names, and the subclass overrides each.
 
-        paused: bool
+    paused: bool
 
-        def pause(self) -> None: ...
-        def resume(self) -> None: ...
-        def abort(self) -> None: ...
-        def response_released(self, response: Response) -> None: ...
+    def pause(self) -> None:
+        raise NotImplementedError
 
-        def _fail(self, reason: str, error: ConnectionBroken | None, detail: str = "") -> None: ...
-        def _switched(self) -> None: ...
-        def _broken(self, message: str) -> ConnectionBroken: ...
+    def resume(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def response_released(self, response: Response) -> None:
+        raise NotImplementedError
+
+    def _fail(self, reason: str, error: ConnectionBroken | None, detail: str = "") -> None:
+        raise NotImplementedError
+
+    def _switched(self) -> None:
+        raise NotImplementedError
+
+    def _broken(self, message: str) -> ConnectionBroken:
+        raise NotImplementedError
 
     # Reads ----------------------------------------------------------------------------
 

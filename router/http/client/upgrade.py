@@ -102,8 +102,10 @@ class _Head(asyncio.Protocol):
             pipe.attach()
             self._finish(pipe)
             return
-        except httptools.HttpParserError as exc:
-            self._fail(ConnectionBroken(f"the replica's answer is not valid HTTP: {exc}", before_head=not self.status))
+        except httptools.HttpParserError as failure:
+            self._fail(
+                ConnectionBroken(f"the replica's answer is not valid HTTP: {failure}", before_head=not self.status)
+            )
             return
         if not self.status and self._size > MAX_HEAD_BYTES:
             self._fail(ConnectionBroken(f"the replica's head is over {MAX_HEAD_BYTES} bytes", before_head=True))
@@ -141,8 +143,8 @@ async def upgrade(
             )
     except TimeoutError as exc:
         raise ConnectFailed(f"no connection within {connect_timeout:g} s") from exc
-    except OSError as exc:
-        raise ConnectFailed(str(exc) or type(exc).__name__) from exc
+    except OSError as refused:
+        raise ConnectFailed(str(refused) or type(refused).__name__) from refused
     transport.write(head)
     try:
         async with asyncio.timeout(head_timeout):

@@ -389,6 +389,6 @@ def read(data: bytes, rules: Rules | None = None) -> Head | Refusal | None:
     except httptools.HttpParserCallbackError as exc:
         # judge() itself failed (a Content-Length of more digits than int() reads): as the reader answers it.
         return head.verdict if head.verdict is not None else parse_failed(exc, data, True)
-    except httptools.HttpParserError as exc:
-        return parse_failed(exc, data, True)
+    except httptools.HttpParserError as failure:
+        return parse_failed(failure, data, True)
     return head.verdict

@@ -108,12 +108,17 @@ class Intake(Reader):
             f"{' doomed' if self.owed is not None else ''}>"
         )
 
-    if TYPE_CHECKING:
-        # The answering side's (connection.py).
+    # The answering side's (connection.py), declared for the compiled build
+    # as reader.py's are.
 
-        def _start(self, request: Request) -> None: ...
-        def _answer_owed(self) -> None: ...
-        def close(self) -> None: ...
+    def _start(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def _answer_owed(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
 
     # Reads ---------------------------------------------------------------------------------
 
@@ -130,8 +135,8 @@ class Intake(Reader):
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
             data = self._upgraded(data, exc.args[0])
-        except httptools.HttpParserError as exc:
-            data = self._failed(exc, data, reading is _R_IDLE)
+        except httptools.HttpParserError as failure:
+            data = self._failed(failure, data, reading is _R_IDLE)
         # A whole request in one read (the usual case) ends here, between
         # requests: only what is unfinished is bounded, and given a deadline,
         # unless a request is queued: the client cannot be late for bytes the
@@ -209,8 +214,8 @@ class Intake(Reader):
             except httptools.HttpParserUpgrade as exc:
                 offset = exc.args[0]
                 continue
-            except httptools.HttpParserError as exc:
-                return self._failed(exc, data, not in_body)
+            except httptools.HttpParserError as failure:
+                return self._failed(failure, data, not in_body)
             return data
 
     def _after_upgrade(self) -> bool:

@@ -135,14 +135,24 @@ class Reader(asyncio.Protocol):
         self._deadline = 0.0
         self._deadline_kind = _D_NONE
 
-    if TYPE_CHECKING:
-        # What is done with what the reader finds: Intake's (intake.py).
+    # What is done with what the reader finds: Intake's (intake.py). Declared
+    # here as methods, not only for the type checker: a compiled class
+    # (setup.py) calls what its own class body names, and Intake overrides each.
 
-        def head_taken(self, request: Request, length: int | None, chunked: bool, continue_asked: bool) -> None: ...
-        def body_resumed(self) -> None: ...
-        def message_read(self, request: Request, body: bytes) -> None: ...
-        def discarded(self) -> None: ...
-        def refuse(self, refusal: Refusal) -> None: ...
+    def head_taken(self, request: Request, length: int | None, chunked: bool, continue_asked: bool) -> None:
+        raise NotImplementedError
+
+    def body_resumed(self) -> None:
+        raise NotImplementedError
+
+    def message_read(self, request: Request, body: bytes) -> None:
+        raise NotImplementedError
+
+    def discarded(self) -> None:
+        raise NotImplementedError
+
+    def refuse(self, refusal: Refusal) -> None:
+        raise NotImplementedError
 
     def drop_body(self) -> None:
         """The request is refused: nothing of its body is kept, nor read anew."""
