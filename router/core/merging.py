@@ -31,6 +31,7 @@ class _Totals:
     """Counters that only grow: per replica, and per model for the tallies."""
 
     requests: int = 0
+    connects_failed: int = 0
     ejections: int = 0
     recoveries: int = 0
     responses: dict[str, int] = field(default_factory=dict)
@@ -38,6 +39,7 @@ class _Totals:
 
     def add(self, r: ReplicaUsage | _Totals) -> None:
         self.requests += r.requests
+        self.connects_failed += r.connects_failed
         self.ejections += r.ejections
         self.recoveries += r.recoveries
         _add_into(self.responses, r.responses)
@@ -66,7 +68,7 @@ class Memory:
                 del store[key]
 
 
-_TALLIES = ("retries", "fallbacks", "unserved", "stalled", "overloaded", "hold_outcomes", "affinity")
+_TALLIES = ("retries", "fallbacks", "unserved", "stalled", "overloaded", "hold_outcomes", "hold_probes", "affinity")
 
 
 def _key(r: ReplicaUsage) -> Key:
@@ -157,6 +159,7 @@ def combine(
                 errors=MappingProxyType(totals.errors),
                 ejections=totals.ejections,
                 recoveries=totals.recoveries,
+                connects_failed=totals.connects_failed,
             )
         )
     memory.forget_except(set(grouped))
@@ -172,6 +175,7 @@ def combine(
         stalled=MappingProxyType(tallies["stalled"]),
         overloaded=MappingProxyType(tallies["overloaded"]),
         hold_outcomes=MappingProxyType(tallies["hold_outcomes"]),
+        hold_probes=MappingProxyType(tallies["hold_probes"]),
         affinity=MappingProxyType(tallies["affinity"]),
         demand=MappingProxyType(demand),
         queued=MappingProxyType(queued),

@@ -108,6 +108,8 @@ class Pool:
         self.held = self._cold_start.held
         self.oldest_held = self._cold_start.oldest_held
         self.held_models = self._cold_start.held_models
+        # Whether the model's held requests are probing its replicas one at a time now.
+        self.is_cold = self._cold.__contains__
         self.try_eject = self._ejections.try_eject
         self.eject = self._ejections.eject
         self.readmit = self._ejections.readmit
@@ -148,7 +150,6 @@ class Pool:
         self.in_flight += 1
         candidates.increment(replica)
         replica.in_flight += 1
-        replica.requests += 1
         replica.last_used = self._now()
         return replica
 
@@ -170,7 +171,6 @@ class Pool:
             candidates.increment(replica)
         self.in_flight += 1
         replica.in_flight += 1
-        replica.requests += 1
         replica.last_used = self._now()
         return replica
 
@@ -298,6 +298,10 @@ class Pool:
         status_class = _STATUS_CLASSES[index] if 0 <= index < 5 else "other"
         responses = replica.responses
         responses[status_class] = responses.get(status_class, 0) + 1
+
+    def count_connect_failed(self, replica: Replica) -> None:
+        """No connection to `replica` (refused, timed out): nothing reached it, so not one of its requests."""
+        replica.connects_failed += 1
 
     def count_failure(self, replica: Replica, reason: str) -> None:
         """A failed attempt on `replica`, by reason ("connect", "reset", "timeout", "status")."""

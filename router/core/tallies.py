@@ -32,6 +32,7 @@ class Tallies:
         "affinity",
         "fallbacks",
         "hold_outcomes",
+        "hold_probes",
         "last_asked",
         "overloaded",
         "retries",
@@ -45,6 +46,9 @@ class Tallies:
         self.affinity: dict[str, list[int]] = {}
         # Held requests' ends, by (model, outcome): served, timeout, overflow, client_gone, shutdown.
         self.hold_outcomes: dict[tuple[str, str], int] = {}
+        # Held requests' tries of a cold model's replicas, by (model, outcome): refused
+        # (connection refused), loading (503), answered (anything else: the request's attempt).
+        self.hold_probes: dict[tuple[str, str], int] = {}
         # Monotonic time a request for the model last found nothing to serve it (held, or refused).
         self.last_asked: dict[str, float] = {}
         self.overloaded: dict[str, int] = {}
@@ -69,6 +73,10 @@ class Tallies:
     def hold_ended(self, model: str, outcome: str) -> None:
         key = (model, outcome)
         self.hold_outcomes[key] = self.hold_outcomes.get(key, 0) + 1
+
+    def hold_probed(self, model: str, outcome: str) -> None:
+        key = (model, outcome)
+        self.hold_probes[key] = self.hold_probes.get(key, 0) + 1
 
     def unserved_request(self, model: str) -> None:
         if model not in self.unserved and (len(self.unserved) >= MAX_UNSERVED_NAMES or not keepable_name(model)):

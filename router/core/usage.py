@@ -46,6 +46,8 @@ class ReplicaUsage(NamedTuple):
     errors: Mapping[str, int]
     ejections: int
     recoveries: int = 0
+    # Connections to the replica that failed (refused, timed out): nothing reached it, so none is in `requests`.
+    connects_failed: int = 0
 
     def quiet_seconds(self, now: float) -> float | None:
         """Seconds since the last request, or None when no request is known."""
@@ -57,7 +59,7 @@ class ReplicaUsage(NamedTuple):
 # The snapshot's per-model tallies keyed by a model name, those keyed by a
 # pair, and a replica's fields that are mappings: the JSON codec's shape.
 TALLIES_BY_MODEL = ("retries", "unserved", "stalled", "overloaded")
-TALLIES_BY_PAIR = ("fallbacks", "hold_outcomes", "affinity")
+TALLIES_BY_PAIR = ("fallbacks", "hold_outcomes", "hold_probes", "affinity")
 REPLICA_MAPPINGS = ("labels", "responses", "errors")
 
 
@@ -88,6 +90,8 @@ class UsageSnapshot:
     stalled: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     overloaded: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     hold_outcomes: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
+    # Held requests' tries of their model's replicas, by (model, outcome): refused, loading, answered.
+    hold_probes: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
     # Session and prefix routing's first picks, by (model, outcome): hit, spill, none.
     affinity: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
     demand: Mapping[str, Demand] = field(default_factory=lambda: MappingProxyType({}))
@@ -123,6 +127,7 @@ class UsageSnapshot:
             ),
             fallbacks=_pairs(doc["fallbacks"]),
             hold_outcomes=_pairs(doc["hold_outcomes"]),
+            hold_probes=_pairs(doc["hold_probes"]),
             affinity=_pairs(doc["affinity"]),
             **{name: MappingProxyType(doc[name]) for name in TALLIES_BY_MODEL},
             demand=MappingProxyType({model: Demand(*d) for model, d in doc["demand"].items()}),
@@ -215,7 +220,17 @@ class Snapshotter:
                 r.last_used = mono
             last_used = r.last_used
             ejected_until = r.ejected_until
-            key = (r.requests, in_flight, last_used, ejected_until, r.draining, r.removed, r.config, r.recoveries)
+            key = (
+                r.requests,
+                in_flight,
+                last_used,
+                ejected_until,
+                r.draining,
+                r.removed,
+                r.config,
+                r.recoveries,
+                r.connects_failed,
+            )
             known = get(r)
             if known is not None and known[0] == key:
                 usage = known[1]
@@ -242,6 +257,7 @@ class Snapshotter:
                         MappingProxyType(r.errors.copy()) if r.errors else _EMPTY,
                         r.ejections,
                         r.recoveries,
+                        r.connects_failed,
                     ),
                 )
             frozen[r] = (key, usage)
@@ -275,6 +291,7 @@ class Snapshotter:
             stalled=MappingProxyType(dict(tallies.stalled)),
             overloaded=MappingProxyType(dict(tallies.overloaded)),
             hold_outcomes=MappingProxyType(dict(tallies.hold_outcomes)),
+            hold_probes=MappingProxyType(dict(tallies.hold_probes)),
             affinity=MappingProxyType(
                 {
                     (model, outcome): n

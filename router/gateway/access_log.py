@@ -39,6 +39,7 @@ class Entry:
         "bytes_out",
         "client",
         "held_seconds",
+        "hold",
         "id",
         "method",
         "model",
@@ -65,8 +66,11 @@ class Entry:
         self.bytes_out = 0
         self.attempts = 0
         self.held_seconds: float | None = None
+        # How a hold for a cold model ended (served, timeout, overflow, client_gone,
+        # shutdown: router_hold_outcomes_total's outcomes); None if never held.
+        self.hold: str | None = None
         self.ttfb_seconds: float | None = None
-        # ok, client_gone, upstream_reset, stalled, timeout, error
+        # ok, client_gone, upstream_reset, stalled, timeout, error; overflow, shutdown (a hold's)
         self.outcome = "ok"
 
     def line(self, now: float) -> bytes:
@@ -85,6 +89,7 @@ class Entry:
                 "bytes_out": self.bytes_out,
                 "attempts": self.attempts,
                 "held_seconds": None if self.held_seconds is None else round(self.held_seconds, 3),
+                "hold": self.hold,
                 "ttfb_seconds": None if self.ttfb_seconds is None else round(self.ttfb_seconds, 4),
                 "duration_seconds": round(now - self.started, 4),
                 "outcome": self.outcome,

@@ -66,60 +66,82 @@ class Chain:
         # that continue it must reach the replica that keeps it.
         remembering = request.path == "/v1/responses"
         chain = (model, *self.routes.fallbacks.get(model, ()))
+        cold_start = self.holding.cold_start.get(model)
         last: Failed | None = None
         only_connect_failures = True
         only_loading = True
-        for target in chain:
-            # The replica must see the name it serves (vLLM refuses an alias or
-            # another model's name); only then is the body re-encoded.
-            body = request.body if target == requested else with_model(request.body, obj, target)
-            avoid: Replica | None = None
-            refused: set[Replica] = set()
-            key = None
-            if self._affinity and (affinity := self._affinity.get(target)) is not None:
-                key = affinity.key(request, obj)
-            for attempt in range(self._max_attempts):
-                replica = pool.acquire(target, avoid, refused, key)
-                if replica is None:
-                    if not pool.saturated(target):
-                        break
-                    replica = await self._wait(target, avoid, refused, key)
+        # Tries of the cold model that found it loading: probes if the request is
+        # held in the end, else attempts as any (counted in the finally).
+        probes: list[Failed] | None = None
+        try:
+            for target in chain:
+                probing = cold_start is not None and target == model
+                if probing and pool.is_cold(model):
+                    # Its held requests probe its replicas one at a time: this one
+                    # waits its turn behind them (after the fallbacks), rather than
+                    # try a loading engine out of turn.
+                    continue
+                # The replica must see the name it serves (vLLM refuses an alias or
+                # another model's name); only then is the body re-encoded.
+                body = request.body if target == requested else with_model(request.body, obj, target)
+                avoid: Replica | None = None
+                refused: set[Replica] = set()
+                key = None
+                if self._affinity and (affinity := self._affinity.get(target)) is not None:
+                    key = affinity.key(request, obj)
+                for attempt in range(self._max_attempts):
+                    replica = pool.acquire(target, avoid, refused, key)
                     if replica is None:
-                        break
-                if attempt:
-                    pool.tallies.retried(target)
-                elif target != model:
-                    pool.tallies.fell_back(model, target)
-                try:
-                    failed = await self.forwarder.attempt(
-                        request,
-                        writer,
-                        replica,
-                        body,
-                        headers,
-                        target,
-                        stream,
-                        None,
-                        self.responses.remember(replica) if remembering else None,
-                    )
-                finally:
-                    pool.release(replica)
-                if failed is None:
-                    return
-                last = failed
-                only_connect_failures = only_connect_failures and failed.connect_failure
-                only_loading = only_loading and failed.loading
-                if not failed.retryable:
-                    answer_failed(writer, failed)
-                    return
-                avoid = replica
-                refused.add(replica)
-        cold_start = self.holding.cold_start.get(model)
-        if cold_start and (last is None or only_loading):
-            # Scaled to zero, or every replica still loading: held until one answers.
-            await self.holding.hold(request, writer, obj, requested, model, stream, headers, cold_start)
-            return
-        writer.answer(self._unserved(chain, last, only_connect_failures))
+                        if not pool.saturated(target):
+                            break
+                        replica = await self._wait(target, avoid, refused, key)
+                        if replica is None:
+                            break
+                    if attempt:
+                        pool.tallies.retried(target)
+                    elif target != model:
+                        pool.tallies.fell_back(model, target)
+                    try:
+                        failed = await self.forwarder.attempt(
+                            request,
+                            writer,
+                            replica,
+                            body,
+                            headers,
+                            target,
+                            stream,
+                            None,
+                            self.responses.remember(replica) if remembering else None,
+                            probing,
+                        )
+                    finally:
+                        pool.release(replica)
+                    if failed is None:
+                        return
+                    if failed.replica is not None:
+                        if probes is None:
+                            probes = []
+                        probes.append(failed)
+                    last = failed
+                    only_connect_failures = only_connect_failures and failed.connect_failure
+                    only_loading = only_loading and failed.loading
+                    if not failed.retryable:
+                        answer_failed(writer, failed)
+                        return
+                    avoid = replica
+                    refused.add(replica)
+            if cold_start and (last is None or only_loading):
+                # Scaled to zero, or every replica still loading: held until one answers.
+                if probes is not None:
+                    for probe in probes:
+                        pool.tallies.hold_probed(model, "refused" if probe.connect_failure else "loading")
+                    probes = None
+                await self.holding.hold(request, writer, obj, requested, model, stream, headers, cold_start)
+                return
+            writer.answer(self._unserved(chain, last, only_connect_failures))
+        finally:
+            if probes is not None:
+                self.forwarder.count_tried(probes, model)
 
     async def serve_pinned(
         self,
