@@ -9,7 +9,8 @@ runs per tick or per admin call, never per request.
 
 The pool is the one door to its parts, each in its own module: the replica
 set and draining (router.core.replicas), ejection (router.core.ejection),
-the cold-start holds (router.core.coldstart) and the tallies
+the cold-start holds (router.core.coldstart), the requests pinned to one
+replica (router.core.pinned) and the tallies
 (router.core.tallies). It keeps its own reference to each collection that
 acquire() and release() read, so the hot path reads no more attributes than
 it would if the parts were one class. All of them read one injected clock
@@ -30,6 +31,7 @@ from router.core.coldstart import ColdStart
 from router.core.config import ReplicaConfig
 from router.core.ejection import EjectionPolicy, Ejections
 from router.core.picking import Routing
+from router.core.pinned import PinnedLines
 from router.core.replicas import Replica, ReplicaSet, ReplicaState, SetDiff
 from router.core.tallies import Tallies
 from router.core.waiters import Lines, Waiter
@@ -102,14 +104,15 @@ class Pool:
         )
         # Models whose held requests wait for a replica that answers.
         self._cold = self._cold_start.spells
+        self.pinned = PinnedLines(clock, self._by_id, self._seq.__next__, self.acquire_this, self.release)
+        self._pinned = self.pinned.lines
         # The parts' own doors, as the pool's: a caller reaches them with no call in between.
         self.hold = self._cold_start.hold
         self.end_holds = self._cold_start.end_holds
         self.held = self._cold_start.held
         self.oldest_held = self._cold_start.oldest_held
         self.held_models = self._cold_start.held_models
-        # Whether the model's held requests are probing its replicas one at a time now.
-        self.is_cold = self._cold.__contains__
+        self.is_cold = self._cold.__contains__  # its held requests probe its replicas one at a time now
         self.try_eject = self._ejections.try_eject
         self.eject = self._ejections.eject
         self.readmit = self._ejections.readmit
@@ -154,10 +157,7 @@ class Pool:
         return replica
 
     def acquire_this(self, replica_id: str) -> Replica | None:
-        """acquire() of one given replica (the one that keeps a response): None unless it is ready.
-
-        Counted and stamped as acquire() does; the limits apply as well.
-        """
+        """acquire() of one given replica (the one that keeps a response), limits and all: None unless it is ready."""
         replica = self._by_id.get(replica_id)
         if replica is None or replica.state is not ReplicaState.READY:
             return None
@@ -183,6 +183,8 @@ class Pool:
             candidates.decrement(replica)
         elif replica.removed and replica.in_flight == 0:
             self._leaving.discard(replica)
+        if self._pinned:  # first those that this replica alone may serve: the others may take any
+            self.pinned.released(replica, bool(self.limits.total))
         if self._waiting:
             self._hand_off(replica.model)
             if self.limits.total:
@@ -237,12 +239,13 @@ class Pool:
 
     def waiting(self, model: str) -> int:
         """Requests waiting for a replica of `model` now."""
-        queue = self._waiting.get(model)
-        return len(queue) if queue else 0
+        return self.queued().get(model, 0)
 
     def queued(self) -> dict[str, int]:
         """Requests waiting now, by model (only models with some)."""
-        return {model: len(queue) for model, queue in self._waiting.items() if queue}
+        counts = {model: len(queue) for model, queue in self._waiting.items() if queue}
+        self.pinned.count_into(counts)
+        return counts
 
     def _oldest_seq(self, model: str) -> int:
         queue = self._waiting[model]
@@ -298,10 +301,6 @@ class Pool:
         status_class = _STATUS_CLASSES[index] if 0 <= index < 5 else "other"
         responses = replica.responses
         responses[status_class] = responses.get(status_class, 0) + 1
-
-    def count_connect_failed(self, replica: Replica) -> None:
-        """No connection to `replica` (refused, timed out): nothing reached it, so not one of its requests."""
-        replica.connects_failed += 1
 
     def count_failure(self, replica: Replica, reason: str) -> None:
         """A failed attempt on `replica`, by reason ("connect", "reset", "timeout", "status")."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from router.core.config import Config
-from router.core.errors import NoReplicaAvailable, Overloaded
+from router.core.errors import NoReplicaAvailable, Overloaded, quoted
 from router.core.pool import Pool
 from router.core.replicas import Replica
 from router.gateway.affinity import Affinity
@@ -21,7 +21,7 @@ from router.gateway.catalog import Routes
 from router.gateway.forward import Failed, Forwarder, answer_failed
 from router.gateway.hold import Holding
 from router.gateway.metrics import DataPathMetrics
-from router.gateway.responses import ResponsesMemory
+from router.gateway.responses import ResponsesMemory, lost
 from router.http.messages import Reply, Request
 from router.http.writer import Writer
 
@@ -163,6 +163,35 @@ class Chain:
             self.pool.release(pinned)
         if failed is not None:
             answer_failed(writer, failed)
+
+    async def pinned(self, response_id: object) -> Replica:
+        """The replica that keeps `response_id`, acquired: waiting in its queue while it is busy, as any request.
+
+        404 when this router never saw the response, or its replica is gone
+        (removed, draining, ejected); 503 server_overloaded after the queue wait.
+        """
+        replica_id = self.responses.maker_of(response_id)
+        replica = self.pool.acquire_this(replica_id)
+        if replica is not None:
+            return replica
+        keeper = self.pool.get(replica_id)
+        if keeper is None:
+            raise lost(response_id, replica_id)
+        started = time.perf_counter()
+        replica, timed_out = await self.pool.pinned.wait(replica_id, wait_seconds=self._queue_timeout)
+        if replica is None and not timed_out:
+            # Gone, draining or ejected (at once or while it waited): not a wait of the limits.
+            raise lost(response_id, replica_id)
+        # A wait that ended in a 503 counts too, as in _wait().
+        self.metrics.observe_queue_wait(keeper.model, time.perf_counter() - started)
+        if replica is None:
+            self.pool.tallies.refused_overloaded(keeper.model)
+            raise Overloaded(
+                f"Replica {replica_id}, which keeps response {quoted(response_id)}, is at its concurrency limit; "
+                f"waited {self._queue_timeout:g} s.",
+                retry_after=1,
+            )
+        return replica
 
     async def _wait(
         self, model: str, avoid: Replica | None, refused: set[Replica], key: bytes | None

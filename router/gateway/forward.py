@@ -6,8 +6,8 @@ passed through as it arrives) and returns None, or returns a `Failed`: what
 went wrong, whether another attempt may follow (nothing reached the client
 and the replica did not take the request), and the replica's own answer to
 give if none does. Every replica counter it touches changes through the pool,
-but the count of requests that reached the replica, which only this module
-sees (a refused connection reached nothing).
+but the counts of requests that reached the replica and of connections that
+failed, which only this module sees.
 
 A try of a cold model's replica that finds it still loading (no connection,
 a 503) is a probe when the request is held: not one of the request's
@@ -223,7 +223,7 @@ class Forwarder:
         except ConnectFailed as exc:
             # Nothing reached the replica: not one of its requests. A probe's is
             # an engine still loading, as the hold expects: not an attempt nor an error.
-            self.pool.count_connect_failed(replica)
+            replica.connects_failed += 1
             self.pool.record_failure(replica)
             refused = UpstreamConnectError(f"Cannot connect to replica {replica.id}: {exc}")
             if probe:
