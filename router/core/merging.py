@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from router.core.replicas import ReplicaState
+from router.core.tallies import bounded_unserved
 from router.core.usage import Demand, ReplicaUsage, UsageSnapshot
 
 Key = tuple[str, str, str]  # (id, url, model): one replica; an id whose URL changed is another
@@ -53,6 +54,8 @@ class Memory:
     last_used: dict[Key, float] = field(default_factory=dict)
     retired: dict[Key, _Totals] = field(default_factory=dict)
     retired_tallies: dict[str, dict[Any, int]] = field(default_factory=dict)
+    # The unserved model names shown, in the order they were first merged (tallies.bounded_unserved).
+    unserved_names: dict[str, None] = field(default_factory=dict)
 
     def retire(self, snapshot: UsageSnapshot) -> None:
         """A worker died: its last known totals stay in the sums from now on."""
@@ -60,6 +63,8 @@ class Memory:
             self.retired.setdefault(_key(r), _Totals()).add(r)
         for name in _TALLIES:
             _add_into(self.retired_tallies.setdefault(name, {}), getattr(snapshot, name))
+        # Bounded as it is kept: workers that keep dying would each leave their names.
+        self.retired_tallies["unserved"] = bounded_unserved(self.retired_tallies["unserved"], self.unserved_names)
 
     def forget_except(self, keys: set[Key]) -> None:
         """Replicas no worker knows any more leave the memory too."""
@@ -171,7 +176,8 @@ def combine(
         replicas=tuple(replicas),
         retries=MappingProxyType(tallies["retries"]),
         fallbacks=MappingProxyType(tallies["fallbacks"]),
-        unserved=MappingProxyType(tallies["unserved"]),
+        # The workers count every name; the bound on names is the router's, applied to the sums.
+        unserved=MappingProxyType(bounded_unserved(tallies["unserved"], memory.unserved_names)),
         stalled=MappingProxyType(tallies["stalled"]),
         overloaded=MappingProxyType(tallies["overloaded"]),
         hold_outcomes=MappingProxyType(tallies["hold_outcomes"]),

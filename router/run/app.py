@@ -38,6 +38,7 @@ from router.core.config import Config
 from router.core.ejection import EjectionPolicy
 from router.core.picking import Routing
 from router.core.pool import Limits, Pool
+from router.core.tallies import WORKER_UNSERVED_NAMES
 from router.core.usage import Ticker
 from router.gateway.access_log import AccessLog
 from router.gateway.answers import server_error
@@ -107,6 +108,9 @@ class RouterServer(Listening):
             limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
             routing={name: Routing(model.routing, model.balance_factor) for name, model in config.models.items()},
         )
+        if worker_socket is not None:
+            # The supervisor bounds the unserved names once it has summed its workers'.
+            self.pool.tallies.max_unserved_names = WORKER_UNSERVED_NAMES
         self.sinks = Sinks()
         self._wall = wall
         self._mono = clock.now
