@@ -45,12 +45,13 @@ def _run(coro: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from router.core.config import load_config
+    from router.core.config import check_files, load_config
     from router.core.errors import ConfigError
     from router.run.app import serve
 
     try:
         config = load_config(args.config)
+        check_files(config)
     except ConfigError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2
@@ -63,8 +64,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else:
             _run(serve(config, config_path=args.config))
     except ConfigError as exc:
-        # Found only at start: where the Kubernetes API is ([discovery.kubernetes]),
-        # or, with --workers, that no directory is writable for their sockets.
+        # Found only at start: an address in use (CannotListen), where the Kubernetes
+        # API is ([discovery.kubernetes]), or, with --workers, that no directory is
+        # writable for their sockets.
         print(f"router: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
@@ -194,12 +196,16 @@ async def _demo(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from router.core.errors import CannotListen
+
     _setup_logging(args.log_level)
     try:
         _run(_demo(args))
-    except OSError as exc:
+    except CannotListen as exc:
+        flag = "--listen" if exc.key == "listen" else "--admin-listen"
         print(
-            f"router demo: cannot listen: {exc} (is another router running? use --listen/--admin-listen)",
+            f"router demo: cannot listen on {exc.address} ({flag}): {exc.reason} "
+            f"(is another router running? use --listen/--admin-listen)",
             file=sys.stderr,
         )
         return 1

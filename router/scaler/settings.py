@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from router.core import config_checks as check
 from router.core.config import Address, parse_address, replicas_where
 from router.core.errors import ConfigError
 
@@ -137,7 +138,7 @@ def apply(
     for key, value in raw.items():
         parse = _PARSERS.get(key)
         if parse is None:
-            raise where.error(label(key), "unknown key")
+            raise check.unknown_key(where, label(key), key, _PARSERS)
         values[key] = parse(where, label(key), value)
     return replace(settings, **values)
 
