@@ -279,7 +279,8 @@ class RouterServer(Listening):
         # them to: they get their 503 now, not at the end of the grace.
         ended = self.pool.end_holds()
         if ended:
-            log.info("shutting down: %d held requests answered 503 model_cold", ended)
+            said = "1 held request" if ended == 1 else f"{ended} held requests"
+            log.info("shutting down: %s answered 503 model_cold", said)
         if self._client_listener is not None:
             # Stop accepting at once; those connected finish within the grace.
             self._client_listener.close()
