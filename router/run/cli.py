@@ -1,4 +1,4 @@
-"""The `router` command: serve, demo, ctl, bench, scaler.
+"""The `router` command: serve, demo, ctl, bench, scaler, fake.
 
 Server modules are imported inside the commands that need them, so that
 `router ctl` starts fast.
@@ -219,7 +219,10 @@ def _workers(value: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from router import __version__
+
     parser = argparse.ArgumentParser(prog="router", description="An OpenAI-compatible gateway for LLM replicas.")
+    parser.add_argument("--version", action="version", version=f"router {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the router")
     serve.add_argument("--config", "-c", required=True, help="the TOML configuration file")
@@ -242,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "scaler", help="KEDA's external push scaler over every router (router scaler --help)", add_help=False
     )
+    sub.add_parser("fake", help="a fake OpenAI replica to try the router with (router fake --help)", add_help=False)
     return parser
 
 
@@ -263,6 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from router.scaler.main import main as scaler_main
 
         return scaler_main(argv[1:])
+    if argv and argv[0] == "fake":
+        from router.tools.fake.cli import main as fake_main
+
+        return fake_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args)
