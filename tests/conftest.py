@@ -90,6 +90,8 @@ async def start_router() -> AsyncIterator[StartRouter]:
             "admin_listen": "127.0.0.1:0",
             "router_name": "test",
             "connect_timeout_seconds": 2.0,
+            # The cards' reads are requests a replica sees: only the tests of cards read them.
+            "model_cards": False,
             **settings,
             "replicas": list(replicas),
         }

@@ -18,12 +18,11 @@ import orjson
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from router.control.endpoints import BadPush, PushedSets
 from router.control.fleet import Fleet, FleetUnavailable
 from router.control.openapi import DOCUMENT
 from router.control.sinks.latest import LatestSink
 from router.control.sinks.rates import RateSink
-from router.core.config import ReplicaConfig, parse_replicas, replicas_where
-from router.core.errors import ConfigError
 from router.core.status import fleet_status
 from router.core.usage import UsageSnapshot
 
@@ -98,6 +97,8 @@ class Admin:
         self._is_ready = is_ready
         self._rates = rates
         self._wall = wall
+        # Pushed sets, read from what changed since the last (endpoints.py).
+        self._pushed = PushedSets()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=ADMIN_BODY_LIMIT, middlewares=[self._auth])
@@ -189,16 +190,8 @@ class Admin:
                 "replica_set_owned",
             )
         try:
-            body = await self._body(request)
-            if not isinstance(body, dict):
-                raise _BadBody('The body must be a JSON object: {"replicas": [...]}.')
-            for key in body:
-                if key != "replicas":
-                    raise _BadBody(f"{key}: unknown field")
-            if "replicas" not in body:
-                raise _BadBody("replicas: is required")
-            configs = _parse_pushed(body["replicas"])
-        except _BadBody as exc:
+            configs = self._pushed.read(await request.read())
+        except BadPush as exc:
             return _error(400, str(exc), "invalid_endpoints")
         diff = await self.fleet.set_replicas(configs)
         log.info(
@@ -225,11 +218,4 @@ class Admin:
 
 
 class _BadBody(Exception):
-    """A pushed body that cannot be applied; becomes a 400 that names the problem."""
-
-
-def _parse_pushed(raw: object) -> tuple[ReplicaConfig, ...]:
-    try:
-        return parse_replicas(replicas_where("PUT /api/v1/endpoints"), "replicas", raw)
-    except ConfigError as exc:
-        raise _BadBody(str(exc)) from exc
+    """A body that cannot be applied; becomes a 400 that names the problem."""

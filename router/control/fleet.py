@@ -55,10 +55,19 @@ def diff_json(diff: SetDiff) -> dict[str, Any]:
 class LocalFleet:
     """The pool of this process."""
 
-    def __init__(self, pool: Pool, registry: CollectorRegistry, snapshot: Callable[[], UsageSnapshot]) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        registry: CollectorRegistry,
+        snapshot: Callable[[], UsageSnapshot],
+        *,
+        exposition: Callable[[], bytes] = bytes,
+    ) -> None:
+        """`exposition`: the per-replica series, rendered as they change (Sinks.exposition)."""
         self.pool = pool
         self.registry = registry
         self._snapshot = snapshot
+        self._exposition = exposition
 
     async def snapshot(self) -> UsageSnapshot:
         return self._snapshot()
@@ -76,6 +85,7 @@ class LocalFleet:
         return {"id": replica.id, "state": replica.state.value, "in_flight": replica.in_flight}
 
     async def metrics(self) -> bytes:
-        # Rendering thousands of replicas' series takes a noticeable while;
-        # off the event loop the data path keeps moving meanwhile.
-        return await asyncio.get_running_loop().run_in_executor(None, generate_latest, self.registry)
+        # The registry's families off the event loop, as they were when they
+        # held every replica's series; those are bytes rendered at the tick now.
+        own = await asyncio.get_running_loop().run_in_executor(None, generate_latest, self.registry)
+        return own + self._exposition()

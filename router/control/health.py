@@ -4,7 +4,10 @@ Passive ejection learns from client requests; this learns without them. A
 2xx brings an ejected replica back before its ejection time is up; anything
 else, or no answer within the timeout, ejects a ready replica (within the
 pool's limits: never more than half of a model, never the last) before a
-client meets it. llama.cpp has no /health: use `/v1/models` there.
+client meets it. vLLM, SGLang and llama.cpp's llama-server all serve
+`/health` (llama-server also `/v1/health`), each 503 while the model loads;
+SGLang's runs a one-token generation and takes a second at least, hence the
+5 s default timeout (docs/engines.md: each engine's).
 """
 
 from __future__ import annotations

@@ -87,6 +87,7 @@ DOCUMENT: dict[str, Any] = {
                                 "tick_seconds": {"type": "number"},
                                 "last_used": {"type": "object", "additionalProperties": {"type": "number"}},
                                 "watching_since": {"type": "object", "additionalProperties": {"type": "number"}},
+                                "model": {"type": "object", "additionalProperties": {"type": "string"}},
                             },
                         }
                     )

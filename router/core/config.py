@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from router.core import config_checks as check
+from router.core.engines import ROUTED_PATHS, UPGRADE_PATHS
 from router.core.errors import ConfigError
 from router.core.picking import DEFAULT_POLICY, POLICIES
 
@@ -74,28 +75,6 @@ def _replica_url(where: check.Where, key: str, value: object) -> str:
             f"ends in /v1: give the base URL without it (the router appends the client's /v1/... path), got {url!r}",
         )
     return url
-
-
-# The POST paths routed by the model they name: what vLLM and SGLang serve.
-ROUTED_PATHS = (
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/embeddings",
-    "/v1/responses",
-    "/v1/rerank",
-    "/rerank",
-    "/v2/rerank",
-    "/v1/score",
-    "/score",
-    "/pooling",
-    "/classify",
-    "/tokenize",
-    "/detokenize",
-    "/v1/audio/transcriptions",
-    "/v1/audio/translations",
-    "/v1/audio/speech",
-    "/v1/images/generations",
-)
 
 
 # The label on a model's EndpointSlices (copied there from its Service) that names the model.
@@ -230,10 +209,29 @@ class Config:
     ejection_max_seconds: float = _seconds(300.0, "")
     # A 2xx readmits an ejected replica early; anything else, or no answer, ejects a ready one.
     health_check_interval_seconds: float = _seconds(0.0, "active checks of every replica; 0 = off", minimum=0.0)
-    health_check_path: str = _setting("/health", check.path, 'a 2xx is healthy ("/v1/models" for llama.cpp)')
-    health_check_timeout_seconds: float = _seconds(2.0, "")
+    # vLLM's, SGLang's and llama-server's /health: 503 while loading or dead (docs/engines.md).
+    health_check_path: str = _setting(
+        "/health", check.path, "a 2xx is healthy: vLLM's, SGLang's and llama-server's /health (docs/engines.md)"
+    )
+    # SGLang's /health sleeps a second before it looks for its one-token generation's answer.
+    health_check_timeout_seconds: float = _seconds(
+        5.0, "SGLang's /health runs a one-token generation: a second at least"
+    )
     routed_paths: tuple[str, ...] = _setting(
         ROUTED_PATHS, check.paths, "POST paths routed by the model their body names"
+    )
+    upgrade_paths: tuple[str, ...] = _setting(
+        UPGRADE_PATHS, check.paths, "GET paths whose WebSocket upgrades are routed by the query's model"
+    )
+    # Off for engines whose /v1/models is not theirs to give (behind an auth the router lacks).
+    model_cards: bool = _setting(
+        True, check.boolean, "read each replica's /v1/models as it joins: max_model_len, root, parent"
+    )
+    # vLLM's /tokenize takes a body without a model; llama.cpp ignores the field.
+    default_model: str = _setting(
+        "",
+        lambda w, k, v: check.string(w, k, v, empty_ok=True),
+        "where a request naming no model goes; unset: the only model served, else 400",
     )
     remembered_responses: int = _count(100_000, "response ids kept with the replica that made them (/v1/responses)")
     # Replica ids are internal: only an operator who wants them in answers turns this on.
@@ -322,26 +320,31 @@ def parse_replicas(where: check.Where, key: str, value: object) -> tuple[Replica
     if not isinstance(value, list):
         raise where.error(key, f"must be an array of tables, got {check.type_name(value)}")
     seen: dict[str, int] = {}
-    out: list[ReplicaConfig] = []
-    for index, raw in enumerate(value):
-        item_key = f"{key}[{index}]"
-        check.table(where, item_key, raw, _REPLICA_KEYS)
-        for name in ("id", "model", "url"):
-            if name not in raw:
-                raise where.error(f"{item_key}.{name}", "is required")
-        replica_id = check.string(where, f"{item_key}.id", raw["id"])
-        if replica_id in seen:
-            raise where.error(f"{item_key}.id", f"duplicate replica id {replica_id!r} (also {key}[{seen[replica_id]}])")
-        seen[replica_id] = index
-        out.append(
-            ReplicaConfig(
-                id=replica_id,
-                model=check.string(where, f"{item_key}.model", raw["model"]),
-                url=_replica_url(where, f"{item_key}.url", raw["url"]),
-                labels=_labels(where, f"{item_key}.labels", raw.get("labels", {})),
-            )
-        )
-    return tuple(out)
+    return tuple(parse_replica(where, key, index, raw, seen) for index, raw in enumerate(value))
+
+
+def parse_replica(where: check.Where, key: str, index: int, raw: object, seen: dict[str, int]) -> ReplicaConfig:
+    """Validate `key[index]`, one replica of a set; `seen`: the ids before it, by index (this one is added)."""
+    item_key = f"{key}[{index}]"
+    table = check.table(where, item_key, raw, _REPLICA_KEYS)
+    for name in ("id", "model", "url"):
+        if name not in table:
+            raise where.error(f"{item_key}.{name}", "is required")
+    replica_id = check.string(where, f"{item_key}.id", table["id"])
+    check_unique(where, key, index, replica_id, seen)
+    return ReplicaConfig(
+        id=replica_id,
+        model=check.string(where, f"{item_key}.model", table["model"]),
+        url=_replica_url(where, f"{item_key}.url", table["url"]),
+        labels=_labels(where, f"{item_key}.labels", table.get("labels", {})),
+    )
+
+
+def check_unique(where: check.Where, key: str, index: int, replica_id: str, seen: dict[str, int]) -> None:
+    """`key[index]`'s id is not one of `seen` (the ids before it, by index); it is one from now on."""
+    if replica_id in seen:
+        raise where.error(f"{key}[{index}].id", f"duplicate replica id {replica_id!r} (also {key}[{seen[replica_id]}])")
+    seen[replica_id] = index
 
 
 def _models(where: check.Where, value: object, replicas: tuple[ReplicaConfig, ...]) -> Mapping[str, ModelConfig]:
@@ -435,9 +438,9 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
 
 _DISCOVERY_KEYS = {"kubernetes"}
 _KUBERNETES_KEYS = {"namespace", "selector", "selector_on", "port", "model_label", "labels_from", "kubeconfig"}
-# RFC 1123 labels (namespaces), IANA service names (named ports), label keys: what the API server accepts.
+# RFC 1123 labels (namespaces, and EndpointSlice port names), label keys: what the API server accepts.
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_PORT_NAME = _DNS_LABEL
 
 
 def _discovery(where: check.Where, value: object) -> KubernetesDiscovery:
@@ -453,8 +456,9 @@ def _discovery(where: check.Where, value: object) -> KubernetesDiscovery:
     port_raw = raw["port"]
     port: str | int
     if isinstance(port_raw, str):
-        port = check.string(where, f"{key}.port", port_raw)
-        if not _PORT_NAME.fullmatch(port) or len(port) > 15:
+        # discovery/v1's EndpointPort.name: "" (a Service's one unnamed port) or a DNS label of up to 63.
+        port = check.string(where, f"{key}.port", port_raw, empty_ok=True)
+        if port and (not _PORT_NAME.fullmatch(port) or len(port) > 63):
             raise where.error(
                 f"{key}.port", f"must be a port number or a port name of the EndpointSlices, got {port!r}"
             )

@@ -20,12 +20,17 @@ conversation, but never to one loaded above the bound; see its docstring.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import math
 import random
 from collections.abc import Callable, Container, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast
+
+from router.core import ring
+from router.core.ring import POINTS_PER_MEMBER, Layout
+
+# A request's key as a point of the ring (router.core.ring), found here beside the policies that read it.
+affinity_key = ring.affinity_key
 
 T = TypeVar("T", bound=Hashable)
 
@@ -43,7 +48,9 @@ class Policy(Protocol[T]):
 
     def increment(self, item: T) -> None: ...
 
-    def decrement(self, item: T) -> None: ...
+    def decrement(self, item: T) -> bool:
+        """One request less on `item`; False when it is not a candidate (nothing counted)."""
+        ...
 
     @property
     def lowest_load(self) -> int | None:
@@ -56,6 +63,14 @@ class Policy(Protocol[T]):
 
     def pick_avoiding(self, avoid: T | None, exclude: Container[T], key: Hashable | None = None) -> T | None:
         """A retry's candidate: never one of `exclude`, and `avoid` only if nothing else is left."""
+        ...
+
+    def hold(self) -> None:
+        """A batch of add() and discard() follows: lay out what depends on the whole set once, at settle()."""
+        ...
+
+    def settle(self) -> None:
+        """The batch is over (no pick() may come between hold() and this)."""
         ...
 
 
@@ -167,14 +182,17 @@ class LeastLoaded(Generic[T]):
         if load == self._lowest and not self._buckets[load]:
             self._lowest = load + 1
 
-    def decrement(self, item: T) -> None:
+    def decrement(self, item: T) -> bool:
         slot = self._slots.get(item)
-        if slot is None or slot[0] == 0:
-            return
+        if slot is None:
+            return False
         load = slot[0]
+        if load == 0:
+            return True
         self._unplace(slot)
         self._place(item, slot, load - 1)
         self._lowest = min(self._lowest, load - 1)
+        return True
 
     def _place(self, item: T, slot: list[int], load: int) -> None:
         buckets = self._buckets
@@ -206,21 +224,15 @@ class LeastLoaded(Generic[T]):
     def load_of(self, item: T) -> int:
         return self._slots[item][0]
 
+    def hold(self) -> None:
+        """Nothing here depends on the whole set: each change is whole as it is made."""
 
-def affinity_key(data: bytes) -> bytes:
-    """A request's key as a point of the ring: the same on every router and every run.
-
-    (Python's own hash() of a string differs from process to process, so
-    two routers, or two workers, would send one session to two replicas.)
-    Eight bytes of BLAKE2b, compared as bytes: big-endian, so the order is
-    the number's.
-    """
-    return hashlib.blake2b(data, digest_size=8).digest()
+    def settle(self) -> None:
+        """As hold()."""
 
 
-# Points per candidate on the ring: enough that each one's share of the keys
-# is within a few percent of 1/N (ketama's figure).
-POINTS_PER_CANDIDATE = 160
+# Points per candidate on the ring (router.core.ring).
+POINTS_PER_CANDIDATE = POINTS_PER_MEMBER
 
 
 class BoundedHashRing(LeastLoaded[T]):
@@ -240,27 +252,51 @@ class BoundedHashRing(LeastLoaded[T]):
     shares.
     """
 
-    __slots__ = ("_factor", "_name_of", "_outcomes", "_owners", "_per_replica", "_points", "_scale", "_total")
+    __slots__ = (
+        "_factor",
+        "_held",
+        "_joining",
+        "_layout",
+        "_outcomes",
+        "_owners",
+        "_per_replica",
+        "_points",
+        "_scale",
+        "_total",
+    )
 
     def __init__(self, rng: random.Random | None = None, settings: PolicySettings | None = None) -> None:
         super().__init__(rng)
         settings = settings or PolicySettings()
         self._factor = settings.balance_factor
         self._per_replica = settings.per_replica
-        self._name_of = settings.name_of
         self._outcomes = settings.outcomes
         # balance_factor / the number of candidates: capacity is ceil(_scale x (in flight + 1)).
         self._scale = 0.0
-        # The ring: sorted points, and the candidate of each.
+        # The ring (router.core.ring): sorted points, and the member of each,
+        # read here as the layout last made them. A member that is not a
+        # candidate (it rests there, ejected or gone) is passed over.
+        self._layout: Layout[T] = Layout(settings.name_of)
         self._points: list[bytes] = []
         self._owners: list[T] = []
         # Requests in flight over all candidates.
         self._total = 0
+        # Between hold() and settle(): the candidates still to put on the ring.
+        self._held = False
+        self._joining: dict[T, None] = {}
+
+    @property
+    def builds(self) -> int:
+        """Times the ring was laid out anew: at most once per change, and once per batch of them."""
+        return self._layout.builds
 
     def add(self, item: T, load: int) -> None:
         super().add(item, load)
         self._total += load
-        self._build()
+        self._scale = self._factor / len(self._slots)
+        self._joining[item] = None
+        if not self._held:
+            self.settle()
 
     def discard(self, item: T) -> None:
         slot = self._slots.get(item)
@@ -268,7 +304,24 @@ class BoundedHashRing(LeastLoaded[T]):
             return
         self._total -= slot[0]
         super().discard(item)
-        self._build()
+        self._scale = self._factor / len(self._slots) if self._slots else 0.0
+        # Its points rest on the ring: nothing to lay out, unless resting ones grow too many.
+        self._joining.pop(item, None)
+        if not self._held:
+            self.settle()
+
+    def hold(self) -> None:
+        """Changes from here on are laid out together at settle()."""
+        self._held = True
+
+    def settle(self) -> None:
+        """Lay out the ring once for every change since hold() (or the one just made)."""
+        self._held = False
+        layout = self._layout
+        layout.update(self._slots, self._joining)
+        self._joining.clear()
+        self._points = layout.points
+        self._owners = layout.owners
 
     # increment() and decrement() are least-loaded's with the total kept as
     # well, written out rather than through super(): they run on every request.
@@ -284,21 +337,37 @@ class BoundedHashRing(LeastLoaded[T]):
         if load == self._lowest and not self._buckets[load]:
             self._lowest = load + 1
 
-    def decrement(self, item: T) -> None:
+    def decrement(self, item: T) -> bool:
         slot = self._slots.get(item)
-        if slot is None or slot[0] == 0:
-            return
-        self._total -= 1
+        if slot is None:
+            return False
         load = slot[0]
+        if load == 0:
+            return True
+        self._total -= 1
         self._unplace(slot)
         self._place(item, slot, load - 1)
         self._lowest = min(self._lowest, load - 1)
+        return True
 
     def home(self, key: bytes) -> T | None:
         """The candidate `key` belongs to, whatever the loads."""
         if not self._slots:
             return None
-        return self._owners[bisect.bisect_left(self._points, key)]
+        return self._owners[self._candidate_from(bisect.bisect_left(self._points, key))]
+
+    def _candidate_from(self, index: int) -> int:
+        """The ring position of the first candidate's point at or after `index` (past resting members)."""
+        owners, slots = self._owners, self._slots
+        last = len(owners) - 1
+        for _ in range(last + 1):
+            if index >= last:
+                # END is the first point's too: on from the start.
+                index = 0
+            if owners[index] in slots:
+                return index
+            index += 1
+        raise AssertionError("a candidate without points on the ring")
 
     def capacity(self) -> int:
         """In flight a candidate may have and still take a key: it takes one while below this."""
@@ -320,7 +389,13 @@ class BoundedHashRing(LeastLoaded[T]):
         capacity = math.ceil(self._scale * (self._total + 1))
         if self._per_replica and self._per_replica < capacity:
             capacity = self._per_replica
-        if self._slots[home][0] < capacity:
+        slot = self._slots.get(home)
+        if slot is None:
+            # A resting member's point: the key's home is the next candidate along.
+            start = self._candidate_from(start)
+            home = self._owners[start]
+            slot = self._slots[home]
+        if slot[0] < capacity:
             self._outcomes[_HIT] += 1
             return home
         self._outcomes[_SPILL] += 1
@@ -355,29 +430,18 @@ class BoundedHashRing(LeastLoaded[T]):
             owner = owners[index]
             if owner in seen:
                 continue
-            if slots[owner][0] < capacity and owner not in exclude:
+            slot = slots.get(owner)
+            if slot is None:
+                # Resting on the ring, not a candidate.
+                seen.add(owner)
+                continue
+            if slot[0] < capacity and owner not in exclude:
                 return owner
             seen.add(owner)
             left -= 1
             if not left:
                 break
         return None
-
-    def _build(self) -> None:
-        """The ring anew from the candidates' names: rare (a replica added, ejected, drained or back)."""
-        ring = sorted(
-            (affinity_key(f"{self._name_of(item)}#{i}".encode()), index, item)
-            for index, item in enumerate(self._slots)
-            for i in range(POINTS_PER_CANDIDATE)
-        )
-        self._points = [point for point, _, _ in ring]
-        self._owners = [item for _, _, item in ring]
-        if ring:
-            # A last point above every key (keys are 8 bytes), owned by the
-            # first point's candidate: past the last point, the ring wraps.
-            self._points.append(b"\xff" * 9)
-            self._owners.append(self._owners[0])
-        self._scale = self._factor / len(self._slots) if self._slots else 0.0
 
 
 # The policies a model's `routing` may name. Each is built with the pool's

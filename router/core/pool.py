@@ -36,7 +36,6 @@ from router.core.replicas import Replica, ReplicaSet, ReplicaState, SetDiff
 from router.core.tallies import Tallies
 from router.core.waiters import Lines, Waiter
 
-_STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
 _NO_ROUTING: Mapping[str, Routing] = {}
 _LOOP_CLOCK = LoopClock()
 _DEFAULT_EJECTION = EjectionPolicy()
@@ -76,6 +75,10 @@ class Pool:
         # is removed in O(1). Held requests wait in the same lines.
         self._waiting: Lines = {}
         self._seq = itertools.count()
+        # Replicas whose usage may have changed since the usage tick last looked
+        # (router.core.usage): marked where they change, in the critical
+        # sections that change them, so that a tick looks at these alone.
+        self.touched: dict[Replica, None] = {}
         self._set = ReplicaSet(
             now=self._now,
             rng=rng or random.Random(),
@@ -83,6 +86,7 @@ class Pool:
             per_replica=limits.per_replica,
             affinity=self.tallies.affinity,
             changed=self._candidates_changed,
+            touched=self.touched,
         )
         self._by_id = self._set.by_id
         self._leaving = self._set.leaving
@@ -154,6 +158,7 @@ class Pool:
         candidates.increment(replica)
         replica.in_flight += 1
         replica.last_used = self._now()
+        self.touched[replica] = None
         return replica
 
     def acquire_this(self, replica_id: str) -> Replica | None:
@@ -172,6 +177,7 @@ class Pool:
         self.in_flight += 1
         replica.in_flight += 1
         replica.last_used = self._now()
+        self.touched[replica] = None
         return replica
 
     def release(self, replica: Replica) -> None:
@@ -179,9 +185,8 @@ class Pool:
         replica.in_flight -= 1
         self.in_flight -= 1
         candidates = self._candidates.get(replica.model)
-        if candidates is not None and replica in candidates:
-            candidates.decrement(replica)
-        elif replica.removed and replica.in_flight == 0:
+        # (decrement() says whether it is a candidate: no `in` asked first, on every request.)
+        if (candidates is None or not candidates.decrement(replica)) and replica.removed and replica.in_flight == 0:
             self._leaving.discard(replica)
         if self._pinned:  # first those that this replica alone may serve: the others may take any
             self.pinned.released(replica, bool(self.limits.total))
@@ -295,17 +300,12 @@ class Pool:
         """A request for `model` found nothing to serve it now: demand the control plane should see."""
         self.tallies.asked(model, self._now())
 
+    # The replica's own counters, changed through the pool like every replica field.
     def count_response(self, replica: Replica, status: int) -> None:
-        """A replica's answer, by status class ("2xx", ...)."""
-        index = status // 100 - 1
-        status_class = _STATUS_CLASSES[index] if 0 <= index < 5 else "other"
-        responses = replica.responses
-        responses[status_class] = responses.get(status_class, 0) + 1
+        replica.count_response(status)
 
     def count_failure(self, replica: Replica, reason: str) -> None:
-        """A failed attempt on `replica`, by reason ("connect", "reset", "timeout", "status")."""
-        errors = replica.errors
-        errors[reason] = errors.get(reason, 0) + 1
+        replica.count_failure(reason)
 
     def record_success(self, replica: Replica) -> None:
         if self._cold and replica.model in self._cold:

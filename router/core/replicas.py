@@ -88,6 +88,19 @@ class Replica:
     def __repr__(self) -> str:
         return f"Replica({self.id!r}, model={self.model!r}, in_flight={self.in_flight})"
 
+    def count_response(self, status: int) -> None:
+        """An answer of this replica's, by status class ("2xx", ...)."""
+        index = status // 100 - 1
+        status_class = _STATUS_CLASSES[index] if 0 <= index < 5 else "other"
+        self.responses[status_class] = self.responses.get(status_class, 0) + 1
+
+    def count_failure(self, reason: str) -> None:
+        """A failed attempt on this replica, by reason ("connect", "reset", "timeout", "status")."""
+        self.errors[reason] = self.errors.get(reason, 0) + 1
+
+
+_STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+
 
 @dataclass(frozen=True, slots=True)
 class SetDiff:
@@ -98,6 +111,16 @@ class SetDiff:
 
 
 _LEAST_LOADED = Routing()
+
+
+class _Batch:
+    """One set_replicas(): the policies holding their changes, and the models to tell of them."""
+
+    __slots__ = ("changed", "held")
+
+    def __init__(self) -> None:
+        self.held: dict[Policy[Replica], None] = {}
+        self.changed: dict[str, None] = {}
 
 
 def _replica_name(replica: Replica) -> str:
@@ -118,11 +141,13 @@ class ReplicaSet:
         "leaving",
         "models",
         "_affinity",
+        "_batch",
         "_changed",
         "_now",
         "_per_replica",
         "_rng",
         "_routing",
+        "_touched",
     )
 
     def __init__(
@@ -134,11 +159,14 @@ class ReplicaSet:
         per_replica: int,
         affinity: dict[str, list[int]],
         changed: Callable[[str], None],
+        touched: dict[Replica, None],
     ) -> None:
         """`changed(model)`: the model gained a candidate, or lost its last one (its waiters may go).
 
         `affinity`: where each model's policy counts its first picks (Tallies.affinity).
+        `touched`: where a replica whose state or labels change is marked for the usage tick.
         """
+        self._touched = touched
         self._now = now
         self._rng = rng
         self._routing = routing
@@ -152,6 +180,9 @@ class ReplicaSet:
         self.candidates: dict[str, Policy[Replica]] = {}
         # Every model that had a replica since start: known, so never 404.
         self.ever_served: set[str] = set()
+        # While a whole set is applied: the policies holding their changes, and
+        # the models whose waiters are told once it is in.
+        self._batch: _Batch | None = None
 
     def set_replicas(self, configs: Iterable[ReplicaConfig]) -> SetDiff:
         """Make `configs` the desired set, atomically (no await in here).
@@ -159,36 +190,65 @@ class ReplicaSet:
         A replica whose URL or model changed is a removal plus an addition; a
         removed one drains: it takes no new request and is forgotten when its
         last request ends. Labels alone change in place.
+
+        The policies lay out what depends on the whole set (a hash ring) once
+        for the batch, and the pool's waiters are told of it once it is whole:
+        no pick can come between the parts of one set.
         """
+        self._batch = batch = _Batch()
+        try:
+            return self._apply(configs)
+        finally:
+            self._batch = None
+            for policy in batch.held:
+                policy.settle()
+            for model in batch.changed:
+                self._changed(model)
+
+    def _apply(self, configs: Iterable[ReplicaConfig]) -> SetDiff:
         desired = {c.id: c for c in configs}
+        by_id = self.by_id
         added: list[str] = []
         removed: list[str] = []
         changed: list[str] = []
         unchanged: list[str] = []
-        for replica_id, replica in list(self.by_id.items()):
+        leaving: list[Replica] = []
+        for replica_id, replica in by_id.items():
             config = desired.get(replica_id)
-            if config is None:
+            if config is replica.config:
+                # The very config it has (a push's unchanged entry): nothing to compare.
+                unchanged.append(replica_id)
+            elif config is None:
                 removed.append(replica_id)
-                self._remove(replica)
+                leaving.append(replica)
             elif (config.url, config.model) != (replica.base_url, replica.model):
                 changed.append(replica_id)
-                self._remove(replica)
+                leaving.append(replica)
             elif config != replica.config:
                 changed.append(replica_id)
                 replica.config = config
+                self._touched[replica] = None
             else:
+                # Equal: kept as this object, which the next push of the same entry gives
+                # again (and looked at by the next tick, should equal values differ in type).
+                replica.config = config
+                self._touched[replica] = None
                 unchanged.append(replica_id)
-        now = self._now()
-        for replica_id, config in desired.items():
-            if replica_id in self.by_id:
-                continue
-            if replica_id not in changed:
-                added.append(replica_id)
-            replica = Replica(config, added_at=now)
-            self.ever_served.add(replica.model)
-            self.by_id[replica_id] = replica
-            self.models.setdefault(replica.model, []).append(replica)
-            self.refresh(replica)
+        for replica in leaving:
+            self._remove(replica)
+        if len(by_id) < len(desired):
+            now = self._now()
+            replaced = set(changed)
+            for replica_id, config in desired.items():
+                if replica_id in by_id:
+                    continue
+                if replica_id not in replaced:
+                    added.append(replica_id)
+                replica = Replica(config, added_at=now)
+                self.ever_served.add(replica.model)
+                by_id[replica_id] = replica
+                self.models.setdefault(replica.model, []).append(replica)
+                self.refresh(replica)
         return SetDiff(tuple(added), tuple(removed), tuple(changed), tuple(unchanged))
 
     def set_draining(self, replica_id: str, draining: bool) -> Replica | None:
@@ -208,12 +268,17 @@ class ReplicaSet:
         if not siblings:
             del self.models[replica.model]
             del self.candidates[replica.model]
-            self._changed(replica.model)
+            self._tell(replica.model)
         if replica.in_flight:
             self.leaving.add(replica)
 
     def refresh(self, replica: Replica) -> None:
-        """Make `replica` a candidate of its model's policy if it is ready, and no longer one if not."""
+        """Make `replica` a candidate of its model's policy if it is ready, and no longer one if not.
+
+        Every change of a replica's state comes through here (added, removed,
+        drained, ejected, back): marked for the usage tick.
+        """
+        self._touched[replica] = None
         candidates = self.candidates.get(replica.model)
         if candidates is None:
             if replica.removed:
@@ -227,16 +292,27 @@ class ReplicaSet:
                 self._affinity.setdefault(replica.model, [0, 0, 0]),
             )
             candidates = self.candidates[replica.model] = POLICIES[routing.policy](self._rng, settings)
+        batch = self._batch
+        if batch is not None and candidates not in batch.held:
+            candidates.hold()
+            batch.held[candidates] = None
         serving = replica.state is ReplicaState.READY
         if serving and replica not in candidates:
             candidates.add(replica, replica.in_flight)
             # A new, readmitted or undrained replica: the model's waiters first.
-            self._changed(replica.model)
+            self._tell(replica.model)
         elif not serving:
             candidates.discard(replica)
             if not len(candidates):
                 # The model's last candidate left: its waiters wait for nothing now.
-                self._changed(replica.model)
+                self._tell(replica.model)
+
+    def _tell(self, model: str) -> None:
+        """The pool's waiters for `model` may go: now, or once the batch is whole."""
+        if self._batch is not None:
+            self._batch.changed[model] = None
+        else:
+            self._changed(model)
 
     # Views --------------------------------------------------------------------
 

@@ -134,49 +134,42 @@ def bar(busy: int, idle: int, unknown: int, ejected: int, width: int = BAR_WIDTH
 
 
 def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates: Mapping[str, float]) -> FleetStatus:
-    by_model: dict[str, list[ReplicaUsage]] = {}
-    for r in snapshot.replicas:
-        by_model.setdefault(r.model, []).append(r)
     quiet = snapshot.quiet_for()
     wanted = {model for model, d in snapshot.demand.items() if d.held > 0}
-
-    def kind_of(r: ReplicaUsage) -> str:
-        return usage_class(r, quiet.get(r.id), now, idle_for, wanted)
-
-    models = []
-    for model, replicas in sorted(by_model.items()):
-        classes = [kind_of(r) for r in replicas]
-        if "busy" in classes:
-            asked = "yes"
-        elif classes and all(c == "idle" for c in classes):
-            asked = "no"
-        else:
-            asked = "unknown"
-        models.append(
-            ModelStatus(
-                model=model,
-                ready=sum(1 for r in replicas if r.state == "ready"),
-                total=len(replicas),
-                ejected=sum(1 for r in replicas if r.state == "ejected"),
-                draining=sum(1 for r in replicas if r.state in ("draining", "drained")),
-                in_flight=sum(r.in_flight for r in replicas),
-                requests_per_second=round(rates.get(model, 0.0), 3),
-                queued=snapshot.queued.get(model, 0),
-                asked=asked,
-            )
-        )
+    # One pass over the replicas: each one's class once, counted by model and by GPU class.
+    by_model: dict[str, _ModelTally] = {}
     per_class: dict[str, dict[str, int]] = {}
     unasked = []
     for r in snapshot.replicas:
+        kind = usage_class(r, quiet.get(r.id), now, idle_for, wanted)
+        tally = by_model.get(r.model)
+        if tally is None:
+            tally = by_model[r.model] = _ModelTally()
+        tally.count(r, kind)
         gpu_class = str(r.labels.get("gpu_class", "-"))
         held = gpus_of(r)
-        kind = kind_of(r)
-        tally = per_class.setdefault(gpu_class, {"busy": 0, "idle": 0, "unknown": 0, "ejected": 0})
-        tally[kind] += held
+        counts = per_class.get(gpu_class)
+        if counts is None:
+            counts = per_class[gpu_class] = {"busy": 0, "idle": 0, "unknown": 0, "ejected": 0}
+        counts[kind] += held
         if kind == "idle":
             quiet_for = quiet.get(r.id)
             assert quiet_for is not None
             unasked.append(Unasked(r.id, r.model, gpu_class, held, round(quiet_for, 1)))
+    models = [
+        ModelStatus(
+            model=model,
+            ready=tally.ready,
+            total=tally.total,
+            ejected=tally.ejected,
+            draining=tally.draining,
+            in_flight=tally.in_flight,
+            requests_per_second=round(rates.get(model, 0.0), 3),
+            queued=snapshot.queued.get(model, 0),
+            asked=tally.asked(),
+        )
+        for model, tally in sorted(by_model.items())
+    ]
     gpus = tuple(
         GpuClassStatus(
             gpu_class=c, total=sum(t.values()), bar=bar(t["busy"], t["idle"], t["unknown"], t["ejected"]), **t
@@ -197,9 +190,41 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
                 model,
                 d.held,
                 None if d.oldest_held_since is None else round(max(0.0, now - d.oldest_held_since), 1),
-                len(by_model.get(model, ())),
+                tally.total if (tally := by_model.get(model)) is not None else 0,
             )
             for model, d in sorted(snapshot.demand.items())
             if d.held > 0
         ),
     )
+
+
+class _ModelTally:
+    """One model's replicas as the summary counts them."""
+
+    __slots__ = ("busy", "draining", "ejected", "idle", "in_flight", "ready", "total")
+
+    def __init__(self) -> None:
+        self.total = self.ready = self.ejected = self.draining = self.in_flight = self.busy = self.idle = 0
+
+    def count(self, r: ReplicaUsage, kind: str) -> None:
+        self.total += 1
+        state = r.state
+        if state == "ready":
+            self.ready += 1
+        elif state == "ejected":
+            self.ejected += 1
+        elif state in ("draining", "drained"):
+            self.draining += 1
+        self.in_flight += r.in_flight
+        if kind == "busy":
+            self.busy += 1
+        elif kind == "idle":
+            self.idle += 1
+
+    def asked(self) -> str:
+        """yes: one busy; no: every one idle; unknown: neither can be said."""
+        if self.busy:
+            return "yes"
+        if self.total and self.idle == self.total:
+            return "no"
+        return "unknown"

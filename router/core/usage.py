@@ -1,29 +1,53 @@
 """Usage snapshots, the tick that takes them, and the merge of several routers.
 
-The data path only stamps `Replica.last_used` (a monotonic time) in acquire().
-Once a tick, a `Snapshotter` turns the stamps into Unix seconds and freezes
-them with everything an exporter may want; sinks read only the snapshot.
+The data path only stamps `Replica.last_used` (a monotonic time) in acquire(),
+and marks the replica in the pool's `touched`. Once a tick, a `Snapshotter`
+turns the stamps of the replicas marked since (and of those still in flight)
+into Unix seconds and freezes them with everything an exporter may want;
+sinks read only the snapshot. A tick costs what changed since the last one,
+not what the fleet holds: each snapshot carries what changed since the one
+published before it (router.core.records), and the sinks update from that.
 
 Unknown is not idle: a replica that no request has reached since this router
 started (or since the replica was added) has `last_used is None`, and every
 function here that answers "how long quiet" returns None for it, never 0.
+The merge of several routers' maps is router.core.quiet's, named here too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol
 
 from router.core.config import LabelValue
 from router.core.picking import AFFINITY_OUTCOMES
 from router.core.pool import Pool
+from router.core.quiet import Candidate, MergedUsage, RouterReport, merge_reports, quiet_bounds
+from router.core.records import Changes, RecordBook
 from router.core.replicas import Replica, ReplicaState
+
+__all__ = [
+    "REPLICA_MAPPINGS",
+    "TALLIES_BY_MODEL",
+    "TALLIES_BY_PAIR",
+    "Candidate",
+    "Demand",
+    "MergedUsage",
+    "ReplicaUsage",
+    "RouterReport",
+    "Snapshotter",
+    "Ticker",
+    "UsageSink",
+    "UsageSnapshot",
+    "merge_reports",
+    "publish",
+]
 
 log = logging.getLogger("router.core.usage")
 
@@ -97,17 +121,49 @@ class UsageSnapshot:
     demand: Mapping[str, Demand] = field(default_factory=lambda: MappingProxyType({}))
     # Requests waiting now for a slot under the limits (max_in_flight, max_in_flight_per_replica), by model.
     queued: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # The record book behind the replicas (router.core.records): its number,
+    # this snapshot's seq in it, each record's key (beside `replicas`), and
+    # what changed since the seq the taker asked about (None: not asked, or
+    # not known). A snapshot made by hand has none: its readers compare whole.
+    book: int = 0
+    seq: int = 0
+    keys: tuple[Hashable, ...] = ()
+    changes: Changes[ReplicaUsage] | None = None
+
+    def keyed(self) -> Iterable[tuple[Hashable, ReplicaUsage]]:
+        """Every record with its key in the book; for a snapshot without one, (id, url, model).
+
+        (A second record of one (id, url, model), a replica pushed back while
+        its old self still drains, is told apart by its place among them.)
+        """
+        if self.keys:
+            return zip(self.keys, self.replicas, strict=True)
+        keyed: list[tuple[Hashable, ReplicaUsage]] = []
+        seen: dict[tuple[str, str, str], int] = {}
+        for r in self.replicas:
+            key = (r.id, r.url, r.model)
+            count = seen.get(key, 0)
+            seen[key] = count + 1
+            keyed.append((key if not count else (*key, count), r))
+        return keyed
 
     def to_json(self) -> dict[str, Any]:
         """The whole snapshot as JSON (a worker's report to its supervisor); from_json() reads it back."""
+        return {
+            **self.header_json(),
+            "replicas": [record_json(r) for r in self.replicas],
+            "keys": list(self.keys),
+        }
+
+    def header_json(self) -> dict[str, Any]:
+        """All but the records, as JSON: the router's figures that are not per replica."""
         return {
             "router": self.router,
             "started_at": self.started_at,
             "generated_at": self.generated_at,
             "tick_seconds": self.tick_seconds,
-            "replicas": [
-                {**r._asdict(), **{name: dict(getattr(r, name)) for name in REPLICA_MAPPINGS}} for r in self.replicas
-            ],
+            "book": self.book,
+            "seq": self.seq,
             **{name: [[a, b, n] for (a, b), n in getattr(self, name).items()] for name in TALLIES_BY_PAIR},
             **{name: dict(getattr(self, name)) for name in TALLIES_BY_MODEL},
             "demand": {model: list(d) for model, d in self.demand.items()},
@@ -116,31 +172,36 @@ class UsageSnapshot:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> UsageSnapshot:
+        replicas = tuple(record_from_json(r) for r in doc.get("replicas", ()))
+        keys = doc.get("keys")
         return cls(
             router=doc["router"],
             started_at=doc["started_at"],
             generated_at=doc["generated_at"],
             tick_seconds=doc["tick_seconds"],
-            replicas=tuple(
-                ReplicaUsage(**{**r, **{name: MappingProxyType(r[name]) for name in REPLICA_MAPPINGS}})
-                for r in doc["replicas"]
-            ),
+            replicas=replicas,
             fallbacks=_pairs(doc["fallbacks"]),
             hold_outcomes=_pairs(doc["hold_outcomes"]),
             hold_probes=_pairs(doc["hold_probes"]),
             affinity=_pairs(doc["affinity"]),
-            **{name: MappingProxyType(doc[name]) for name in TALLIES_BY_MODEL},
+            retries=MappingProxyType(doc["retries"]),
+            unserved=MappingProxyType(doc["unserved"]),
+            stalled=MappingProxyType(doc["stalled"]),
+            overloaded=MappingProxyType(doc["overloaded"]),
             demand=MappingProxyType({model: Demand(*d) for model, d in doc["demand"].items()}),
             queued=MappingProxyType(doc["queued"]),
+            book=doc.get("book", 0),
+            seq=doc.get("seq", 0),
+            keys=tuple(keys) if keys and len(keys) == len(replicas) else (),
         )
 
     def report(self) -> RouterReport:
         """This snapshot as one router's report to the merge (what GET /api/v1/usage says)."""
-        doc = self.usage_document()
+        last_used, watching, _ = self.maps()
         return RouterReport(
             server=self.router,
-            last_used=cast(dict[str, float], doc["last_used"]),
-            watching_since=cast(dict[str, float], doc["watching_since"]),
+            last_used=last_used,
+            watching_since=watching,
             generated_at=self.generated_at,
             held={model: d.held for model, d in self.demand.items()},
         )
@@ -148,24 +209,38 @@ class UsageSnapshot:
     def quiet_for(self) -> Mapping[str, float | None]:
         """Per replica, how long it has provably been quiet as of this snapshot.
 
-        The merge of `router ctl idle` over this one router: every view of
-        idleness (status, replicas, /metrics) reads this, so none can say
-        otherwise. No request reached the replica after
-        max(last_used, watching_since), whether or not it ever had a stamp.
+        The merge of `router ctl idle` over this one router (quiet_bounds(),
+        checked against merge_reports() by a test): every view of idleness
+        (status, replicas, /metrics) reads this, so none can say otherwise.
+        No request reached the replica after max(last_used, watching_since),
+        whether or not it ever had a stamp.
         """
-        return merge_reports([self.report()], now=self.generated_at, idle_for=math.inf).quiet_for
+        last_used, watching, _ = self.maps()
+        bounds: dict[str, float | None] = dict(quiet_bounds(last_used, watching, self.generated_at))
+        return MappingProxyType(bounds)
+
+    def maps(self) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
+        """Per replica id: the last use, the watch, and the model (the usage map's three maps).
+
+        A replica id being replaced (URL or model changed) may appear twice
+        while the old one drains: the newest stamp and the later watch win,
+        and the model is the one watched since then.
+        """
+        last_used: dict[str, float] = {}
+        watching: dict[str, float] = {}
+        models: dict[str, str] = {}
+        for r in self.replicas:
+            rid = r.id
+            if r.last_used is not None and r.last_used > last_used.get(rid, -1.0):
+                last_used[rid] = r.last_used
+            if rid not in watching or r.watching_since > watching[rid]:
+                watching[rid] = r.watching_since
+                models[rid] = r.model
+        return last_used, watching, models
 
     def usage_document(self) -> dict[str, object]:
         """The body of GET /api/v1/usage and of the usage push."""
-        last_used: dict[str, float] = {}
-        watching: dict[str, float] = {}
-        for r in self.replicas:
-            # A replica id being replaced (URL changed) may appear twice while
-            # the old one drains: the newest stamp and the later watch win.
-            if r.last_used is not None and r.last_used > last_used.get(r.id, -1.0):
-                last_used[r.id] = r.last_used
-            if r.id not in watching or r.watching_since > watching[r.id]:
-                watching[r.id] = r.watching_since
+        last_used, watching, models = self.maps()
         return {
             "router": self.router,
             "started_at": self.started_at,
@@ -173,11 +248,25 @@ class UsageSnapshot:
             "tick_seconds": self.tick_seconds,
             "last_used": last_used,
             "watching_since": watching,
-            "demand": {
-                model: {"held": d.held, "oldest_held_since": d.oldest_held_since, "last_asked": d.last_asked}
-                for model, d in self.demand.items()
-            },
+            "model": models,
+            "demand": demand_json(self.demand),
         }
+
+
+def demand_json(demand: Mapping[str, Demand]) -> dict[str, dict[str, float | int | None]]:
+    return {
+        model: {"held": d.held, "oldest_held_since": d.oldest_held_since, "last_asked": d.last_asked}
+        for model, d in demand.items()
+    }
+
+
+def record_json(r: ReplicaUsage) -> dict[str, Any]:
+    """One record as JSON, its mappings as objects."""
+    return {**r._asdict(), **{name: dict(getattr(r, name)) for name in REPLICA_MAPPINGS}}
+
+
+def record_from_json(doc: Mapping[str, Any]) -> ReplicaUsage:
+    return ReplicaUsage(**{**doc, **{name: MappingProxyType(doc[name]) for name in REPLICA_MAPPINGS}})
 
 
 class Snapshotter:
@@ -187,11 +276,13 @@ class Snapshotter:
     moved to this tick: a 20-minute generation never looks 20 minutes idle,
     and the stamp stays there after the request ends.
 
-    A replica that nothing has touched since the last snapshot keeps its
-    frozen record, so that a tick over a mostly quiet fleet of thousands
-    costs a tuple comparison per replica. Every change that matters moves
-    `requests` or `in_flight` (counters change only between acquire() and
-    release()) or one of the state fields in the key.
+    Only the replicas the pool marked since the last snapshot (its
+    `touched`: every acquire, every change of state or labels) and those in
+    flight at the last one are looked at; every other replica keeps its
+    frozen record. Counters change only between acquire() and release(), so
+    a replica whose counters moved was either acquired since the last look
+    or in flight at it. The records live in a RecordBook, which tells what
+    changed since any earlier snapshot.
     """
 
     def __init__(self, pool: Pool, *, router: str, started_at: float, tick_seconds: float) -> None:
@@ -199,70 +290,99 @@ class Snapshotter:
         self.router = router
         self.started_at = started_at
         self.tick_seconds = tick_seconds
-        self._frozen: dict[Replica, tuple[tuple[object, ...], ReplicaUsage]] = {}
+        self.book: RecordBook[ReplicaUsage] = RecordBook()
+        # Each replica's key in the book (a replica replaced under the same id is
+        # another) and its watch in Unix seconds, converted once: a record that
+        # changes keeps it to the microsecond.
+        self._keys: dict[Replica, tuple[int, float]] = {}
+        self._new_key = itertools.count().__next__
+        # In flight at the last look: looked at again at the next.
+        self._busy: dict[Replica, None] = {}
+        # How many replicas the last snapshot looked at (what a tick costs).
+        self.looked_at = 0
         # Monotonic time of the previous snapshot: demand asked since then is shown.
         self._previous = float("-inf")
 
-    def take(self, *, wall: float, mono: float) -> UsageSnapshot:
+    def take(self, *, wall: float, mono: float, since: int | None = None) -> UsageSnapshot:
+        """A snapshot now; with `since` (an earlier snapshot's seq), it carries what changed after that one."""
         offset = wall - mono
         started_at = self.started_at
-        previous = self._frozen
-        frozen: dict[Replica, tuple[tuple[object, ...], ReplicaUsage]] = {}
-        replicas: list[ReplicaUsage] = []
-        append = replicas.append
-        get = previous.get
+        book = self.book
+        book.advance()
+        put = book.put
+        keys = self._keys
+        touched = self.pool.touched
+        # Those in flight at the last look may have changed without a mark (a release).
+        touched.update(self._busy)
+        busy: dict[Replica, None] = {}
         build = tuple.__new__
         draining, drained = ReplicaState.DRAINING.value, ReplicaState.DRAINED.value
         ejected, ready = ReplicaState.EJECTED.value, ReplicaState.READY.value
-        for r in self.pool:
+        for r in touched:
             in_flight = r.in_flight
+            if r.removed and not in_flight:
+                # Gone from the pool (removed, its last request ended): gone from the map.
+                known = keys.pop(r, None)
+                if known is not None:
+                    book.remove(known[0])
+                continue
+            known = keys.get(r)
+            if known is None:
+                watching = r.added_at + offset
+                known = keys[r] = (self._new_key(), watching if watching > started_at else started_at)
             if in_flight > 0:
                 r.last_used = mono
+                busy[r] = None
             last_used = r.last_used
             ejected_until = r.ejected_until
-            key = (
-                r.requests,
-                in_flight,
-                last_used,
-                ejected_until,
-                r.draining,
-                r.removed,
-                r.config,
-                r.recoveries,
-                r.connects_failed,
-            )
-            known = get(r)
-            if known is not None and known[0] == key:
-                usage = known[1]
+            # Replica.state, inlined: this loop runs over every replica that changed.
+            if r.draining or r.removed:
+                state = draining if in_flight else drained
             else:
-                # Replica.state, inlined: this loop runs over every replica.
-                if r.draining or r.removed:
-                    state = draining if in_flight else drained
-                else:
-                    state = ready if ejected_until is None else ejected
-                watching = r.added_at + offset
-                usage = build(
-                    ReplicaUsage,
-                    (
-                        r.id,
-                        r.model,
-                        r.base_url,
-                        state,
-                        in_flight,
-                        r.requests,
-                        None if last_used is None else last_used + offset,
-                        watching if watching > started_at else started_at,
-                        r.config.labels,
-                        MappingProxyType(r.responses.copy()) if r.responses else _EMPTY,
-                        MappingProxyType(r.errors.copy()) if r.errors else _EMPTY,
-                        r.ejections,
-                        r.recoveries,
-                        r.connects_failed,
-                    ),
-                )
-            frozen[r] = (key, usage)
-            append(usage)
-        self._frozen = frozen
+                state = ready if ejected_until is None else ejected
+            usage = build(
+                ReplicaUsage,
+                (
+                    r.id,
+                    r.model,
+                    r.base_url,
+                    state,
+                    in_flight,
+                    r.requests,
+                    None if last_used is None else last_used + offset,
+                    known[1],
+                    r.config.labels,
+                    MappingProxyType(r.responses.copy()) if r.responses else _EMPTY,
+                    MappingProxyType(r.errors.copy()) if r.errors else _EMPTY,
+                    r.ejections,
+                    r.recoveries,
+                    r.connects_failed,
+                ),
+            )
+            put(known[0], usage)
+        self.looked_at = len(touched)
+        touched.clear()
+        self._busy = busy
+        records = book.records
+        return self._snapshot(
+            wall,
+            offset,
+            mono,
+            replicas=tuple(records.values()),
+            keys=tuple(records.keys()),
+            changes=book.changes_since(since) if since is not None else None,
+        )
+
+    def _snapshot(
+        self,
+        wall: float,
+        offset: float,
+        mono: float,
+        *,
+        replicas: tuple[ReplicaUsage, ...],
+        keys: tuple[Hashable, ...],
+        changes: Changes[ReplicaUsage] | None,
+    ) -> UsageSnapshot:
         pool = self.pool
         tallies = pool.tallies
         demand: dict[str, Demand] = {}
@@ -281,10 +401,10 @@ class Snapshotter:
         self._previous = mono
         return UsageSnapshot(
             router=self.router,
-            started_at=started_at,
+            started_at=self.started_at,
             generated_at=wall,
             tick_seconds=self.tick_seconds,
-            replicas=tuple(replicas),
+            replicas=replicas,
             retries=MappingProxyType(dict(tallies.retries)),
             fallbacks=MappingProxyType(dict(tallies.fallbacks)),
             unserved=MappingProxyType(dict(tallies.unserved)),
@@ -302,6 +422,10 @@ class Snapshotter:
             ),
             demand=MappingProxyType(demand),
             queued=MappingProxyType(pool.queued()),
+            book=self.book.number,
+            seq=self.book.seq,
+            keys=keys,
+            changes=changes,
         )
 
 
@@ -354,14 +478,17 @@ class Ticker:
         self.ticks = 0
         self.last_tick_seconds = 0.0
         self.latest: UsageSnapshot | None = None
-        self._snapshotter = Snapshotter(pool, router=router, started_at=started_at, tick_seconds=tick_seconds)
+        self.snapshotter = Snapshotter(pool, router=router, started_at=started_at, tick_seconds=tick_seconds)
 
-    def snapshot(self) -> UsageSnapshot:
-        return self._snapshotter.take(wall=self._wall(), mono=self._mono())
+    def snapshot(self, since: int | None = None) -> UsageSnapshot:
+        """A snapshot now (for a view that answers at once); `since`: see Snapshotter.take()."""
+        return self.snapshotter.take(wall=self._wall(), mono=self._mono(), since=since)
 
     def tick(self) -> UsageSnapshot:
         began = time.perf_counter()
-        snapshot = self.snapshot()
+        # What changed since the last published snapshot: the sinks saw that one.
+        latest = self.latest
+        snapshot = self.snapshot(since=latest.seq if latest is not None else None)
         self.latest = snapshot
         publish(self.sinks, snapshot, self.sink_failures)
         self.ticks += 1
@@ -384,101 +511,3 @@ class Ticker:
                 self.tick()
             except Exception:
                 log.exception("usage tick failed")
-
-
-# The merge of several routers' maps (router ctl idle) --------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RouterReport:
-    """What one router said in GET /api/v1/usage, or None if it did not answer."""
-
-    server: str
-    last_used: Mapping[str, float]
-    watching_since: Mapping[str, float]
-    generated_at: float
-    # Requests held now per model (a model with any is wanted: none of its replicas is idle).
-    held: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    id: str
-    model: str | None
-    quiet_for_seconds: float
-    last_used: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class MergedUsage:
-    complete: bool
-    candidates: tuple[Candidate, ...]
-    unknown: tuple[str, ...]
-    # Per replica: the proven quiet time, None where it cannot be proven.
-    quiet_for: Mapping[str, float | None]
-    last_used: Mapping[str, float | None]
-
-
-def merge_reports(
-    reports: Iterable[RouterReport | None],
-    *,
-    now: float,
-    idle_for: float,
-    models: Mapping[str, str] | None = None,
-) -> MergedUsage:
-    """Merge several routers' usage maps into a proven lower bound of quiet time.
-
-    Router i says that no request reached replica r between
-    max(last_used_i[r], watching_since_i[r]) and its snapshot's generated_at;
-    after that it says nothing. So r has been quiet for at least the oldest
-    snapshot's time minus the latest of those horizons (a tick less than
-    `now - horizon` at worst: what arrived since a snapshot is not known).
-    A replica that some router does not watch, or any router that did not
-    answer (None), makes the bound unprovable: unknown.
-    """
-    answered: list[RouterReport] = []
-    complete = True
-    for report in reports:
-        if report is None:
-            complete = False
-        else:
-            answered.append(report)
-    ids = sorted({rid for rep in answered for rid in (*rep.watching_since, *rep.last_used)})
-    as_of = min([now, *(rep.generated_at for rep in answered)])
-    quiet_for: dict[str, float | None] = {}
-    newest: dict[str, float | None] = {}
-    for rid in ids:
-        stamps = [rep.last_used[rid] for rep in answered if rid in rep.last_used]
-        newest[rid] = max(stamps) if stamps else None
-        bound: float | None = None
-        if complete and answered:
-            horizons: list[float] = []
-            for rep in answered:
-                watching = rep.watching_since.get(rid)
-                if watching is None:
-                    horizons = []
-                    break
-                horizons.append(max(watching, rep.last_used.get(rid, watching)))
-            if horizons:
-                bound = max(0.0, as_of - max(horizons))
-        quiet_for[rid] = bound
-    # A model some router holds requests for is wanted now, however quiet its replicas look.
-    wanted = {model for rep in answered for model, held in rep.held.items() if held > 0}
-    candidates = tuple(
-        Candidate(
-            id=rid,
-            model=(models or {}).get(rid),
-            quiet_for_seconds=q,
-            last_used=newest[rid],
-        )
-        for rid in ids
-        if (q := quiet_for[rid]) is not None and q >= idle_for and (models or {}).get(rid) not in wanted
-    )
-    unknown = tuple(rid for rid in ids if quiet_for[rid] is None)
-    return MergedUsage(
-        complete=complete,
-        candidates=candidates if complete else (),
-        unknown=unknown,
-        quiet_for=MappingProxyType(quiet_for),
-        last_used=MappingProxyType(newest),
-    )

@@ -15,8 +15,8 @@ import orjson
 from router.core.errors import BadRequest
 
 
-def parse_request(body: bytes) -> tuple[dict[str, Any], str, bool]:
-    """The body as a JSON object, its model name, and whether it asks for a stream."""
+def parse_request(body: bytes) -> tuple[dict[str, Any], str | None, bool]:
+    """The body as a JSON object, its model name (None: it names none), and whether it asks for a stream."""
     if not body:
         raise BadRequest("The request body is empty; expected a JSON object.")
     try:
@@ -27,18 +27,22 @@ def parse_request(body: bytes) -> tuple[dict[str, Any], str, bool]:
         raise BadRequest("The request body must be a JSON object.")
     model = obj.get("model")
     if not isinstance(model, str) or not model:
+        # Absent or null: the request names no model (vLLM's /tokenize takes such a body), and the
+        # gateway picks one; any other value names none the router could ever find.
+        if model is None:
+            return obj, None, obj.get("stream") is True
         raise BadRequest("The request must name a model: 'model' must be a non-empty string.", param="model")
     return obj, model, obj.get("stream") is True
 
 
-def parse_form(body: bytes, content_type: bytes | None) -> tuple[dict[str, Any], str, bool]:
-    """Multipart form data: the `model` field (and `stream`), found without copying the file parts."""
+def parse_form(body: bytes, content_type: bytes | None) -> tuple[dict[str, Any], str | None, bool]:
+    """Multipart form data: the `model` field (None: there is none) and `stream`, the file parts never copied."""
     boundary = _boundary(content_type)
     if boundary is None:
         raise BadRequest("The request body looks like multipart form data, but its Content-Type has no boundary.")
     model = form_field(body, boundary, b"model")
-    if model is None or not model.strip():
-        raise BadRequest("The request must name a model: the form field 'model' is missing or empty.", param="model")
+    if model is not None and not model.strip():
+        raise BadRequest("The request must name a model: the form field 'model' is empty.", param="model")
     stream = form_field(body, boundary, b"stream")
     obj: dict[str, Any] = {"model": model, _FORM: boundary}
     return obj, model, stream is not None and stream.strip().lower() == "true"

@@ -6,8 +6,9 @@ from typing import Any
 
 import orjson
 
+from router.core.cards import Cards
 from router.core.config import Config
-from router.core.errors import ClientFacingError, ModelNotFound, quoted
+from router.core.errors import BadRequest, ClientFacingError, ModelNotFound, quoted
 from router.core.pool import Pool
 from router.gateway.answers import JSON, error_response
 from router.gateway.keys import ApiKeys
@@ -21,11 +22,27 @@ class Routes:
         self.aliases: dict[str, str] = {}
         self.fallbacks: dict[str, tuple[str, ...]] = {}
         self.declared: set[str] = set()
+        # Where a request that names no model goes; None: the only model served, if there is one.
+        self.default_model = config.default_model or None
         for name, model in config.models.items():
             self.declared.add(name)
             self.fallbacks[name] = model.fallbacks
             for alias in model.aliases:
                 self.aliases[alias] = name
+
+    def unnamed(self, pool: Pool) -> str:
+        """The name a request that names no model is served under: default_model, else the
+        only model served; a 400 naming the models served when there is no telling."""
+        if self.default_model is not None:
+            return self.default_model
+        served = pool.models()
+        if len(served) == 1:
+            return served[0]
+        names = ", ".join(quoted(name) for name in sorted(served)) or "none"
+        raise BadRequest(
+            f"The request names no model and no default_model is set; name one of the models served: {names}.",
+            param="model",
+        )
 
 
 class Catalog:
@@ -36,6 +53,8 @@ class Catalog:
         self.routes = routes
         self.keys = keys
         self.created = created
+        # What the replicas' own /v1/models say of each model (read by router.control.cards).
+        self.cards = Cards()
 
     def models(self, request: Request) -> Reply:
         try:
@@ -61,4 +80,12 @@ class Catalog:
         return names
 
     def _doc(self, name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "router"}
+        doc: dict[str, Any] = {"id": name, "object": "model", "created": self.created, "owned_by": "router"}
+        target = self.routes.aliases.get(name)
+        card = self.cards.get(name if target is None else target)
+        if card is not None:
+            doc.update(card.fields())
+        if target is not None:
+            # An alias's card says what it resolves to, as vLLM's card of a LoRA adapter names its base.
+            doc["parent"] = target
+        return doc

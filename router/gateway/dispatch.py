@@ -13,10 +13,12 @@ import asyncio
 import time
 
 from router.core.config import Config
+from router.core.engines import ANTHROPIC_PATHS
 from router.core.errors import ClientFacingError, ModelNotFound, quoted
 from router.core.pool import Pool
 from router.gateway.access_log import AccessLog, Entry, current_entry
 from router.gateway.answers import JSON, error_body, error_response
+from router.gateway.anthropic import AnthropicWriter, reshaped
 from router.gateway.bodies import parse_form, parse_request
 from router.gateway.catalog import Catalog, Routes
 from router.gateway.chain import Chain
@@ -25,6 +27,7 @@ from router.gateway.hold import Holding
 from router.gateway.keys import ApiKeys
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.responses import ResponsesMemory
+from router.gateway.tunnel import Tunnels, asks_websocket
 from router.gateway.wake import Waker
 from router.http.client import Client
 from router.http.headers import REQUEST_ID, HeaderFilter
@@ -67,6 +70,9 @@ class Proxy:
         # Headers never passed to a replica as the client sent them: its key,
         # and X-Request-Id, which the router sets (the client's, checked, or its own).
         self._forwarded = HeaderFilter(keys.drop | REQUEST_ID)
+        # The GET paths whose WebSocket upgrades are routed by the query's model (config upgrade_paths).
+        self.upgrades = frozenset(config.upgrade_paths)
+        self.tunnels = Tunnels(config, pool, routes, keys, self._forwarded)
         self.access_log: AccessLog | None = None
 
     @property
@@ -87,7 +93,9 @@ class Proxy:
         elif path.startswith("/v1/responses/"):
             await self.stored_response(request, writer)
         elif method == "GET" or method == "HEAD":  # noqa: PLR1714 (two compares beat a tuple here)
-            if path == "/v1/models":
+            if path in self.upgrades and method == "GET":
+                await self.tunnels.serve(request, writer)
+            elif path == "/v1/models":
                 writer.answer(self.catalog.models(request))
             elif path.startswith("/v1/models/"):
                 writer.answer(self.catalog.model_info(request, path[len("/v1/models/") :]))
@@ -95,6 +103,10 @@ class Proxy:
                 writer.answer(self.not_found(request))
         else:
             writer.answer(self.not_found(request))
+
+    def may_switch(self, request: Request) -> bool:
+        """The server's upgrade check: a WebSocket upgrade on a path of upgrade_paths."""
+        return request.path in self.upgrades and asks_websocket(request)
 
     def refuse_keyless_body(self, request: Request) -> Reply | None:
         """The client port's head check while api_keys is set: a request that announces a body
@@ -104,6 +116,9 @@ class Proxy:
         The server answers it in its turn and closes; its access-log line is written here.
         """
         reply = self.keys.refusal(request)
+        if reply is not None and request.path in ANTHROPIC_PATHS:
+            body = reshaped(reply.body, reply.status)
+            reply = Reply(reply.status, body or reply.body, reply.headers)
         if reply is not None and self.access_log is not None:
             entry = Entry(request.request_id.decode("ascii"), request.peer, request.method, request.path, 0)
             entry.status = reply.status
@@ -137,6 +152,8 @@ class Proxy:
 
     async def inference(self, request: Request, writer: Writer) -> None:
         started = time.perf_counter()
+        if request.path in ANTHROPIC_PATHS:
+            writer = AnthropicWriter(writer)
         try:
             if self.keys.active:
                 self.keys.check(request)
@@ -146,6 +163,8 @@ class Proxy:
                 obj, requested, stream = parse_form(body, request.header(b"content-type"))
             else:
                 obj, requested, stream = parse_request(body)
+            if requested is None:
+                requested = self.routes.unnamed(self.pool)
             if (entry := current_entry.get()) is not None:
                 entry.model = requested
             routes = self.routes

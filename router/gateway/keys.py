@@ -15,14 +15,18 @@ class ApiKeys:
     def __init__(self, keys: tuple[str, ...]) -> None:
         self._keys = tuple(key.encode() for key in keys)
         self.active = bool(self._keys)
-        # The router consumes the client's key; the replicas never see it.
-        self.drop = frozenset({b"authorization"}) if self._keys else frozenset()
+        # The router consumes the client's key; the replicas never see it. Anthropic's
+        # clients send theirs as X-Api-Key.
+        self.drop = frozenset({b"authorization", b"x-api-key"}) if self._keys else frozenset()
 
     def check(self, request: Request) -> None:
         if not self._keys:
             return
         header = (request.header(b"authorization") or b"").decode("latin-1")
         scheme, _, given = header.partition(" ")
+        if not header and (api_key := request.header(b"x-api-key")):
+            # The Anthropic SDK's own header (its auth_token is sent as Bearer).
+            scheme, given = "bearer", api_key.decode("latin-1")
         if scheme.lower() == "bearer" and given:
             candidate = given.strip().encode("latin-1")
             # Compare with every key, in constant time, so timing tells nothing.
@@ -31,7 +35,7 @@ class ApiKeys:
                 matched |= hmac.compare_digest(candidate, key)
             if matched:
                 return
-        raise Unauthorized("Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.")
+        raise Unauthorized("Incorrect or missing API key. Send it as 'Authorization: Bearer <key>' (or 'X-Api-Key').")
 
     def refusal(self, request: Request) -> Reply | None:
         """check() as the client port's head check: the 401 to answer, or None."""

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from router.http.messages import Reply, Request
+from router.http.pipe import Pipe
 
 
 class WriteStalled(ConnectionResetError):
@@ -64,6 +65,10 @@ class Writer(Protocol):
     async def drain(self) -> None:
         """Wait until the client took enough; WriteStalled when it takes nothing for too long."""
 
+    def switch(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> Pipe | None:
+        """Answer `status` (101) and hand the connection's bytes over, both ways: the Pipe; None when this
+        request's connection cannot switch (the server's UpgradeCheck did not pass it), and nothing is written."""
+
 
 Handler = Callable[[Request, Writer], Awaitable[None]]
 
@@ -71,3 +76,8 @@ Handler = Callable[[Request, Writer], Awaitable[None]]
 # (the app's API keys): a Reply refuses it. Called only for a head that announces
 # a body, with the Request as it will be (its id and target) but no body yet.
 HeadCheck = Callable[[Request], "Reply | None"]
+
+# Whether a request that asks to switch protocols (an Upgrade, without a body) may be
+# switched by its handler (Writer.switch): then nothing after its head is read as HTTP,
+# and its connection ends with it. Called with the Request as it will be, no body.
+UpgradeCheck = Callable[[Request], bool]

@@ -9,6 +9,7 @@ once, the client port stops accepting, requests in flight get up to
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -20,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from router.control.admin import Admin
+from router.control.cards import CardReader
 from router.control.fleet import LocalFleet
 from router.control.health import HealthChecker
 from router.control.sinks import Sinks, build_sinks
@@ -37,6 +39,7 @@ from router.core.clock import Clock, LoopClock
 from router.core.config import Config
 from router.core.ejection import EjectionPolicy
 from router.core.errors import CannotListen
+from router.core.merging import report_json
 from router.core.picking import Routing
 from router.core.pool import Limits, Pool
 from router.core.tallies import WORKER_UNSERVED_NAMES
@@ -124,6 +127,7 @@ class RouterServer(Listening):
         self._tasks: list[asyncio.Task[None]] = []
         self._client_listener: asyncio.Server | None = None
         self.health: HealthChecker | None = None
+        self.cards: CardReader | None = None
         self.client_address: tuple[str, int] | None = None
         self.admin_address: tuple[str, int] | None = None
 
@@ -194,12 +198,20 @@ class RouterServer(Listening):
             captured=[m.session_header.encode() for m in config.models.values() if m.routing == "session"],
             # Keys are checked from the head when a body follows: nothing of it is read without one.
             head_check=proxy.refuse_keyless_body if proxy.keys.active else None,
+            # WebSocket upgrades on upgrade_paths may switch their connection (router/gateway/tunnel.py).
+            upgrade_check=proxy.may_switch if proxy.upgrades else None,
             error=server_error,
             log_exception=log.exception,
         )
         self.registry.register(ProtocolErrorCollector(client.protocol_errors, self.upstream.protocol_errors))
 
-        self.fleet = fleet = LocalFleet(self.pool, self.registry, ticker.snapshot)
+        self.fleet = fleet = LocalFleet(
+            self.pool,
+            self.registry,
+            ticker.snapshot,
+            # A worker's series are its supervisor's to export.
+            exposition=sinks.exposition if worker_socket is None else bytes,
+        )
         admin = Admin(
             fleet,
             sinks.latest,
@@ -261,6 +273,10 @@ class RouterServer(Listening):
         if worker_socket is None:
             self._tasks.append(loop.create_task(ticker.run()))
             self._tasks += [loop.create_task(source.run(fleet)) for source in self.sources]
+        if config.model_cards:
+            # Each replica's /v1/models when it joins or comes back: the catalog's model cards.
+            self.cards = CardReader(self.pool, session, self.proxy.catalog.cards)
+            self._tasks.append(loop.create_task(self.cards.run()))
         if config.health_check_interval_seconds > 0:
             self.health = HealthChecker(
                 self.pool,
@@ -309,8 +325,12 @@ class RouterServer(Listening):
         await self.upstream.close()
 
     async def _snapshot_json(self, request: web.Request) -> web.Response:
+        """The supervisor's collection: what changed since its last report taken (`?since=BOOK.SEQ`), else all."""
         assert self.ticker is not None
-        body = orjson.dumps(self.ticker.snapshot().to_json())
+        book, _, seq = request.query.get("since", "").partition(".")
+        own = self.ticker.snapshotter.book.number
+        since = int(seq) if seq.isdigit() and book == str(own) else None
+        body = orjson.dumps(report_json(self.ticker.snapshot(since=since)))
         return web.Response(body=body, content_type="application/json")
 
     async def _metrics_json(self, request: web.Request) -> web.Response:
@@ -334,6 +354,20 @@ class RouterServer(Listening):
     @property
     def latest(self) -> LatestSink:
         return self.sinks.latest
+
+
+def freeze_start_up() -> None:
+    """Keep the cyclic collector off what start-up made and what lives as long as the process.
+
+    A router of thousands of replicas holds hundreds of thousands of objects
+    (configs, replicas, their records); each full collection would walk them
+    all, at a rate set by the garbage the data path makes. Frozen, they are
+    never walked again; what is freed later is freed by its reference count.
+    Called by the processes' entry points, not by RouterServer: a test process
+    that runs many routers must keep collecting what each leaves behind.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _bound(runner: web.AppRunner) -> tuple[str, int]:
@@ -394,6 +428,7 @@ async def serve(
     """Run until SIGTERM or SIGINT, then shut down gracefully; SIGHUP reloads the replicas."""
     server = RouterServer(config, config_path=config_path)
     await server.start()
+    freeze_start_up()
     await run_until_signalled(
         server,
         stop_server=server.stop,

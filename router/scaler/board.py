@@ -65,6 +65,8 @@ class Board:
         # model -> router -> its newest call: a router calling again replaces its call.
         self._wakes: dict[str, dict[str, Wake]] = {}
         self._wake_count = 0
+        # Wake calls received per model, ever: a stream pushes true again after each (service.py).
+        self._calls: dict[str, int] = {}
         # "namespace/name" -> its last answer.
         self.told: dict[str, Told] = {}
         self._changed = asyncio.Event()
@@ -93,8 +95,14 @@ class Board:
             self._wake_count += 1
         self._wakes[model] = calls
         calls[router] = Wake(router, since, self._clock() + WAKE_SECONDS)
+        if model in self._calls or len(self._calls) < self._max_wakes:
+            self._calls[model] = self._calls.get(model, 0) + 1
         self._notify()
         return True
+
+    def wake_calls(self, model: str) -> int:
+        """Wake calls received for `model` so far."""
+        return self._calls.get(model, 0)
 
     def woken(self, model: str) -> bool:
         now = self._clock()

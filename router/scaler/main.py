@@ -16,8 +16,10 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import aiohttp
+import grpc
 from aiohttp import web
 from grpc import aio
 from prometheus_client import CollectorRegistry
@@ -35,6 +37,19 @@ log = logging.getLogger("router.scaler")
 # Streams end at once on stop (the board closes them); unary calls in flight get this long.
 STOP_GRACE_SECONDS = 2.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def server_credentials(settings: ScalerSettings) -> grpc.ServerCredentials | None:
+    """TLS for KEDA's calls, as its external_scaler.go dials them: enableTLS or caCert (the scaler's
+    certificate is checked), tlsClientCert and tlsClientKey (KEDA's is sent; required with tls_client_ca)."""
+    if not settings.tls_cert:
+        return None
+    chain = Path(settings.tls_cert).read_bytes()
+    key = Path(settings.tls_key).read_bytes()
+    client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
 
 
 class Scaler:
@@ -69,7 +84,11 @@ class Scaler:
             server = aio.server()
             add_ExternalScalerServicer_to_server(ExternalScaler(self.board), server)
             try:
-                port = server.add_insecure_port(str(settings.listen))
+                credentials = server_credentials(settings)
+                if credentials is None:
+                    port = server.add_insecure_port(str(settings.listen))
+                else:
+                    port = server.add_secure_port(str(settings.listen), credentials)
             except RuntimeError as exc:
                 # grpcio says only "Failed to bind"; the address is what the operator needs.
                 raise OSError(f"{settings.listen} (gRPC): {exc}") from exc
@@ -144,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--poll-seconds", metavar="S", help=HELP["poll_seconds"] + " (default 1)")
     parser.add_argument("--timeout-seconds", metavar="S", help=HELP["timeout_seconds"] + " (default 2)")
     parser.add_argument("--token", help="the routers' admin token (default: the file's, else $ROUTER_ADMIN_TOKEN)")
+    parser.add_argument("--tls-cert", metavar="PEM", help=HELP["tls_cert"])
+    parser.add_argument("--tls-key", metavar="PEM", help=HELP["tls_key"])
+    parser.add_argument("--tls-client-ca", metavar="PEM", help=HELP["tls_client_ca"])
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -159,6 +181,9 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str] | None = 
         "poll_seconds": args.poll_seconds,
         "timeout_seconds": args.timeout_seconds,
         "token": args.token,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_client_ca": args.tls_client_ca,
     }
     flags: dict[str, object] = {key: value for key, value in given.items() if value is not None}
     for key in ("poll_seconds", "timeout_seconds"):

@@ -75,15 +75,26 @@ class ExternalScaler(ExternalScalerServicer):
     async def StreamIsActive(
         self, request: ScaledObjectRef, context: aio.ServicerContext[object, object]
     ) -> AsyncIterator[IsActiveResponse]:
-        """The value now, then each change: after every round and every wake call the model is decided again."""
+        """The value now, then each change: after every round and every wake call the model is decided again.
+
+        KEDA drops a pushed true that it cannot act on yet ("will retry on next
+        activation"), so a true is pushed again after every wake call for the
+        model while it is active, not only when the answer changes: a lost
+        activation waits for the next wake (each router calls once per
+        wake_cooldown_seconds while it holds requests), not for the next poll.
+        The calls between two pushes make one push (the board's changes are
+        coalesced). A pushed false KEDA does not act on: scale-in is its polling's.
+        """
         query = await _query(request, context)
         name = f"{request.namespace}/{request.name}"
         sent: bool | None = None
+        wakes = self.board.wake_calls(query.model)
         self.board.streams += 1
         try:
             async for _ in self.board.changes():
                 active = self._tell(name, query)
-                if active != sent:
+                calls, wakes = wakes, self.board.wake_calls(query.model)
+                if active != sent or (active and calls != wakes):
                     yield IsActiveResponse(result=active)
                     sent = active
         finally:
@@ -114,7 +125,8 @@ class ExternalScaler(ExternalScalerServicer):
         return GetMetricsResponse(
             metricValues=[
                 MetricValue(
-                    # KEDA asks by the name it was given (perhaps prefixed); answer under the same.
+                    # KEDA strips its own `sX-` prefix before it calls (external_scaler.go,
+                    # RemoveIndexFromMetricName): the name asked is the one GetMetricSpec gave.
                     metricName=request.metricName or metric_name(query.model),
                     metricValue=value,
                     metricValueFloat=float(value),

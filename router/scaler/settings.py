@@ -8,6 +8,9 @@
     poll_seconds = 1
     timeout_seconds = 2
     token = ""
+    tls_cert = ""        # optional: serve KEDA's gRPC over TLS with this PEM certificate chain ...
+    tls_key = ""         # ... and its PEM private key
+    tls_client_ca = ""   # optional: require KEDA's client certificate (its tlsClientCert), signed by this CA
 
 The table may sit in a router's own config file (`router serve` skips it).
 A mistake is one line naming the source, the key and the problem, as the
@@ -50,6 +53,11 @@ class ScalerSettings:
     timeout_seconds: float = 2.0
     # The routers' admin token: sent on every poll, required on POST /wake.
     token: str = ""
+    # gRPC over TLS (KEDA's enableTLS / caCert): PEM files; "" each: plain gRPC.
+    tls_cert: str = ""
+    tls_key: str = ""
+    # KEDA's client certificates (tlsClientCert, tlsClientKey): required, and checked against this CA.
+    tls_client_ca: str = ""
 
 
 # Each key: its help line (README's [scaler] block holds the same), and its parser.
@@ -61,6 +69,9 @@ HELP = {
     "poll_seconds": "a round over every router this often, and at once on a wake call",
     "timeout_seconds": "a router that does not answer within this makes the round incomplete",
     "token": "or env ROUTER_ADMIN_TOKEN: the routers' admin token, also required on POST /wake",
+    "tls_cert": "optional: serve KEDA's gRPC over TLS with this PEM certificate chain ...",
+    "tls_key": "... and its PEM private key",
+    "tls_client_ca": "optional: require KEDA's client certificate (its tlsClientCert), signed by this CA",
 }
 
 
@@ -126,6 +137,9 @@ _PARSERS: dict[str, Callable[[Where, str, object], object]] = {
     "poll_seconds": lambda w, k, v: _seconds(w, k, v, 0.05),
     "timeout_seconds": lambda w, k, v: _seconds(w, k, v, 0.05),
     "token": _token,
+    "tls_cert": _token,
+    "tls_key": _token,
+    "tls_client_ca": _token,
 }
 
 
@@ -171,6 +185,14 @@ def finish(settings: ScalerSettings, source: str, environ: Mapping[str, str] | N
         )
     if settings.listen == settings.http_listen and settings.listen.port != 0:
         raise ConfigError(f"{source}: http_listen: must differ from listen ({settings.listen})")
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        raise ConfigError(f"{source}: tls_key: tls_cert and tls_key go together (a certificate and its key)")
+    if settings.tls_client_ca and not settings.tls_cert:
+        raise ConfigError(f"{source}: tls_client_ca: checks KEDA's certificate over TLS, which needs tls_cert")
+    for key in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(settings, key)
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{source}: {key}: no such file: {path!r}")
     if not settings.token:
         token = _token(replicas_where("environment"), "ROUTER_ADMIN_TOKEN", env.get("ROUTER_ADMIN_TOKEN", ""))
         settings = replace(settings, token=token)

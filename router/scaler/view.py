@@ -34,7 +34,7 @@ from router.core.usage import RouterReport, merge_reports
 
 DEFAULT_IDLE_AFTER = 300.0
 DEFAULT_TARGET_IN_FLIGHT = 8.0
-METADATA_KEYS = ("model", "idleAfter", "targetInFlight")
+METADATA_KEYS = ("model", "modelFromEnv", "idleAfter", "targetInFlight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +259,7 @@ def _seconds(metadata: Mapping[str, str], key: str, default: float, *, positive:
 
 
 def parse_metadata(metadata: Mapping[str, str]) -> Query:
-    """The ScaledObject's trigger metadata: `model` (required), `idleAfter` (s), `targetInFlight`.
+    """The ScaledObject's trigger metadata: `model` or `modelFromEnv` (required), `idleAfter` (s), `targetInFlight`.
 
     Other keys are KEDA's own (scalerAddress, TLS settings) and pass; one
     that differs from ours only in case is a typo, refused.
@@ -268,9 +268,14 @@ def parse_metadata(metadata: Mapping[str, str]) -> Query:
         for known in METADATA_KEYS:
             if key != known and key.lower() == known.lower():
                 raise BadMetadata(f"scalerMetadata.{key}: unknown key; did you mean {known}?")
-    model = metadata.get("model", "").strip()
+    # KEDA resolves a `*FromEnv` key from the scale target's environment and sends the value
+    # under the same key (external_scaler.go); an unresolved one it leaves out.
+    model = metadata.get("model", "").strip() or metadata.get("modelFromEnv", "").strip()
     if not model:
-        raise BadMetadata("scalerMetadata.model: is required (the model name clients ask for)")
+        raise BadMetadata(
+            "scalerMetadata.model: is required (the model name clients ask for; or modelFromEnv, "
+            "an environment variable of the scale target that KEDA resolves)"
+        )
     return Query(
         model=model,
         idle_after=_seconds(metadata, "idleAfter", DEFAULT_IDLE_AFTER, positive=False),

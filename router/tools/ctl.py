@@ -184,13 +184,16 @@ def cmd_idle(args: argparse.Namespace) -> int:
         client = Client(server, token=args.token, timeout=args.timeout)
         try:
             doc = client.call("GET", "/api/v1/usage")
-            rows = client.call("GET", "/api/v1/replicas")
+            # The map names each replica's model; a router from before it did needs the per-replica rows.
+            named = doc.get("model")
+            if named is None:
+                named = {row["id"]: row["model"] for row in reversed(client.call("GET", "/api/v1/replicas"))}
         except CtlError as exc:
             problems.append(str(exc))
             reports.append(None)
             continue
-        for row in rows:
-            models.setdefault(row["id"], row["model"])
+        for rid, model in named.items():
+            models.setdefault(rid, model)
         reports.append(
             RouterReport(
                 server=server,

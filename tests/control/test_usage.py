@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.core.pool import Pool
@@ -209,8 +210,18 @@ async def test_the_usage_document_is_pushed_each_tick(
     await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
     await wait_for(lambda: any(doc["last_used"] for doc in received))
     doc = received[-1]
-    assert set(doc) == {"router", "started_at", "generated_at", "tick_seconds", "last_used", "watching_since", "demand"}
+    assert set(doc) == {
+        "router",
+        "started_at",
+        "generated_at",
+        "tick_seconds",
+        "last_used",
+        "watching_since",
+        "model",
+        "demand",
+    }
     assert set(doc["watching_since"]) == {"a", "b"}
+    assert doc["model"] == {"a": "m", "b": "m"}
     assert server.push is not None and server.push.failures == 0
 
 
@@ -324,6 +335,52 @@ async def test_ctl_idle_merges_two_routers_one_of_which_restarted(
     assert broken["complete"] is False
     assert broken["candidates"] == []
     assert sorted(broken["unknown"]) == ["a", "b"]
+
+
+async def old_or_new_router(asked: list[str], *, names_models: bool) -> web.AppRunner:
+    """A router's admin API as ctl idle reads it: the usage map, naming the models or (a router from before) not."""
+    usage = {
+        "router": "r",
+        "started_at": 1000.0,
+        "generated_at": 5000.0,
+        "tick_seconds": 5.0,
+        "last_used": {"a": 1500.0},
+        "watching_since": {"a": 1000.0, "b": 1000.0},
+        "demand": {},
+    }
+    if names_models:
+        usage["model"] = {"a": "llama", "b": "qwen"}
+    replicas = [{"id": "a", "model": "llama"}, {"id": "b", "model": "qwen"}]
+
+    async def answer(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response(usage if request.path == "/api/v1/usage" else replicas)
+
+    app = web.Application()
+    app.router.add_get("/api/v1/usage", answer)
+    app.router.add_get("/api/v1/replicas", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+@pytest.mark.parametrize("names_models", [True, False])
+async def test_ctl_idle_reads_the_usage_map_alone_when_it_names_the_models(names_models: bool) -> None:
+    asked: list[str] = []
+    runner = await old_or_new_router(asked, names_models=names_models)
+    try:
+        port = runner.addresses[0][1]
+        code, out = await asyncio.to_thread(
+            run_ctl, "idle", "--server", f"127.0.0.1:{port}", "--idle-for", "1000", "--json"
+        )
+    finally:
+        await runner.cleanup()
+    assert code == 0
+    candidates = orjson.loads(out)["candidates"]
+    assert [(c["id"], c["model"]) for c in candidates] == [("a", "llama"), ("b", "qwen")]
+    # No per-replica document from a router whose map names the models (10,000 replicas: megabytes).
+    assert asked == (["/api/v1/usage"] if names_models else ["/api/v1/usage", "/api/v1/replicas"])
 
 
 async def test_ctl_usage_prints_dashes_for_unknown(start_fake: StartFake, start_router: StartRouter) -> None:

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import random
 from types import MappingProxyType
 
-from hypothesis import given
+import orjson
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.core.merging import Memory, combine
+from router.core.config import ReplicaConfig
+from router.core.merging import Combiner, Memory, WorkerReport, combine, report_json
+from router.core.pool import Pool
+from router.core.replicas import Replica
 from router.core.tallies import MAX_UNSERVED_NAMES, OTHER_MODELS, WORKER_UNSERVED_NAMES, Tallies
-from router.core.usage import RouterReport, UsageSnapshot, merge_reports
+from router.core.usage import RouterReport, Ticker, UsageSnapshot, merge_reports
+from tests.fake_clock import FakeClock
+
+WALL = 1_764_000_000.0
 
 IDS = ("a", "b", "c")
 NOW = 10_000.0
@@ -158,3 +166,107 @@ def test_the_unserved_names_are_bounded_after_the_workers_merge_and_each_count_i
         if number == 0:
             memory.retire(snapshot(workers[dies]))
             workers[dies] = Tallies(WORKER_UNSERVED_NAMES)
+
+
+# The supervisor of --workers: each worker's changes, combined as they come ------------------------
+
+
+def _worker(configs: list[ReplicaConfig], clock: FakeClock) -> Ticker:
+    return Ticker(
+        Pool(configs, clock=clock),
+        [],
+        router="w",
+        started_at=WALL,
+        tick_seconds=1.0,
+        wall=lambda: clock.now() + WALL,
+        mono=clock.now,
+    )
+
+
+def _fleet(salt: int) -> list[ReplicaConfig]:
+    return [
+        ReplicaConfig(f"r{i}", f"m{i % 2}", f"http://127.0.0.1:{9000 + i + (salt if i == 0 else 0)}") for i in range(5)
+    ]
+
+
+def _wire(snapshot: UsageSnapshot) -> WorkerReport:
+    """A worker's report as it crosses to the supervisor: JSON, and back."""
+    return WorkerReport.from_json(orjson.loads(orjson.dumps(report_json(snapshot))))
+
+
+def _plain(snapshot: UsageSnapshot) -> list[tuple[object, ...]]:
+    return sorted(
+        ((*r[:8], dict(r.labels), dict(r.responses), dict(r.errors), *r[11:]) for r in snapshot.replicas), key=repr
+    )
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 60))
+def test_the_workers_changes_combined_as_they_come_equal_their_whole_snapshots_combined(seed: int, steps: int) -> None:
+    rng = random.Random(seed)
+    clock = FakeClock(0.0)
+    workers = [_worker(_fleet(0), clock) for _ in range(3)]
+    held: list[list[Replica]] = [[] for _ in workers]
+    combiner, memory = Combiner(Memory()), Memory()
+    # The reference: each worker's last whole snapshot, combined whole.
+    last: dict[int, UsageSnapshot] = {}
+    published: int | None = None
+    for _ in range(steps):
+        clock.advance(rng.choice((0.5, 3.0)))
+        index = rng.randrange(len(workers))
+        pool = workers[index].pool
+        op = rng.randrange(10)
+        if op < 3:
+            got = pool.acquire(f"m{rng.randrange(2)}")
+            if got is not None:
+                held[index].append(got)
+                pool.count_response(got, rng.choice((200, 503)))
+        elif op < 5 and held[index]:
+            pool.release(held[index].pop(rng.randrange(len(held[index]))))
+        elif op == 5:
+            replica = rng.choice(list(pool))
+            if not replica.removed:
+                pool.set_draining(replica.id, not replica.draining)
+        elif op == 6:
+            configs = _fleet(rng.randrange(3))
+            for worker in workers:
+                worker.pool.set_replicas(configs)
+        elif op == 7:
+            # A worker dies: its last report taken into the memory; a new one starts.
+            combiner.drop(index)
+            if index in last:
+                memory.retire(last.pop(index))
+            workers[index] = _worker(list(pool.configs()), clock)
+            held[index] = []
+        else:
+            # A collection; now and then two overlapping ones, answered out of order.
+            for i, worker in enumerate(workers):
+                taken = combiner.since(i)
+                since = taken[1] if taken is not None and taken[0] == worker.snapshotter.book.number else None
+                first = worker.snapshot(since=since)
+                if rng.random() < 0.3:
+                    # Another collection asks the same before the first answer is taken;
+                    # the worker served a request in between. Answers taken in either order.
+                    clock.advance(0.25)
+                    got = worker.pool.acquire(f"m{rng.randrange(2)}")
+                    if got is not None:
+                        worker.pool.release(got)
+                    second = worker.snapshot(since=since)
+                    answers = [first, second] if rng.random() < 0.5 else [second, first]
+                    for answer in answers:
+                        combiner.update(i, _wire(answer))
+                    first = second
+                else:
+                    combiner.update(i, _wire(first))
+                last[i] = first
+            generated_at = clock.now() + WALL
+            combined = combiner.snapshot(
+                router="r", started_at=WALL, generated_at=generated_at, tick_seconds=1.0, since=published
+            )
+            whole = combine(
+                last.values(), memory, router="r", started_at=WALL, generated_at=generated_at, tick_seconds=1.0
+            )
+            assert _plain(combined) == _plain(whole)
+            for name in ("retries", "fallbacks", "unserved", "hold_outcomes", "affinity", "demand"):
+                assert dict(getattr(combined, name)) == dict(getattr(whole, name))
+            published = combined.seq

@@ -27,6 +27,7 @@ import pytest
 
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
+from router.tools.fake.echo import ECHOED
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
 from tests.helpers import CHAT, Serve, wait_for
 
@@ -159,16 +160,16 @@ async def test_a_multipart_body_crosses_byte_for_byte_with_the_model_after_a_20_
     assert doc["body_sha256"] == hashlib.sha256(body).hexdigest()
 
 
-async def test_a_multipart_body_without_a_model_field_is_a_400_naming_it(
+async def test_a_multipart_body_without_a_model_field_among_several_models_is_a_400_naming_it(
     start_fake: StartFake, start_router: StartRouter
 ) -> None:
-    fake = await start_fake("whisper")
-    server = await start_router([replica_entry("r0", fake)])
+    fake, other = await start_fake("whisper"), await start_fake("tts")
+    server = await start_router([replica_entry("r0", fake), replica_entry("r1", other)])
     body, content_type = form([("file", b"RIFF...."), ("language", "en")])
     status, _, doc = await post_json(server, "/v1/audio/transcriptions", body, **{"Content-Type": content_type})
     assert status == 400
-    assert doc["error"]["param"] == "model" and "'model'" in doc["error"]["message"]
-    assert fake.seen == []
+    assert doc["error"]["param"] == "model" and "'tts', 'whisper'" in doc["error"]["message"]
+    assert fake.seen == [] and other.seen == []
 
 
 async def test_an_alias_is_rewritten_in_a_multipart_form_too(start_fake: StartFake, start_router: StartRouter) -> None:
@@ -179,21 +180,7 @@ async def test_an_alias_is_rewritten_in_a_multipart_form_too(start_fake: StartFa
     assert status == 200 and doc["model"] == "whisper"
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        "/v1/rerank",
-        "/rerank",
-        "/v2/rerank",
-        "/v1/score",
-        "/score",
-        "/pooling",
-        "/classify",
-        "/tokenize",
-        "/detokenize",
-        "/v1/images/generations",
-    ],
-)
+@pytest.mark.parametrize("path", ECHOED)
 async def test_the_engines_other_endpoints_are_routed_by_model_and_cross_byte_for_byte(
     start_fake: StartFake, start_router: StartRouter, path: str
 ) -> None:

@@ -36,7 +36,8 @@ def api_problem(exc: ApiException) -> str:
 async def read_body(response: object, kind: str) -> object:
     """A list's JSON; ApiException with the API server's Status for an answer that is not 2xx, or not JSON."""
     # With _preload_content=False the library hands over aiohttp's response
-    # (its stubs do not say so) and leaves the status to us.
+    # (its stubs do not say so) and leaves the status to us: its rest.py
+    # checks for 2xx only inside `if _preload_content` (kubernetes_asyncio 36).
     if not isinstance(response, aiohttp.ClientResponse):
         raise TypeError(f"the {kind} list came back as {type(response).__name__}, not an HTTP response")
     async with response:

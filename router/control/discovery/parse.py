@@ -9,10 +9,18 @@ and the source (`source.py`) only carry objects here and apply the result.
 
 An endpoint of a selected EndpointSlice (`discovery.k8s.io/v1`) becomes:
 
-    conditions.ready (nil: true), not terminating   a ready replica
+    conditions.ready and serving (nil: true),       a ready replica
+    not terminating
     serving (nil: true) and terminating              draining: its requests in
                                                      flight finish, no new ones
     anything else                                    not in the set
+
+Serving is asked of a ready endpoint too: under a Service with
+`publishNotReadyAddresses` every endpoint is `ready` (discovery/v1's types:
+"ready ... can be overridden ... such as when the associated Service has set
+the publishNotReadyAddresses flag"), and only `serving` still says whether
+the pod's own readiness passed: an engine loading its weights would be sent
+requests it cannot answer.
 
 The replica's id is `namespace/pod` (stable across router restarts), its
 model the slice's `model_label` (Kubernetes copies a Service's labels onto
@@ -199,7 +207,7 @@ def _endpoint(raw: object, ipv6: bool, namespace: str, where: str) -> SliceEndpo
     terminating = _flag(conditions.get("terminating"), f"{where}.conditions.terminating") is True
     serving = _flag(conditions.get("serving"), f"{where}.conditions.serving")
     ready = _flag(conditions.get("ready"), f"{where}.conditions.ready")
-    if (serving if terminating else ready) is False:
+    if (serving if terminating else ready) is False or serving is False:
         return None
     address = addresses[0]
     host = _host(address, ipv6, f"{where}.addresses[0]")
@@ -219,7 +227,9 @@ def _port(value: object, wanted: str | int, where: str) -> int | None:
         return wanted
     for index, raw in enumerate(_array(value, f"{where}: ports")):
         entry = _object(raw, f"{where}: ports[{index}]")
-        if entry.get("name") != wanted:
+        # The one unnamed port of a Service has the name "" (or none: the field is omitempty).
+        name = entry.get("name")
+        if (name if name is not None else "") != wanted:
             continue
         number = entry.get("port")
         if number is None:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import orjson
-
+from router.control.sinks.document import UsageDocument
 from router.core.usage import UsageSnapshot
 
 
@@ -13,11 +12,13 @@ class LatestSink:
 
     name = "latest"
 
-    def __init__(self) -> None:
+    def __init__(self, document: UsageDocument | None = None) -> None:
+        """`document`: shared with the push, so that the body is built once per tick for both."""
+        self.document = document if document is not None else UsageDocument()
         self.snapshot: UsageSnapshot | None = None
         self.usage_body: bytes | None = None
 
     def publish(self, snapshot: UsageSnapshot) -> None:
-        body = orjson.dumps(snapshot.usage_document())
+        body = self.document.body(snapshot)
         self.snapshot = snapshot
         self.usage_body = body

@@ -1,33 +1,291 @@
-"""A prometheus_client Collector that reads the newest usage snapshot at scrape.
+"""The usage snapshot on /metrics: per-replica series rendered when they change, the rest read at scrape.
 
 No gauge is set and cleared by hand: each scrape yields exactly the replicas
-of the snapshot, so a removed replica's series end with it, and a replica
-without a stamp has no last-used sample at all (unknown is not idle).
+of the newest snapshot, so a removed replica's series end with it, and a
+replica without a stamp has no last-used sample at all (unknown is not idle).
+
+The per-replica series (about ten lines a replica) are most of a scrape of
+a large fleet: `PrometheusSink` renders a replica's lines once per change
+of its record (at the first scrape after it; only the families whose
+field moved), and a scrape joins lines it already has, as GET
+/api/v1/usage serves bytes made at the tick. Nothing is rendered for a
+router that nobody scrapes. Only the quiet time, which grows with every
+snapshot, is written out per snapshot (at its first scrape). The text is
+the one prometheus_client writes for the same samples (a test holds them
+equal). The rest (the tallies per model, the exporters'
+health) is a prometheus_client Collector, read fresh at each scrape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import cast
 
+from prometheus_client import utils
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.core.replicas import ReplicaState
-from router.core.usage import UsageSnapshot
+from router.core.usage import ReplicaUsage, UsageSnapshot
+from router.core.usage_maps import UsageMaps
 
 STATES = tuple(state.value for state in ReplicaState)
+# Go's float format, as prometheus_client writes every sample (untyped there).
+_go_float = cast(Callable[[float], str], utils.floatToGoString)
+
+# The per-replica families, in the order of the text: (name as written, type, help).
+_LAST_USED = (
+    "router_replica_last_used_timestamp_seconds",
+    "gauge",
+    "Last time a request was sent to the replica; absent = unknown, not idle.",
+)
+_WATCHING = (
+    "router_replica_watching_since_timestamp_seconds",
+    "gauge",
+    "Since when this router has watched the replica (start or addition).",
+)
+_QUIET = (
+    "router_replica_quiet_seconds",
+    "gauge",
+    "Proven quiet: no request reached the replica through this router for at least this long, "
+    "as of the snapshot (stamp or no stamp: since it was last used or watched from).",
+)
+_IN_FLIGHT = ("router_replica_in_flight_requests", "gauge", "Requests in flight to the replica.")
+_STATE = ("router_replica_state", "gauge", "1 for the replica's current state, 0 for the others.")
+_EJECTIONS = ("router_replica_ejections_total", "counter", "Times the replica was ejected for failing.")
+_RECOVERIES = ("router_replica_recoveries_total", "counter", "Times an ejected replica came back into rotation.")
+_REQUESTS = ("router_requests_total", "counter", "Upstream answers by replica and status class.")
+_ERRORS = (
+    "router_upstream_errors_total",
+    "counter",
+    "Upstream attempts that failed without a usable answer, by reason.",
+)
+# Rendered per record when it changes; the quiet time (between watching and in-flight) per snapshot.
+_RECORD_FAMILIES = (_LAST_USED, _WATCHING, _IN_FLIGHT, _STATE, _EJECTIONS, _RECOVERIES, _REQUESTS, _ERRORS)
+
+
+def _head(family: tuple[str, str, str]) -> str:
+    name, kind, documentation = family
+    return f"# HELP {name} {documentation}\n# TYPE {name} {kind}\n"
+
+
+def _escape(value: str) -> str:
+    """A label value as prometheus_client writes it."""
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _number(value: float) -> str:
+    """A sample's value as prometheus_client writes it (Go's float format: utils.floatToGoString)."""
+    value = float(value)
+    if 0.0 <= value < 1e6:
+        # Python's repr is Go's already: no exponent to move.
+        return repr(value)
+    if 1e6 <= value < 1e16:
+        # A Unix time: floatToGoString's own steps, without its checks for what cannot be here.
+        text = repr(value)
+        dot = text.find(".")
+        mantissa = f"{text[0]}.{text[1:dot]}{text[dot + 1 :]}".rstrip("0.")
+        return f"{mantissa}e+{dot - 1:02d}"
+    return _go_float(value)
+
+
+class _Labels:
+    """One record's label values, escaped once (a record's id and model never change)."""
+
+    __slots__ = ("id", "model", "model_name", "pair", "quiet", "replica", "requests")
+
+    def __init__(self, r: ReplicaUsage) -> None:
+        self.id = r.id
+        self.model_name = r.model
+        self.model = _escape(r.model)
+        self.replica = _escape(r.id)
+        # Sorted by name, as prometheus_client writes them.
+        self.pair = f'model="{self.model}",replica="{self.replica}"'
+        self.quiet = f"router_replica_quiet_seconds{{{self.pair}}} "
+        # Per status class: the start of its requests line.
+        self.requests: dict[str, str] = {}
+
+
+def _last_used(labels: _Labels, value: object) -> str:
+    if value is None:
+        return ""
+    return f"router_replica_last_used_timestamp_seconds{{{labels.pair}}} {_number(cast(float, value))}\n"
+
+
+def _watching(labels: _Labels, value: object) -> str:
+    return f"router_replica_watching_since_timestamp_seconds{{{labels.pair}}} {_number(cast(float, value))}\n"
+
+
+def _in_flight(labels: _Labels, value: object) -> str:
+    return f"router_replica_in_flight_requests{{{labels.pair}}} {_number(cast(int, value))}\n"
+
+
+def _state(labels: _Labels, value: object) -> str:
+    return "".join(
+        f'router_replica_state{{{labels.pair},state="{name}"}} {"1.0" if name == value else "0.0"}\n' for name in STATES
+    )
+
+
+def _ejections(labels: _Labels, value: object) -> str:
+    return f"router_replica_ejections_total{{{labels.pair}}} {_number(cast(int, value))}\n"
+
+
+def _recoveries(labels: _Labels, value: object) -> str:
+    return f"router_replica_recoveries_total{{{labels.pair}}} {_number(cast(int, value))}\n"
+
+
+def _requests(labels: _Labels, value: object) -> str:
+    starts = labels.requests
+    counts = cast(Mapping[str, int], value)
+    if len(counts) == 1:
+        # The usual case: every answer 2xx.
+        ((status_class, count),) = counts.items()
+        start = starts.get(status_class)
+        if start is not None:
+            return f"{start}{_number(count)}\n"
+    lines = []
+    for status_class, count in sorted(cast(Mapping[str, int], value).items()):
+        start = starts.get(status_class)
+        if start is None:
+            start = starts[status_class] = (
+                f'router_requests_total{{{labels.pair},status_class="{_escape(status_class)}"}} '
+            )
+        lines.append(f"{start}{_number(count)}\n")
+    return "".join(lines)
+
+
+def _errors(labels: _Labels, value: object) -> str:
+    return "".join(
+        f'router_upstream_errors_total{{model="{labels.model}",reason="{_escape(reason)}",replica="{labels.replica}"}} '
+        f"{_number(count)}\n"
+        for reason, count in sorted(cast(Mapping[str, int], value).items())
+    )
+
+
+# The record's fields each family of _RECORD_FAMILIES shows, by place.
+_LAST_USED_AT = ReplicaUsage._fields.index("last_used")
+_WATCHING_AT = ReplicaUsage._fields.index("watching_since")
+_IN_FLIGHT_AT = ReplicaUsage._fields.index("in_flight")
+_STATE_AT = ReplicaUsage._fields.index("state")
+_EJECTIONS_AT = ReplicaUsage._fields.index("ejections")
+_RECOVERIES_AT = ReplicaUsage._fields.index("recoveries")
+_RESPONSES_AT = ReplicaUsage._fields.index("responses")
+_ERRORS_AT = ReplicaUsage._fields.index("errors")
 
 
 class PrometheusSink:
-    """Holds the newest snapshot for the collector; publish() is all it does."""
+    """Holds the newest snapshot for the collector, and its replicas' lines, rendered as they change."""
 
     name = "prometheus"
 
-    def __init__(self) -> None:
+    def __init__(self, maps: UsageMaps | None = None) -> None:
+        """`maps`: shared with the other exporters, which follow the same snapshots."""
         self.snapshot: UsageSnapshot | None = None
+        self._maps = maps if maps is not None else UsageMaps()
+        self._step = 0
+        # Records changed since their lines were last rendered: rendered at the next scrape.
+        self._dirty: set[Hashable] = set()
+        # Per record's key: the record its lines show, and its labels.
+        self._rendered: dict[Hashable, ReplicaUsage] = {}
+        self._labels: dict[Hashable, _Labels] = {}
+        # Per family of _RECORD_FAMILIES, per record's key: its lines.
+        self._lines: list[dict[Hashable, str]] = [{} for _ in _RECORD_FAMILIES]
+        # The text for `snapshot`, once a scrape asked for it.
+        self._text: tuple[UsageSnapshot, bytes] | None = None
 
     def publish(self, snapshot: UsageSnapshot) -> None:
+        maps = self._maps
+        changes = maps.follow(snapshot)
+        if maps.steps == self._step + 1:
+            dirty, rendered = self._dirty, self._rendered
+            for key, _, after in changes:
+                if after is not None or key in rendered:
+                    dirty.add(key)
+                else:
+                    # Gone before any scrape showed it: nothing to take out (and, with no
+                    # scraper, nothing kept of replicas long gone).
+                    dirty.discard(key)
+        else:
+            # A step missed: compare every record with the one its lines show.
+            self._dirty = {*maps.records, *self._rendered}
+        self._step = maps.steps
         self.snapshot = snapshot
+
+    def _render(self) -> None:
+        """The lines of every record changed since the last render: only the families whose field moved."""
+        records = self._maps.records
+        rendered, labels_of, all_lines = self._rendered, self._labels, self._lines
+        for key in self._dirty:
+            record = records.get(key)
+            before = rendered.get(key)
+            if record is None:
+                if before is not None:
+                    for lines in all_lines:
+                        del lines[key]
+                    del rendered[key]
+                    del labels_of[key]
+                continue
+            if record is before:
+                continue
+            labels = labels_of.get(key)
+            if labels is None or labels.id != record.id or labels.model_name != record.model:
+                # New, or (a key come back naming another replica) new again.
+                labels = labels_of[key] = _Labels(record)
+                before = None
+            # Only the families whose field moved (a busy replica's stamp and counts, mostly),
+            # written out: thousands of records may have changed since the last scrape.
+            last_used, watching, in_flight, state, ejections, recoveries, requests, errors = all_lines
+            if before is None or before[_LAST_USED_AT] != record[_LAST_USED_AT]:
+                last_used[key] = _last_used(labels, record[_LAST_USED_AT])
+            if before is None or before[_WATCHING_AT] != record[_WATCHING_AT]:
+                watching[key] = _watching(labels, record[_WATCHING_AT])
+            if before is None or before[_IN_FLIGHT_AT] != record[_IN_FLIGHT_AT]:
+                in_flight[key] = _in_flight(labels, record[_IN_FLIGHT_AT])
+            if before is None or before[_STATE_AT] != record[_STATE_AT]:
+                state[key] = _state(labels, record[_STATE_AT])
+            if before is None or before[_EJECTIONS_AT] != record[_EJECTIONS_AT]:
+                ejections[key] = _ejections(labels, record[_EJECTIONS_AT])
+            if before is None or before[_RECOVERIES_AT] != record[_RECOVERIES_AT]:
+                recoveries[key] = _recoveries(labels, record[_RECOVERIES_AT])
+            if before is None or before[_RESPONSES_AT] != record[_RESPONSES_AT]:
+                requests[key] = _requests(labels, record[_RESPONSES_AT])
+            if before is None or before[_ERRORS_AT] != record[_ERRORS_AT]:
+                errors[key] = _errors(labels, record[_ERRORS_AT])
+            rendered[key] = record
+        self._dirty.clear()
+
+    def exposition(self) -> bytes:
+        """The per-replica families of the newest snapshot, as Prometheus text (b"" before the first)."""
+        snapshot = self.snapshot
+        if snapshot is None:
+            return b""
+        if self._text is not None and self._text[0] is snapshot:
+            return self._text[1]
+        self._render()
+        generated_at = snapshot.generated_at
+        horizon = self._maps.horizon
+        quiet_parts: list[str] = []
+        append = quiet_parts.append
+        for labels in self._labels.values():
+            quiet = generated_at - horizon[labels.id]
+            # _number(), written out: a line per replica per snapshot.
+            if quiet <= 0.0:
+                append(f"{labels.quiet}0.0\n")
+            elif quiet < 1e6:
+                append(f"{labels.quiet}{quiet!r}\n")
+            else:
+                append(f"{labels.quiet}{_number(quiet)}\n")
+        quiet_lines = "".join(quiet_parts)
+        parts: list[str] = []
+        for index, (family, family_lines) in enumerate(zip(_RECORD_FAMILIES, self._lines, strict=True)):
+            parts.append(_head(family))
+            parts.append("".join(family_lines.values()))
+            if index == 1:
+                parts.append(_head(_QUIET))
+                parts.append(quiet_lines)
+        text = "".join(parts).encode()
+        self._text = (snapshot, text)
+        return text
 
 
 class UsageCollector(Collector):
@@ -78,64 +336,6 @@ class UsageCollector(Collector):
             "When this router started watching (Unix seconds).",
             value=snapshot.started_at,
         )
-        labels = ["replica", "model"]
-        last_used = GaugeMetricFamily(
-            "router_replica_last_used_timestamp_seconds",
-            "Last time a request was sent to the replica; absent = unknown, not idle.",
-            labels=labels,
-        )
-        watching = GaugeMetricFamily(
-            "router_replica_watching_since_timestamp_seconds",
-            "Since when this router has watched the replica (start or addition).",
-            labels=labels,
-        )
-        quiet = GaugeMetricFamily(
-            "router_replica_quiet_seconds",
-            "Proven quiet: no request reached the replica through this router for at least this long, "
-            "as of the snapshot (stamp or no stamp: since it was last used or watched from).",
-            labels=labels,
-        )
-        proven = snapshot.quiet_for()
-        in_flight = GaugeMetricFamily(
-            "router_replica_in_flight_requests", "Requests in flight to the replica.", labels=labels
-        )
-        state = GaugeMetricFamily(
-            "router_replica_state", "1 for the replica's current state, 0 for the others.", labels=[*labels, "state"]
-        )
-        ejections = CounterMetricFamily(
-            "router_replica_ejections", "Times the replica was ejected for failing.", labels=labels
-        )
-        recoveries = CounterMetricFamily(
-            "router_replica_recoveries", "Times an ejected replica came back into rotation.", labels=labels
-        )
-        requests = CounterMetricFamily(
-            "router_requests",
-            "Upstream answers by replica and status class.",
-            labels=[*labels, "status_class"],
-        )
-        errors = CounterMetricFamily(
-            "router_upstream_errors",
-            "Upstream attempts that failed without a usable answer, by reason.",
-            labels=[*labels, "reason"],
-        )
-        for r in snapshot.replicas:
-            key = [r.id, r.model]
-            if r.last_used is not None:
-                last_used.add_metric(key, r.last_used)
-            watching.add_metric(key, r.watching_since)
-            quiet_for = proven.get(r.id)
-            if quiet_for is not None:
-                quiet.add_metric(key, quiet_for)
-            in_flight.add_metric(key, r.in_flight)
-            for name in STATES:
-                state.add_metric([*key, name], 1.0 if name == r.state else 0.0)
-            ejections.add_metric(key, r.ejections)
-            recoveries.add_metric(key, r.recoveries)
-            for status_class, count in sorted(r.responses.items()):
-                requests.add_metric([*key, status_class], count)
-            for reason, count in sorted(r.errors.items()):
-                errors.add_metric([*key, reason], count)
-        yield from (last_used, watching, quiet, in_flight, state, ejections, recoveries, requests, errors)
         yield _tallies(
             "router_retries",
             "Requests sent again to another replica before any byte reached the client.",

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 
 import aiohttp
-import orjson
 
+from router.control.sinks.document import UsageDocument
 from router.core.usage import UsageSnapshot
 
 log = logging.getLogger("router.push")
@@ -32,7 +32,10 @@ class PushSink:
         timeout_seconds: float,
         log_every_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        document: UsageDocument | None = None,
     ) -> None:
+        """`document`: shared with the latest copy, so that the body is built once per tick for both."""
+        self._document = document if document is not None else UsageDocument()
         self._session = session
         self.url = url
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
@@ -46,12 +49,14 @@ class PushSink:
         self._clock = clock
 
     @classmethod
-    def every_tick(cls, session: aiohttp.ClientSession, url: str, tick_seconds: float) -> PushSink:
+    def every_tick(
+        cls, session: aiohttp.ClientSession, url: str, tick_seconds: float, document: UsageDocument | None = None
+    ) -> PushSink:
         # A timeout shorter than the tick, so that pushes never pile up behind each other.
-        return cls(session, url, timeout_seconds=max(0.05, tick_seconds * 0.8))
+        return cls(session, url, timeout_seconds=max(0.05, tick_seconds * 0.8), document=document)
 
     def publish(self, snapshot: UsageSnapshot) -> None:
-        body = orjson.dumps(snapshot.usage_document())
+        body = self._document.body(snapshot)
         if self._task is not None and not self._task.done():
             self._pending = body
             return
@@ -100,7 +105,7 @@ class PushSink:
         if self._task is not None and not self._task.done():
             self._pending = None
             await asyncio.wait([self._task])
-        return await self.send(orjson.dumps(snapshot.usage_document()))
+        return await self.send(self._document.body(snapshot))
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from router.core.usage import UsageSnapshot
+from router.core.usage_maps import UsageMaps
 
 WINDOW_SECONDS = 60.0
 
@@ -12,12 +13,15 @@ WINDOW_SECONDS = 60.0
 class RateSink:
     name = "rates"
 
-    def __init__(self, window: float = WINDOW_SECONDS) -> None:
+    def __init__(self, window: float = WINDOW_SECONDS, maps: UsageMaps | None = None) -> None:
+        """`maps`: shared with the other exporters; it keeps the requests per model from each snapshot's changes."""
         self.window = window
+        self._maps = maps if maps is not None else UsageMaps()
         self._points: deque[tuple[float, dict[str, int]]] = deque()
 
     def publish(self, snapshot: UsageSnapshot) -> None:
-        self._points.append((snapshot.generated_at, requests_by_model(snapshot)))
+        self._maps.follow(snapshot)
+        self._points.append((snapshot.generated_at, dict(self._maps.requests)))
         # Keep one point older than the window, so that the rate spans all of it.
         while len(self._points) > 2 and self._points[1][0] <= snapshot.generated_at - self.window:
             self._points.popleft()

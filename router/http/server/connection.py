@@ -82,7 +82,9 @@ class Connection(Intake):
         # connection closes and its request is cancelled, with the replica's.
         return False
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def connection_lost(self, exc: Exception | None, cancel: bool = True) -> None:
+        """The transport is gone; `cancel`: its request's task with it (a switched connection's
+        handler sees the end itself, and ends its session its own way)."""
         self.server.connections.discard(self)
         self.answering = _ANSWERING_ON_LOST[self.answering]
         self.reading = _READING_ON_STOP[self.reading]
@@ -92,7 +94,7 @@ class Connection(Intake):
         self._backlog = b""
         self.drop_body()
         self.release(self.held)
-        if self.task is not None and not self.task.done():
+        if cancel and self.task is not None and not self.task.done():
             self.task.cancel()
         self.flow.fail(ConnectionResetError("the client went away"))
 

@@ -160,6 +160,8 @@ class Intake(Reader):
             self.data_received(data[start : start + _SLICE])
             start += _SLICE
             if self.reading is _R_STOPPED:
+                if self.switching is not None:
+                    self.switching += data[start:]
                 return
             if self.pending and start < end:
                 self._backlog = data[start:]
@@ -189,7 +191,14 @@ class Intake(Reader):
     def _upgraded(self, data: bytes, offset: int) -> bytes:
         """The request is complete (its Upgrade ignored), or its body is to be read
         anew (_unframed); what follows is HTTP/1.1 again: the body, if there is one,
-        then more requests, for a fresh parser. The bytes parsed last."""
+        then more requests, for a fresh parser. The bytes parsed last.
+
+        After a request whose handler may switch protocols, what follows is not HTTP:
+        it is held for the switch, and no more is read until the handler decides."""
+        if self.switching is not None:
+            self.switching += data[offset:]
+            self.transport.pause_reading()
+            return b""
         while True:
             data = data[offset:]
             in_body = self._after_upgrade()

@@ -92,6 +92,7 @@ class Reader(asyncio.Protocol):
         "parser",
         "reading",
         "server",
+        "switching",
     )
 
     def __init__(self, server: Server) -> None:
@@ -126,6 +127,9 @@ class Reader(asyncio.Protocol):
         self._priming = False
         # Set by a parser callback that refuses the request, before it stops llhttp.
         self._refusal: Refusal | None = None
+        # A request that may switch protocols was read (the server's upgrade_check): the bytes
+        # after its head, the new protocol's, held here until its handler switches or answers.
+        self.switching: bytearray | None = None
         # The read side's deadline and what it is for (monotonic; 0 = none);
         # the write side's is the flow's. One sweep over all connections checks both.
         self._deadline = 0.0
@@ -280,6 +284,11 @@ class Reader(asyncio.Protocol):
                 self._upgrade_framing = b"Content-Length: %d\r\n" % length
             elif chunked:
                 self._upgrade_framing = b"Transfer-Encoding: chunked\r\n"
+            elif (check := self.server.upgrade_check) is not None and check(request):
+                # Its handler may switch the connection (Writer.switch): nothing after
+                # this head is HTTP, and the connection ends with this request.
+                request.keep_alive = False
+                self.switching = bytearray()
         self.head_taken(request, length, chunked, continue_asked)
 
     def on_chunk_header(self) -> None:

@@ -15,7 +15,7 @@ from router.http.server.connection import Connection
 from router.http.server.deadlines import Sweep
 from router.http.server.flow import Budget
 from router.http.server.head import Rules
-from router.http.writer import Handler, HeadCheck
+from router.http.writer import Handler, HeadCheck, UpgradeCheck
 
 # The client port's protocol errors are counted and logged under this name.
 log = logging.getLogger("router.http.server")
@@ -38,12 +38,15 @@ class Server:
         max_buffered_body_bytes: int = 1 << 30,
         captured: Iterable[bytes] = (),
         head_check: HeadCheck | None = None,
+        upgrade_check: UpgradeCheck | None = None,
     ) -> None:
         """`captured`: header names whose values the handler reads (Request.captured), picked out
         in the pass over the head that the server makes anyway, instead of a search per request.
-        `head_check`: see HeadCheck; None costs nothing per request."""
+        `head_check`: see HeadCheck; None costs nothing per request.
+        `upgrade_check`: see UpgradeCheck; None: every Upgrade is ignored (RFC 9110 7.8)."""
         self.handler = handler
         self.head_check = head_check
+        self.upgrade_check = upgrade_check
         # How heads are judged: the fields the server reads, and those it captures for the handler.
         self.rules = Rules(captured)
         self.header_timeout = header_timeout

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from router.http.messages import Reply
+from router.http.pipe import Pipe
 from router.http.wire import frame_head
 from router.http.writer import Meter
 
@@ -242,3 +243,50 @@ class Http11Writer:
     async def drain(self) -> None:
         """Wait until the client took enough; WriteStalled when it takes nothing for write_stall_timeout."""
         await self._connection.drain()
+
+    def switch(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> Pipe | None:
+        """The head of a protocol switch (101), then the connection's bytes are the Pipe's, both ways.
+
+        Only for a request the server's upgrade_check passed (its connection holds
+        what the client sent after the head, and reads nothing more as HTTP); the
+        connection closes when the handler returns.
+        """
+        connection = self._connection
+        held = connection.switching
+        transport = self._transport
+        if self.phase is not NEW or held is None or transport.is_closing():
+            return None
+        self.phase = DONE
+        self.keep_alive = False
+        connection.switching = None
+        head = frame_head(status, reason, [*headers, (b"X-Request-Id", self._request_id)], b"\r\n")
+        transport.write(head)
+        if self.meter is not None:
+            self.meter.status = status
+            self.meter.bytes_out = len(head)
+        pipe = Switched(connection, bytes(held))
+        pipe.attach()
+        transport.resume_reading()
+        return pipe
+
+
+class Switched(Pipe):
+    """The client's side of a switched connection: its end ends the connection as the server knows it."""
+
+    __slots__ = ("_connection",)
+
+    def __init__(self, connection: Connection, first: bytes) -> None:
+        super().__init__(connection.transport, first)
+        self._connection = connection
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._connection.pause_writing()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._connection.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._connection.connection_lost(exc, cancel=False)

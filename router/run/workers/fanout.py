@@ -22,7 +22,7 @@ from router.core.config import ReplicaConfig
 from router.core.merging import merged_state
 from router.core.usage import UsageSnapshot
 from router.run.workers.processes import WorkerProcesses
-from router.run.workers.state import write_state
+from router.run.workers.state import set_json, write_state
 
 log = logging.getLogger("router.run.workers")
 
@@ -47,11 +47,29 @@ class SupervisedFleet:
         self._collect = collect
         self._metrics = metrics
         self._changes = asyncio.Lock()
+        # Each config of the last set written, as JSON (by the config object's identity).
+        self._json: dict[int, tuple[ReplicaConfig, bytes]] = {}
 
-    def write_state(self) -> None:
-        """The set and drains into the state file of the workers' runtime directory."""
+    def write_state(self, entries: list[bytes] | None = None) -> None:
+        """The set (`entries`: its JSON, when made already) and drains into the workers' state file."""
         assert self.processes.runtime is not None, "the runtime directory first"
-        write_state(self.processes.runtime, self.desired, self.draining)
+        write_state(self.processes.runtime, entries or self._entries(self.desired), self.draining)
+
+    def _entries(self, configs: tuple[ReplicaConfig, ...]) -> list[bytes]:
+        """Each replica as JSON, serialized once per config: a push's unchanged entries are the
+        same objects again (router/control/endpoints.py), so 10,000 of them cost a lookup each,
+        and reach the workers byte for byte as before, which lets them read only what changed."""
+        known = self._json
+        fresh: dict[int, tuple[ReplicaConfig, bytes]] = {}
+        entries = []
+        for config in configs:
+            entry = known.get(id(config))
+            if entry is None or entry[0] is not config:
+                entry = (config, orjson.dumps(config.as_json()))
+            fresh[id(config)] = entry
+            entries.append(entry[1])
+        self._json = fresh
+        return entries
 
     async def snapshot(self) -> UsageSnapshot:
         snapshot = await self._collect()
@@ -69,8 +87,9 @@ class SupervisedFleet:
         async with self._changes:
             self.desired = configs
             self.draining &= {c.id for c in configs}
-            self.write_state()
-            body = orjson.dumps({"replicas": [c.as_json() for c in configs]})
+            entries = self._entries(configs)
+            self.write_state(entries)
+            body = set_json(entries)
             try:
                 answers = await self._everywhere("PUT", "/api/v1/endpoints", body)
             finally:

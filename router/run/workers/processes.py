@@ -18,7 +18,6 @@ from pathlib import Path
 
 import aiohttp
 
-from router.core.usage import UsageSnapshot
 from router.run.worker_metrics import Report
 from router.run.workers.state import Paths
 
@@ -40,8 +39,6 @@ class Worker:
     process: asyncio.subprocess.Process | None = None
     started: float = 0.0
     live: bool = False
-    # Its snapshot at the last collection: what is folded into the totals if it dies.
-    last: UsageSnapshot | None = None
     restarts: int = 0
     quick_deaths: int = 0
     # Its data-path metrics at the last report it answered.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import orjson
 
-from router.core.config import ReplicaConfig, parse_replicas, replicas_where
+from router.core.config import parse_replicas, replicas_where
 from router.core.errors import ConfigError
 from router.run.app import RouterServer
 
@@ -64,11 +64,16 @@ class Paths:
         return self.runtime / "state.json"
 
 
-def write_state(runtime: Path, desired: Iterable[ReplicaConfig], draining: Iterable[str]) -> None:
+def set_json(entries: Iterable[bytes]) -> bytes:
+    """`{"replicas": [...]}` from its entries, each already JSON: what a push to a worker carries."""
+    return b'{"replicas":[' + b",".join(entries) + b"]}"
+
+
+def write_state(runtime: Path, entries: Iterable[bytes], draining: Iterable[str]) -> None:
+    """The set (its entries, each already JSON) and the drains, for a starting worker."""
     path = runtime / "state.json"
     partial = path.with_suffix(".partial")
-    doc = {"replicas": [c.as_json() for c in desired], "draining": sorted(draining)}
-    partial.write_bytes(orjson.dumps(doc))
+    partial.write_bytes(set_json(entries)[:-1] + b',"draining":' + orjson.dumps(sorted(draining)) + b"}")
     # Atomic: a starting worker reads the old state or the new, never half of one.
     partial.rename(path)
 

@@ -33,9 +33,9 @@ from router.control.sinks import build_sinks
 from router.control.sources import build_sources, exclusive_source, initial_set, reload_all, sources_ready
 from router.core.config import Config
 from router.core.errors import CannotListen
-from router.core.merging import Memory, combine
+from router.core.merging import Combiner, Memory, WorkerReport
 from router.core.usage import UsageSnapshot, publish
-from router.run.app import SNAPSHOT_PATH, Listening, run_until_signalled
+from router.run.app import SNAPSHOT_PATH, Listening, freeze_start_up, run_until_signalled
 from router.run.session import make_session
 from router.run.worker_metrics import METRICS_PATH, MergedCollector, Report, SampleKey, merge, retire
 from router.run.workers.fanout import SupervisedFleet
@@ -71,6 +71,10 @@ class Supervisor(Listening):
             self.processes, initial_set(self.sources), collect=self.collect, metrics=self.metrics
         )
         self.memory = Memory()
+        # The workers' reports, combined as they come (router/core/merging.py).
+        self.combiner = Combiner(self.memory)
+        # The seq of the last snapshot published: the next carries what changed since.
+        self._published: int | None = None
         self.registry = CollectorRegistry()
         self.sinks = build_sinks(config, None)
         self.sink_failures: dict[str, int] = {}
@@ -126,7 +130,7 @@ class Supervisor(Listening):
             await self.processes.spawn_all()
             first = await self.collect()
             if first is not None:
-                publish(self.sinks.all, first, self.sink_failures)
+                self._publish(first)
             admin = Admin(
                 self.fleet,
                 self.sinks.latest,
@@ -163,17 +167,18 @@ class Supervisor(Listening):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.processes.stop(self.config.shutdown_grace_seconds + 10.0)
-        finals = []
         for worker in self.workers:
             try:
-                finals.append(UsageSnapshot.from_json(orjson.loads(worker.paths.final.read_bytes())))
+                final = WorkerReport.from_json(orjson.loads(worker.paths.final.read_bytes()))
             except (OSError, ValueError, KeyError):
-                if worker.last is not None:
-                    self.memory.retire(worker.last)
-        final = self._combine(finals)
-        publish(self.sinks.all, final, self.sink_failures)
+                # Its last report taken is its last word.
+                self.combiner.drop(worker.index)
+            else:
+                self.combiner.update(worker.index, final)
+        final_snapshot = self._combine(self._published)
+        self._publish(final_snapshot)
         if self.sinks.push is not None:
-            await self.sinks.push.flush(final)
+            await self.sinks.push.flush(final_snapshot)
             await self.sinks.push.close()
         await self._teardown()
 
@@ -213,7 +218,7 @@ class Supervisor(Listening):
 
     def _lost(self, worker: Worker, status: int) -> None:
         """Say what a worker that died took with it, and take its last figures into the totals."""
-        cut = sum(r.in_flight for r in worker.last.replicas) if worker.last is not None else 0
+        cut = self.combiner.in_flight(worker.index) or 0
         log.error(
             "worker %d (pid %d) exited with status %s; restarting it. Its requests in flight (%d at its "
             "last report) were cut off, and usage it saw since then is lost: replicas are watched anew "
@@ -223,40 +228,49 @@ class Supervisor(Listening):
             status,
             cut,
         )
-        if worker.last is not None:
-            self.memory.retire(worker.last)
-            worker.last = None
+        self.combiner.drop(worker.index)
         retire(self.retired, worker.report)
         worker.report = None
 
     # Usage ---------------------------------------------------------------------------
 
-    async def collect(self) -> UsageSnapshot | None:
-        """Every live worker's snapshot now, combined; None if one did not answer."""
+    async def collect(self, since: int | None = None) -> UsageSnapshot | None:
+        """Every live worker's report now, combined; None if one did not answer.
+
+        Each worker says what changed since its report last taken, and only
+        the replicas some worker changed are combined again. `since`: the seq
+        of an earlier combined snapshot, whose changes the new one carries.
+        """
         live = [w for w in self.workers if w.live]
-        answers = await asyncio.gather(*(w.call("GET", SNAPSHOT_PATH) for w in live), return_exceptions=True)
-        snapshots = []
+        answers = await asyncio.gather(
+            *(w.call("GET", SNAPSHOT_PATH + _since(self.combiner.since(w.index))) for w in live),
+            return_exceptions=True,
+        )
+        failed = False
         for worker, answer in zip(live, answers, strict=True):
             if isinstance(answer, BaseException) or answer[0] != 200:
                 if worker.live:
                     self.collect_failures += 1
                     log.warning("worker %d did not report its usage: %r", worker.index, answer)
-                    return None
+                    failed = True
                 continue  # it died meanwhile; its totals were retired
-            worker.last = UsageSnapshot.from_json(orjson.loads(answer[1]))
-            snapshots.append(worker.last)
-        return self._combine(snapshots)
+            if worker.live:
+                self.combiner.update(worker.index, WorkerReport.from_json(orjson.loads(answer[1])))
+        return None if failed else self._combine(since)
 
-    def _combine(self, snapshots: list[UsageSnapshot]) -> UsageSnapshot:
+    def _combine(self, since: int | None = None) -> UsageSnapshot:
         config = self.config
-        return combine(
-            snapshots,
-            self.memory,
+        return self.combiner.snapshot(
             router=config.router_name,
             started_at=self.started_at,
             generated_at=self._wall(),
             tick_seconds=config.tick_seconds,
+            since=since,
         )
+
+    def _publish(self, snapshot: UsageSnapshot) -> None:
+        publish(self.sinks.all, snapshot, self.sink_failures)
+        self._published = snapshot.seq
 
     async def _tick_forever(self) -> None:
         loop = asyncio.get_running_loop()
@@ -268,14 +282,14 @@ class Supervisor(Listening):
                 next_at = loop.time()
             began = time.perf_counter()
             try:
-                snapshot = await self.collect()
+                snapshot = await self.collect(since=self._published)
             except Exception:
                 log.exception("usage collection failed")
                 continue
             # A tick whose workers did not all answer publishes nothing: the
             # previous snapshot stays, and its age says so.
             if snapshot is not None:
-                publish(self.sinks.all, snapshot, self.sink_failures)
+                self._publish(snapshot)
             self.last_tick_seconds = time.perf_counter() - began
 
     # Changes and metrics -----------------------------------------------------------------
@@ -306,7 +320,12 @@ class Supervisor(Listening):
         own = await loop.run_in_executor(None, generate_latest, self.registry)
         extra = CollectorRegistry()
         extra.register(MergedCollector(self.families, merged))
-        return own + generate_latest(extra)
+        return own + generate_latest(extra) + self.sinks.exposition()
+
+
+def _since(taken: tuple[int, int] | None) -> str:
+    """The query asking a worker for what changed since its report last taken."""
+    return "" if taken is None else f"?since={taken[0]}.{taken[1]}"
 
 
 class _WorkerCollector(Collector):
@@ -333,8 +352,9 @@ class _WorkerCollector(Collector):
             labels=["worker"],
         )
         for worker in s.workers:
-            if worker.live and worker.last is not None:
-                in_flight.add_metric([str(worker.index)], sum(r.in_flight for r in worker.last.replicas))
+            reported = s.combiner.in_flight(worker.index)
+            if worker.live and reported is not None:
+                in_flight.add_metric([str(worker.index)], reported)
         yield in_flight
         yield CounterMetricFamily(
             "router_worker_usage_collect_failures",
@@ -354,6 +374,7 @@ async def serve_workers(
     """`router serve --workers N`: run until SIGTERM/SIGINT; SIGHUP reloads the replicas."""
     supervisor = Supervisor(config, config_path=config_path, workers=workers, log_level=log_level)
     await supervisor.start()
+    freeze_start_up()
     await run_until_signalled(
         supervisor,
         stop_server=supervisor.stop,

@@ -18,7 +18,7 @@ import uvloop
 
 from router.core.config import Config, load_config
 from router.core.errors import ConfigError
-from router.run.app import RouterServer
+from router.run.app import RouterServer, freeze_start_up
 from router.run.logs import install as install_request_ids
 from router.run.workers.state import Paths, load_state
 
@@ -77,6 +77,7 @@ async def _run_worker(config: Config, runtime: Path, index: int) -> None:
     paths = Paths(runtime, index)
     server = RouterServer(config, worker_socket=str(paths.socket))
     await server.start(before_clients=lambda: load_state(server, paths.state))
+    freeze_start_up()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

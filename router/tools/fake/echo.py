@@ -1,4 +1,4 @@
-"""The other endpoints vLLM and SGLang serve (rerank, score, pooling, classify, tokenize, audio, images).
+"""The other endpoints the engines serve (rerank, score, pooling, classify, tokenize, audio, images, ...).
 
 Each answers with an echo that says which replica served and what body
 arrived: its length and SHA-256, so that a test can check it came byte
@@ -15,23 +15,27 @@ from typing import TYPE_CHECKING
 import orjson
 from aiohttp import web
 
+from router.core.engines import ROUTED_PATHS
+
 if TYPE_CHECKING:
     from router.tools.fake.replica import FakeReplica
 
-# Paths answered with an echo of what arrived (JSON bodies).
-ECHOED = (
-    "/v1/rerank",
-    "/rerank",
-    "/v2/rerank",
-    "/v1/score",
-    "/score",
-    "/pooling",
-    "/classify",
-    "/tokenize",
-    "/detokenize",
-    "/v1/images/generations",
+TRANSCRIBED = ("/v1/audio/transcriptions", "/v1/audio/translations", "/audio/transcriptions")
+# The routed paths with an answer of their own (inference.py, responses.py, messages.py, speech below).
+_ANSWERED = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/audio/speech",
+        *TRANSCRIBED,
+    }
 )
-TRANSCRIBED = ("/v1/audio/transcriptions", "/v1/audio/translations")
+# Every other path an engine serves (router.core.engines) is answered with an echo of what arrived (JSON bodies).
+ECHOED = tuple(path for path in ROUTED_PATHS if path not in _ANSWERED)
 
 
 class Echo:

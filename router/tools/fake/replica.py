@@ -22,6 +22,7 @@ from aiohttp import web
 
 from router.tools.fake.echo import ECHOED, TRANSCRIBED, Echo
 from router.tools.fake.inference import Inference
+from router.tools.fake.messages import Messages
 from router.tools.fake.responses import ResponsesApi
 from router.tools.fake.switches import Behaviour, Seen
 
@@ -52,6 +53,8 @@ class FakeReplica:
     cached_tokens: int = 0
     # Larger request bodies get 413: at least what a router in front lets through.
     max_body_bytes: int = 64 * 1024 * 1024
+    # Fields of the model cards in this replica's /v1/models, as vLLM's carry them (max_model_len, root).
+    card: dict[str, Any] = field(default_factory=dict)
     _runner: web.AppRunner | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -64,6 +67,9 @@ class FakeReplica:
         app.router.add_post("/v1/embeddings", inference.embeddings)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/responses", responses.create)
+        messages = Messages(self)
+        app.router.add_post("/v1/messages", messages.create)
+        app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
         app.router.add_get("/v1/responses/{id}", responses.stored)
         app.router.add_post("/v1/responses/{id}/cancel", responses.stored)
         app.router.add_get("/v1/responses/{id}/input_items", responses.stored)
@@ -72,6 +78,7 @@ class FakeReplica:
         for path in TRANSCRIBED:
             app.router.add_post(path, echo.transcribe)
         app.router.add_post("/v1/audio/speech", echo.speech)
+        app.router.add_get("/v1/realtime", self._realtime)
         app.router.add_get("/health", self._health)
         # What SGLang's and vLLM's own routers probe before they route (bench/compare.py).
         app.router.add_get("/get_model_info", self._engine_info)
@@ -170,11 +177,34 @@ class FakeReplica:
             return web.Response(status=503, text="unhealthy")
         return web.Response(text="ok")
 
+    async def _realtime(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's realtime API over WebSocket: session.created first, then every message echoed back."""
+        if self.record:
+            self.remember(request, b"")
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        self.active += 1
+        try:
+            created = {"type": "session.created", "model": request.query.get("model"), "served_by": self.name}
+            await ws.send_bytes(orjson.dumps(created))
+            async for message in ws:
+                if message.type == web.WSMsgType.TEXT:
+                    if message.data == "close":
+                        await ws.close()
+                    else:
+                        await ws.send_str(message.data)
+                elif message.type == web.WSMsgType.BINARY:
+                    await ws.send_bytes(message.data)
+        finally:
+            self.active -= 1
+            self.completed += 1
+        return ws
+
     async def _engine_info(self, request: web.Request) -> web.Response:
         model = self.models[0]
         info = {"model_path": model, "tokenizer_path": self.tokenizer_path or model, "is_generation": True}
         return web.Response(body=orjson.dumps(info), content_type="application/json")
 
     async def _models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": self.name} for m in self.models]
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": self.name, **self.card} for m in self.models]
         return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")

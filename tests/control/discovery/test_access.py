@@ -23,6 +23,7 @@ from tests.control.discovery.recorded import SETTINGS
         ({"kubernetes": {"selector": "a=b"}}, "discovery.kubernetes.port", "is required"),
         ({"kubernetes": {"selector": "a=b", "port": 70000}}, "discovery.kubernetes.port", "1-65535"),
         ({"kubernetes": {"selector": "a=b", "port": "Http"}}, "discovery.kubernetes.port", "port name"),
+        ({"kubernetes": {"selector": "a=b", "port": "p" * 64}}, "discovery.kubernetes.port", "port name"),
         (
             {"kubernetes": {"selector": "a=b", "port": 1, "namespace": "Bad_NS"}},
             "discovery.kubernetes.namespace",
@@ -55,6 +56,13 @@ from tests.control.discovery.recorded import SETTINGS
 def test_discovery_config_mistakes_name_the_key(table: dict[str, Any], key: str, problem: str) -> None:
     with pytest.raises(ConfigError, match=rf"^<test>: {key}: .*{problem}"):
         parse_config({"discovery": table}, "<test>", environ={})
+
+
+def test_a_port_name_is_a_dns_label_of_up_to_63_characters_or_empty() -> None:
+    """discovery/v1's EndpointPort.name: "" for a Service's one unnamed port, else a DNS label."""
+    for name in ("", "p" * 63, "http-metrics-of-a-long-service-name"):
+        config = parse_config({"discovery": {"kubernetes": {"selector": "a=b", "port": name}}}, "<test>", environ={})
+        assert config.discovery is not None and config.discovery.port == name
 
 
 def test_discovery_and_static_replicas_are_refused_together() -> None:

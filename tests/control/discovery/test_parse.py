@@ -269,3 +269,22 @@ def test_a_watch_event_without_a_type_or_a_named_object_is_malformed() -> None:
         read_event({"type": "DELETED", "raw_object": {"metadata": {"resourceVersion": "3"}}}, "Pod")
     unknown = read_event({"type": "SURPRISE", "raw_object": None}, "Pod")
     assert (unknown.type, unknown.name, unknown.version) == ("SURPRISE", None, None)
+
+
+def test_a_ready_endpoint_that_is_not_serving_is_no_replica() -> None:
+    """publishNotReadyAddresses makes every endpoint ready; serving false still says the pod is not."""
+    item = _llama()
+    for endpoint in item["endpoints"]:
+        endpoint["conditions"] = {"ready": True, "serving": False, "terminating": False}
+    assert read_slice(item, SETTINGS, "models").members == ()
+
+
+def test_the_unnamed_port_of_a_service_is_looked_up_by_the_empty_name() -> None:
+    """A Service with one unnamed port gives its slices a port named "" (or no name at all)."""
+    item = _llama()
+    item["ports"] = [{"port": 8000, "protocol": "TCP"}]
+    unnamed = KubernetesDiscovery(selector="x", port="")
+    assert {m.config.url.rsplit(":", 1)[1] for m in read_slice(item, unnamed, "models").members} == {"8000"}
+    item["ports"] = [{"name": "", "port": 8001}]
+    assert {m.config.url.rsplit(":", 1)[1] for m in read_slice(item, unnamed, "models").members} == {"8001"}
+    assert read_slice(item, SETTINGS, "models").problem == "has no port named 'http'"

@@ -1,0 +1,76 @@
+"""What the engines say of a model in their `/v1/models`: the fields of its card the catalog passes on.
+
+vLLM's model card carries `max_model_len`, `root` (the path the weights came
+from) and `parent` (a LoRA adapter's base model); SGLang's, `max_model_len` and
+`root`; llama.cpp's, none of them. The router's own `/v1/models` answers these
+for each model and its aliases. A card not read yet is unknown and its fields
+are left out, never made up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Card:
+    """The fields of a model's card that some replica of it reported; None: not reported."""
+
+    max_model_len: int | None = None
+    root: str | None = None
+    parent: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The fields known, as /v1/models carries them."""
+        out: dict[str, Any] = {}
+        if self.max_model_len is not None:
+            out["max_model_len"] = self.max_model_len
+        if self.root is not None:
+            out["root"] = self.root
+        if self.parent is not None:
+            out["parent"] = self.parent
+        return out
+
+
+def read_card(doc: object, model: str) -> Card | None:
+    """The card of `model` in a replica's /v1/models answer; None when it has none to give.
+
+    The entry whose id is the model's name (the engine is sent that name, so it
+    serves under it); failing that, the answer's only entry. Fields of the wrong
+    type are left out, as the engine did not say them.
+    """
+    if not isinstance(doc, dict):
+        return None
+    data = doc.get("data")
+    if not isinstance(data, list):
+        return None
+    entries = [entry for entry in data if isinstance(entry, dict)]
+    chosen = next((entry for entry in entries if entry.get("id") == model), None)
+    if chosen is None and len(entries) == 1:
+        chosen = entries[0]
+    if chosen is None:
+        return None
+    length = chosen.get("max_model_len")
+    root = chosen.get("root")
+    parent = chosen.get("parent")
+    return Card(
+        length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None,
+        root if isinstance(root, str) else None,
+        parent if isinstance(parent, str) else None,
+    )
+
+
+class Cards:
+    """The cards read so far, by model: the last read of any of its replicas wins."""
+
+    __slots__ = ("_by_model",)
+
+    def __init__(self) -> None:
+        self._by_model: dict[str, Card] = {}
+
+    def get(self, model: str) -> Card | None:
+        return self._by_model.get(model)
+
+    def put(self, model: str, card: Card) -> None:
+        self._by_model[model] = card

@@ -1,0 +1,207 @@
+"""WebSocket sessions (vLLM's /v1/realtime): routed by the query's model, then bytes both ways.
+
+A GET that asks to upgrade to a WebSocket, on a path of `upgrade_paths`, is
+routed by the query's `model` (else default_model, else the only model
+served), relayed to a replica of that model, and after the replica's 101 the
+two connections are joined: whatever either side sends reaches the other,
+until either closes. The session counts as a request in flight on its replica
+for its whole length (the replica is in use: never idle while it is open),
+and a draining router waits for it as for a stream. Both idle rules hold: no
+byte either way for upstream_idle_timeout_seconds, or a side that takes none
+of what it is sent for write_stall_timeout_seconds, ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from urllib.parse import parse_qsl, urlencode
+
+from router.core.config import Config
+from router.core.errors import BadRequest, ModelNotFound, NoReplicaAvailable, UpstreamConnectError, quoted
+from router.core.pool import Pool
+from router.core.replicas import Replica
+from router.gateway.access_log import current_entry
+from router.gateway.answers import error_response, replica_answer
+from router.gateway.catalog import Routes
+from router.gateway.keys import ApiKeys
+from router.http.client import ConnectFailed, ConnectionBroken, HeadTimeout
+from router.http.client.upgrade import Answer, upgrade
+from router.http.headers import RESPONSE_HEADERS, HeaderFilter
+from router.http.messages import Request
+from router.http.pipe import Pipe
+from router.http.writer import Writer
+
+log = logging.getLogger("router.gateway.tunnel")
+
+
+def asks_websocket(request: Request) -> bool:
+    """The server's upgrade check for upgrade_paths: a GET that asks for a WebSocket."""
+    value = request.header(b"upgrade")
+    return request.method == "GET" and value is not None and b"websocket" in value.lower()
+
+
+class Tunnels:
+    def __init__(self, config: Config, pool: Pool, routes: Routes, keys: ApiKeys, forwarded: HeaderFilter) -> None:
+        self.pool = pool
+        self.routes = routes
+        self.keys = keys
+        self._forwarded = forwarded
+        self._connect_timeout = config.connect_timeout_seconds
+        self._head_timeout = config.first_byte_timeout_seconds
+        self._idle = config.upstream_idle_timeout_seconds
+        self._stall = config.write_stall_timeout_seconds
+        self._attempts = config.max_attempts
+
+    async def serve(self, request: Request, writer: Writer) -> None:
+        try:
+            self.keys.check(request)
+            requested, model, query = self._model(request)
+            if (entry := current_entry.get()) is not None:
+                entry.model = requested
+            refused: set[Replica] = set()
+            last = ""
+            for _ in range(self._attempts):
+                replica = self.pool.acquire(model, None, refused, None)
+                if replica is None:
+                    break
+                try:
+                    answer = await self._open(request, replica, model, requested, query)
+                    if answer is None:
+                        refused.add(replica)
+                        last = f"cannot connect to replica {replica.id}"
+                        continue
+                    await self._answered(writer, replica, answer)
+                    return
+                finally:
+                    self.pool.release(replica)
+            raise NoReplicaAvailable(
+                f"No replica of {quoted(model)} can take the session now"
+                + (f" (last failure: {last})." if last else "."),
+                retry_after=self.pool.retry_after((model,)),
+            )
+        except (BadRequest, ModelNotFound, NoReplicaAvailable, UpstreamConnectError) as exc:
+            writer.answer(error_response(exc))
+        except ConnectionBroken as exc:
+            writer.answer(error_response(UpstreamConnectError(f"The replica broke off the upgrade: {exc}")))
+        except HeadTimeout as exc:
+            writer.answer(error_response(UpstreamConnectError(f"The replica did not answer the upgrade: {exc}")))
+
+    def _model(self, request: Request) -> tuple[str, str, list[tuple[str, str]]]:
+        """(the name asked for, the model it leads to, the query's fields)."""
+        _, _, raw = request.target.partition(b"?")
+        query = parse_qsl(raw.decode("latin-1"), keep_blank_values=True)
+        named = next((value for name, value in query if name == "model"), None)
+        requested = named or self.routes.unnamed(self.pool)
+        model = self.routes.aliases.get(requested, requested)
+        if not self.pool.serves(model) and model not in self.routes.declared:
+            raise ModelNotFound(f"The model {quoted(requested)} does not exist or no replica serves it.", param="model")
+        return requested, model, query
+
+    async def _open(
+        self, request: Request, replica: Replica, model: str, requested: str, query: list[tuple[str, str]]
+    ) -> Answer | None:
+        """The replica's answer to the upgrade; None when it cannot be reached (another may be tried)."""
+        target = request.target
+        if requested != model and query:
+            # The engine must see the name it serves, as a body's model is rewritten.
+            fields = [(name, model if name == "model" else value) for name, value in query]
+            target = request.path.encode("utf-8", "surrogateescape") + b"?" + urlencode(fields).encode()
+        upgrade_value = request.header(b"upgrade") or b"websocket"
+        origin = replica.origin
+        head = b"".join(
+            (
+                b"GET ",
+                origin.prefix,
+                target,
+                b" HTTP/1.1\r\nHost: ",
+                origin.host_header,
+                b"\r\nX-Request-Id: ",
+                request.request_id,
+                b"\r\nConnection: Upgrade\r\nUpgrade: ",
+                upgrade_value,
+                b"\r\n",
+                self._forwarded.framed(request.raw_headers),
+                b"\r\n",
+            )
+        )
+        if (entry := current_entry.get()) is not None:
+            entry.attempts += 1
+            entry.served_model = model
+            entry.replica = replica.id
+        try:
+            answer = await upgrade(origin, head, connect_timeout=self._connect_timeout, head_timeout=self._head_timeout)
+        except ConnectFailed:
+            # Nothing reached the replica: not one of its requests.
+            replica.connects_failed += 1
+            self.pool.count_failure(replica, "connect")
+            self.pool.record_failure(replica)
+            return None
+        except (ConnectionBroken, HeadTimeout):
+            replica.requests += 1
+            raise
+        replica.requests += 1
+        return answer
+
+    async def _answered(self, writer: Writer, replica: Replica, answer: Answer) -> None:
+        self.pool.count_response(replica, answer.status)
+        pipe = answer.pipe
+        if pipe is None:
+            # The replica would not switch: its answer is the client's.
+            writer.answer(
+                replica_answer(answer.status, answer.reason, answer.body, RESPONSE_HEADERS.kept(answer.headers))
+            )
+            return
+        self.pool.record_success(replica)
+        headers = RESPONSE_HEADERS.kept(answer.headers)
+        upgraded = next((value for name, value in answer.headers if name.lower() == b"upgrade"), b"websocket")
+        headers += [(b"Connection", b"Upgrade"), (b"Upgrade", upgraded)]
+        client = writer.switch(101, answer.reason, headers)
+        if client is None:
+            pipe.close()
+            writer.answer(error_response(BadRequest("This request cannot be switched to a WebSocket.")))
+            return
+        await self._join(client, pipe, replica)
+
+    async def _join(self, client: Pipe, upstream: Pipe, replica: Replica) -> None:
+        """Both ways until either side ends, or the session goes idle, or a side stalls."""
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self._carry(client, upstream)), loop.create_task(self._carry(upstream, client))]
+        watch = loop.create_task(self._watch_idle(client, upstream))
+        try:
+            await asyncio.wait([*tasks, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (*tasks, watch):
+                task.cancel()
+            await asyncio.gather(*tasks, watch, return_exceptions=True)
+            upstream.close()
+            client.close()
+            log.debug("session on replica %s ended", replica.id)
+
+    async def _carry(self, source: Pipe, sink: Pipe) -> None:
+        """`source`'s bytes to `sink`, as they come, until `source` ends; a stalled sink ends it."""
+        while data := await source.read():
+            if sink.write(data):
+                try:
+                    async with asyncio.timeout(self._stall):
+                        await sink.drain()
+                except TimeoutError:
+                    if (entry := current_entry.get()) is not None:
+                        entry.outcome = "stalled"
+                    return
+
+    async def _watch_idle(self, client: Pipe, upstream: Pipe) -> None:
+        """Returns once neither side has sent a byte for the idle timeout."""
+        every = min(max(self._idle / 4, 0.05), 5.0)
+        seen = (client.received, upstream.received)
+        since = time.monotonic()
+        while True:
+            await asyncio.sleep(every)
+            now = (client.received, upstream.received)
+            if now != seen:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since > self._idle:
+                if (entry := current_entry.get()) is not None:
+                    entry.outcome = "timeout"
+                return

@@ -1,0 +1,126 @@
+"""WebSocket sessions (vLLM's /v1/realtime) through the real router, with aiohttp's client and server.
+
+Routed by the query's model, relayed to the replica, and after its 101 the
+bytes flow both ways until either side closes; the session counts as in
+flight on its replica the whole time; every other Upgrade is ignored as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+import pytest
+
+from router.core.replicas import Replica
+from router.run.app import RouterServer
+from tests.conftest import StartFake, StartRouter, replica_entry
+from tests.helpers import wait_for
+
+
+def replica(server: RouterServer, rid: str) -> Replica:
+    found = server.pool.get(rid)
+    assert found is not None
+    return found
+
+
+def ws_url(server: RouterServer, query: str = "") -> str:
+    return server.client_url.replace("http://", "ws://") + "/v1/realtime" + query
+
+
+async def test_a_session_reaches_the_replica_of_the_query_model_and_carries_both_ways(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    small, large = await start_fake("small"), await start_fake("large")
+    server = await start_router([replica_entry("s", small), replica_entry("l", large)])
+    async with aiohttp.ClientSession() as session, session.ws_connect(ws_url(server, "?model=large")) as ws:
+        created = orjson.loads(await ws.receive_bytes())
+        assert created == {"type": "session.created", "model": "large", "served_by": large.name}
+        # In flight on its replica for the whole session: never idle while it is open.
+        assert replica(server, "l").in_flight == 1 and replica(server, "l").last_used is not None
+        for i in range(20):
+            await ws.send_str(f"message {i}")
+            assert await ws.receive_str() == f"message {i}"
+        payload = bytes(range(256)) * 1024
+        await ws.send_bytes(payload)
+        assert await ws.receive_bytes() == payload
+    await wait_for(lambda: replica(server, "l").in_flight == 0)
+    assert small.seen == [] and [seen.path for seen in large.seen] == ["/v1/realtime?model=large"]
+
+
+async def test_the_replica_closing_ends_the_clients_session(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with aiohttp.ClientSession() as session, session.ws_connect(ws_url(server)) as ws:
+        # No model in the query: the only model served.
+        assert orjson.loads(await ws.receive_bytes())["served_by"] == fake.name
+        await ws.send_str("close")
+        message = await ws.receive()
+        assert message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+    await wait_for(lambda: replica(server, "r0").in_flight == 0 and fake.active == 0)
+
+
+async def test_an_alias_in_the_query_reaches_the_engine_under_the_models_name(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("whisper-large")
+    server = await start_router([replica_entry("r0", fake)], models={"whisper-large": {"aliases": ["asr"]}})
+    async with aiohttp.ClientSession() as session, session.ws_connect(ws_url(server, "?model=asr&x=1")) as ws:
+        assert orjson.loads(await ws.receive_bytes())["model"] == "whisper-large"
+
+
+async def test_an_unknown_model_is_404_and_no_session(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await session.ws_connect(ws_url(server, "?model=nope"))
+        assert refused.value.status == 404
+    assert fake.seen == []
+
+
+async def test_a_session_idle_both_ways_is_ended(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], upstream_idle_timeout_seconds=0.3)
+    async with aiohttp.ClientSession() as session, session.ws_connect(ws_url(server), autoping=False) as ws:
+        await ws.receive_bytes()
+        message = await asyncio.wait_for(ws.receive(), timeout=10)
+        assert message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING)
+    await wait_for(lambda: replica(server, "r0").in_flight == 0)
+
+
+async def test_a_draining_router_waits_for_an_open_session(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)], shutdown_grace_seconds=10)
+    async with aiohttp.ClientSession() as session, session.ws_connect(ws_url(server)) as ws:
+        await ws.receive_bytes()
+        stopping = asyncio.get_running_loop().create_task(server.stop())
+        await asyncio.sleep(0.2)
+        # Still carried while the router drains.
+        await ws.send_str("still here")
+        assert await ws.receive_str() == "still here"
+        assert not stopping.done()
+        await ws.close()
+    await asyncio.wait_for(stopping, timeout=10)
+
+
+async def test_another_upgrade_is_ignored_as_before(start_fake: StartFake, start_router: StartRouter) -> None:
+    """An Upgrade elsewhere (or not to a WebSocket) is answered in HTTP/1.1, and the connection goes on."""
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    assert server.client_address is not None
+    host, port = server.client_address
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        answers = b""
+        while answers.count(b"HTTP/1.1 200") < 2:
+            chunk = await asyncio.wait_for(reader.read(65536), timeout=10)
+            assert chunk
+            answers += chunk
+    finally:
+        writer.close()
