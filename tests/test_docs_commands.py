@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,3 +229,39 @@ def test_the_walkthroughs_commands_run_as_written(path: Path, tmp_path: Path) ->
             assert said in printed, f"{block.where}: no {said!r} in\n{printed}"
         ran += 1
     assert ran, f"{path}: every block skipped"
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors GitHub makes of a Markdown file's headings."""
+    found, code = set(), False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            code = not code
+        elif not code and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return found
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_between_the_docs_reaches_a_file_and_a_heading(path: Path) -> None:
+    """What moved between the README and docs/ is still where the links say."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        name, _, anchor = target.partition("#")
+        linked = (path.parent / name).resolve() if name else path
+        assert linked.exists(), f"{path.relative_to(ROOT)}: {target}: no such file"
+        if anchor and linked.suffix == ".md":
+            assert anchor in anchors(linked), f"{path.relative_to(ROOT)}: {target}: no such heading"
+
+
+def test_the_readmes_configuration_examples_are_each_a_valid_config() -> None:
+    """The README's TOML blocks are whole configs a router would start with, not fragments that drifted."""
+    from router.core.config import parse_config
+
+    blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks
+    for block in blocks:
+        parse_config(tomllib.loads(block), "README.md", environ={})

@@ -122,7 +122,7 @@ class ModelConfig:
 
 # Each setting is declared once, as a field of Config below: its type and
 # default, and in its metadata how it is read from TOML (bounds included)
-# and the line of help that the README's configuration block carries
+# and the line of help that docs/configuration.md's block carries
 # (tests/core/test_config.py holds the two together). The keys a config file may
 # hold, their validation and their defaults all derive from these fields,
 # so a new setting is one line.

@@ -60,7 +60,7 @@ class ScalerSettings:
     tls_client_ca: str = ""
 
 
-# Each key: its help line (README's [scaler] block holds the same), and its parser.
+# Each key: its help line (docs/kubernetes.md's [scaler] block holds the same), and its parser.
 HELP = {
     "servers": "admin addresses of every router (host:port or URL)",
     "servers_from_dns": 'or "host:port" resolved each round to every router pod (a headless Service)',

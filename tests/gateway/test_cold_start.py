@@ -423,7 +423,7 @@ async def test_sigterm_answers_held_requests_at_once(serve: Serve) -> None:
 async def test_the_example_wake_receiver_starts_a_replica_and_the_held_request_is_served(
     start_router: StartRouter,
 ) -> None:
-    """deploy/scale-from-zero/wake_receiver.py, the README's example, end to end."""
+    """deploy/scale-from-zero/wake_receiver.py, docs/scale-from-zero.md's example, end to end."""
     import sys
 
     from tests.deploy.receiver import wake_receiver
