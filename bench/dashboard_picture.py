@@ -1,6 +1,6 @@
 """Draw deploy/grafana/router.json's main panels from a real Prometheus' answers, as a PNG.
 
-Grafana cannot be installed here, so the README's picture of the dashboard is
+Grafana cannot be installed here, so the picture of the dashboard (README, docs/operations.md) is
 drawn with matplotlib from the answers Prometheus gave to the dashboard's own
 queries in tests/deploy/observability/test_prometheus.py (a real Prometheus scraping
 real routers under a short mixed load), which writes them when asked:

@@ -62,7 +62,9 @@ def replica_rows(snapshot: UsageSnapshot, now: float) -> list[dict[str, Any]]:
                 "url": r.url,
                 "state": r.state,
                 "in_flight": r.in_flight,
+                # Requests that reached the replica; connections to it that failed are apart.
                 "requests": r.requests,
+                "connects_failed": r.connects_failed,
                 # Attempts that got no usable answer (connect, reset, timeout, a refusing status).
                 "errors": sum(r.errors.values()),
                 "last_used": r.last_used,

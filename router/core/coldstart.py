@@ -290,6 +290,7 @@ class Hold:
     __slots__ = (
         "deadline",
         "model",
+        "outcome",
         "seq",
         "since",
         "_cold_start",
@@ -317,6 +318,9 @@ class Hold:
         self._entered = False
         # Why it ended without a replica: "timeout" or "shutdown".
         self._ended: str | None = None
+        # How it ended, once it has (served, timeout, client_gone, shutdown), as tallied;
+        # None before, or after an error of the caller's own.
+        self.outcome: str | None = None
 
     def held_seconds(self) -> float:
         """How long the request has been held."""
@@ -373,5 +377,6 @@ class Hold:
         else:
             # An error of the caller's own: it answers the client, no outcome is counted.
             outcome = None
+        self.outcome = outcome
         if outcome is not None:
             self._cold_start.tallies.hold_ended(self.model, outcome)

@@ -130,7 +130,7 @@ class ModelConfig:
 
 # Each setting is declared once, as a field of Config below: its type and
 # default, and in its metadata how it is read from TOML (bounds included)
-# and the line of help that the README's configuration block carries
+# and the line of help that docs/configuration.md's block carries
 # (tests/core/test_config.py holds the two together). The keys a config file may
 # hold, their validation and their defaults all derive from these fields,
 # so a new setting is one line.
@@ -426,7 +426,7 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
     env = os.environ if environ is None else environ
     for key in raw:
         if key not in _TOP_KEYS and key not in _OTHER_COMMANDS_TABLES:
-            raise where.error(key, "unknown key")
+            raise check.unknown_key(where, key, key, _TOP_KEYS | _OTHER_COMMANDS_TABLES)
     values: dict[str, Any] = {}
     for key, (default, setting) in _SETTINGS.items():
         value = setting.parse(where, key, raw[key]) if key in raw else default
@@ -524,6 +524,18 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> C
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
     return parse_config(raw, source, environ)
+
+
+def check_files(config: Config) -> None:
+    """The files the config names, tried before anything starts: a problem is one line naming the key, as for any."""
+    target = config.access_log
+    if target and target != "-":
+        try:
+            # As the access log opens it; a file that was not there is made, as it would be a moment later.
+            os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640))
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise ConfigError(f"{config.source}: access_log: cannot open {target!r} for appending: {reason}") from exc
 
 
 def replicas_where(source: str) -> check.Where:

@@ -9,8 +9,10 @@ router's config (router.core.config) and the scaler's table
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -128,8 +130,14 @@ def table(where: Where, key: str, value: object, allowed: set[str]) -> dict[str,
         raise where.error(key, f"must be a table, got {type_name(value)}")
     for name in value:
         if name not in allowed:
-            raise where.error(f"{key}.{name}", "unknown key")
+            raise unknown_key(where, f"{key}.{name}", name, allowed)
     return value
+
+
+def unknown_key(where: Where, key: str, name: str, known: Iterable[str]) -> ConfigError:
+    """`key` is no setting: the error, with the one it most likely means (`tick_second`: `tick_seconds`)."""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return where.error(key, f"unknown key (did you mean {close[0]!r}?)" if close else "unknown key")
 
 
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")

@@ -2,6 +2,7 @@
 
     RouterError
     ├── ConfigError              a config file or pushed replica set is invalid
+    │   └── CannotListen         an address of the config is in use, or not this host's
     └── ClientFacingError        becomes one OpenAI-shaped error body (proxy.py)
         ├── BadRequest           400 invalid_request_error
         ├── Unauthorized         401 invalid_api_key
@@ -24,6 +25,8 @@ tree into response bodies, in one place.
 
 from __future__ import annotations
 
+import os
+
 # What a message quotes of a name the client sent: enough to recognise it,
 # never the megabyte a client may send as a model name or a response id.
 QUOTED_CHARS = 256
@@ -43,6 +46,17 @@ class RouterError(Exception):
 
 class ConfigError(RouterError):
     """One line naming the source, the key and the problem."""
+
+
+class CannotListen(ConfigError):
+    """An address the config names (`key`: listen, admin_listen) cannot be listened on: in use, or not this host's."""
+
+    def __init__(self, source: str, key: str, address: str, exc: OSError) -> None:
+        # The OS's words, without asyncio's "error while attempting to bind on address (...)".
+        self.reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        self.key = key
+        self.address = address
+        super().__init__(f"{source}: {key}: cannot listen on {address}: {self.reason}")
 
 
 class ClientFacingError(RouterError):

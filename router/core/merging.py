@@ -29,6 +29,7 @@ from typing import Any
 
 from router.core.records import Changes, Follower, RecordBook
 from router.core.replicas import ReplicaState
+from router.core.tallies import bounded_unserved
 from router.core.usage import Demand, Queued, ReplicaUsage, UsageSnapshot, record_from_json, record_json
 
 Key = tuple[str, str, str]  # (id, url, model): one replica; an id whose URL changed is another
@@ -39,6 +40,7 @@ class _Totals:
     """Counters that only grow: per replica, and per model for the tallies."""
 
     requests: int = 0
+    connects_failed: int = 0
     ejections: int = 0
     recoveries: int = 0
     responses: dict[str, int] = field(default_factory=dict)
@@ -46,6 +48,7 @@ class _Totals:
 
     def add(self, r: ReplicaUsage | _Totals) -> None:
         self.requests += r.requests
+        self.connects_failed += r.connects_failed
         self.ejections += r.ejections
         self.recoveries += r.recoveries
         _add_into(self.responses, r.responses)
@@ -59,6 +62,8 @@ class Memory:
     last_used: dict[Key, float] = field(default_factory=dict)
     retired: dict[Key, _Totals] = field(default_factory=dict)
     retired_tallies: dict[str, dict[Any, int]] = field(default_factory=dict)
+    # The unserved model names shown, in the order they were first merged (tallies.bounded_unserved).
+    unserved_names: dict[str, None] = field(default_factory=dict)
 
     def retire(self, snapshot: UsageSnapshot, records: Iterable[ReplicaUsage] | None = None) -> None:
         """A worker died: its last known totals stay in the sums from now on.
@@ -69,6 +74,8 @@ class Memory:
             self.retired.setdefault(_key(r), _Totals()).add(r)
         for name in _TALLIES:
             _add_into(self.retired_tallies.setdefault(name, {}), getattr(snapshot, name))
+        # Bounded as it is kept: workers that keep dying would each leave their names.
+        self.retired_tallies["unserved"] = bounded_unserved(self.retired_tallies["unserved"], self.unserved_names)
 
     def forget(self, key: Key) -> None:
         """A replica no worker knows any more leaves the memory too."""
@@ -81,7 +88,7 @@ class Memory:
                 del store[key]
 
 
-_TALLIES = ("retries", "fallbacks", "unserved", "stalled", "overloaded", "hold_outcomes", "affinity")
+_TALLIES = ("retries", "fallbacks", "unserved", "stalled", "overloaded", "hold_outcomes", "hold_probes", "affinity")
 
 
 def _key(r: ReplicaUsage) -> Key:
@@ -138,6 +145,7 @@ def _combined(key: Key, parts: list[ReplicaUsage], memory: Memory) -> ReplicaUsa
         errors=MappingProxyType(totals.errors),
         ejections=totals.ejections,
         recoveries=totals.recoveries,
+        connects_failed=totals.connects_failed,
     )
 
 
@@ -175,6 +183,8 @@ def _figures(snapshots: Iterable[UsageSnapshot], memory: Memory) -> Figures:
             )
         for name in _TALLIES:
             _add_into(tallies[name], getattr(snapshot, name))
+    # The workers count every name; the bound on names is the router's, applied to the sums.
+    tallies["unserved"] = bounded_unserved(tallies["unserved"], memory.unserved_names)
     return tallies, demand, queued, queues
 
 
@@ -201,6 +211,7 @@ def _snapshot(
         stalled=MappingProxyType(tallies["stalled"]),
         overloaded=MappingProxyType(tallies["overloaded"]),
         hold_outcomes=MappingProxyType(tallies["hold_outcomes"]),
+        hold_probes=MappingProxyType(tallies["hold_probes"]),
         affinity=MappingProxyType(tallies["affinity"]),
         demand=MappingProxyType(demand),
         queued=MappingProxyType(queued),

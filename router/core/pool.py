@@ -10,7 +10,8 @@ runs per tick or per admin call, never per request.
 The pool is the one door to its parts, each in its own module: the replica
 set and draining (router.core.replicas), ejection (router.core.ejection),
 the cold-start holds (router.core.coldstart), the queue at the limits
-(router.core.queues, in the order of router.core.fairness) and the tallies
+(router.core.queues, in the order of router.core.fairness), the requests
+pinned to one replica (router.core.pinned) and the tallies
 (router.core.tallies). It keeps its own reference to each collection that
 acquire() and release() read, so the hot path reads no more attributes than
 it would if the parts were one class. All of them read one injected clock
@@ -30,6 +31,7 @@ from router.core.config import ReplicaConfig
 from router.core.ejection import EjectionPolicy, Ejections
 from router.core.fairness import Lines
 from router.core.picking import Routing
+from router.core.pinned import PinnedLines
 from router.core.queues import Queues
 from router.core.replicas import Replica, ReplicaSet, ReplicaState, SetDiff
 from router.core.tallies import Tallies
@@ -117,6 +119,8 @@ class Pool:
         )
         # Models whose held requests wait for a replica that answers.
         self._cold = self._cold_start.spells
+        self.pinned = PinnedLines(clock, self._by_id, self._seq.__next__, self.acquire_this, self.release)
+        self._pinned = self.pinned.lines
         # The parts' own doors, as the pool's: a caller reaches them with no call in between.
         self.hold = self._cold_start.hold
         self.end_holds = self._cold_start.end_holds
@@ -125,8 +129,8 @@ class Pool:
         self.held_models = self._cold_start.held_models
         self.acquire_or_wait = self._queues.acquire_or_wait
         self.waiting = self._queues.waiting
-        self.queued = self._queues.queued
         self.queue_figures = self._queues.figures
+        self.is_cold = self._cold.__contains__  # its held requests probe its replicas one at a time now
         self.try_eject = self._ejections.try_eject
         self.eject = self._ejections.eject
         self.readmit = self._ejections.readmit
@@ -167,16 +171,12 @@ class Pool:
         self.in_flight += 1
         candidates.increment(replica)
         replica.in_flight += 1
-        replica.requests += 1
         replica.last_used = self._now()
         self.touched[replica] = None
         return replica
 
     def acquire_this(self, replica_id: str) -> Replica | None:
-        """acquire() of one given replica (the one that keeps a response): None unless it is ready.
-
-        Counted and stamped as acquire() does; the limits apply as well.
-        """
+        """acquire() of one given replica (the one that keeps a response), limits and all: None unless it is ready."""
         replica = self._by_id.get(replica_id)
         if replica is None or replica.state is not ReplicaState.READY:
             return None
@@ -190,7 +190,6 @@ class Pool:
             candidates.increment(replica)
         self.in_flight += 1
         replica.in_flight += 1
-        replica.requests += 1
         replica.last_used = self._now()
         self.touched[replica] = None
         return replica
@@ -203,6 +202,8 @@ class Pool:
         # (decrement() says whether it is a candidate: no `in` asked first, on every request.)
         if (candidates is None or not candidates.decrement(replica)) and replica.removed and replica.in_flight == 0:
             self._leaving.discard(replica)
+        if self._pinned:  # first those that this replica alone may serve: the others may take any
+            self.pinned.released(replica, bool(self.limits.total))
         if self._waiting:
             self._hand_off(replica.model)
             if self.limits.total:
@@ -211,6 +212,12 @@ class Pool:
                     self._hand_off(model)
 
     # Waiting (router.core.queues) ------------------------------------------------
+
+    def queued(self) -> dict[str, int]:
+        """Requests waiting now, by model: in the queue at the limits and for a pinned replica."""
+        counts = self._queues.queued()
+        self.pinned.count_into(counts)
+        return counts
 
     def _hand_off(self, model: str) -> None:
         """Give what `model` can serve now to its waiters, in their order."""

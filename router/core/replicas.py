@@ -38,6 +38,7 @@ class Replica:
         "origin",
         "in_flight",
         "requests",
+        "connects_failed",
         "last_used",
         "added_at",
         "draining",
@@ -58,7 +59,9 @@ class Replica:
         self.base_url = config.url
         self.origin = Origin.parse(config.url)
         self.in_flight = 0
+        # Requests that reached the replica (counted once connected), and connections to it that failed.
         self.requests = 0
+        self.connects_failed = 0
         # Monotonic time of the last request sent here; None until the first one.
         self.last_used: float | None = None
         self.added_at = added_at

@@ -8,15 +8,44 @@ bound.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 # Demand for model names that nobody serves comes from clients and is unbounded;
 # past this many distinct names the rest are tallied under one label value.
 MAX_UNSERVED_NAMES = 100
+# With --workers that bound is the supervisor's, applied once the workers'
+# tallies are merged (`bounded_unserved`): a worker counts this many names
+# exactly, so that a name one worker saw late still adds up whole. Only past
+# this (a client making names up by the thousand) does a worker's count of a
+# shown name fall short.
+WORKER_UNSERVED_NAMES = 10_000
 # ... and so is each name's size: a name is kept (a label, a tally, a row of
 # `ctl status`) only when it could name a model: printable and at most this
 # many bytes. Hugging Face repo ids stop at 96 characters; a local path may
 # run longer, and 256 bytes covers both. Entries times bytes bounds the tally.
 MAX_NAME_BYTES = 256
 OTHER_MODELS = "__other__"
+
+
+def bounded_unserved(counts: Mapping[str, int], kept: dict[str, None]) -> dict[str, int]:
+    """`counts` with at most MAX_UNSERVED_NAMES names, the rest under OTHER_MODELS; each name's count whole.
+
+    `kept` (ordered) are the names shown so far, and gains the new ones while
+    there is room, in the order of `counts`: a name once shown stays shown,
+    and one left out stays out, so that no series comes and goes and the
+    sum under OTHER_MODELS never goes down.
+    """
+    bounded: dict[str, int] = {}
+    other = 0
+    for name, count in counts.items():
+        if name != OTHER_MODELS and (name in kept or len(kept) < MAX_UNSERVED_NAMES):
+            kept[name] = None
+            bounded[name] = count
+        else:
+            other += count
+    if other:
+        bounded[OTHER_MODELS] = other
+    return bounded
 
 
 def keepable_name(name: str) -> bool:
@@ -32,19 +61,26 @@ class Tallies:
         "affinity",
         "fallbacks",
         "hold_outcomes",
+        "hold_probes",
         "last_asked",
+        "max_unserved_names",
         "overloaded",
         "retries",
         "stalled",
         "unserved",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, max_unserved_names: int = MAX_UNSERVED_NAMES) -> None:
+        # Distinct names counted in `unserved` (a worker's: WORKER_UNSERVED_NAMES).
+        self.max_unserved_names = max_unserved_names
         # First picks of the session and prefix policies per model: [hit, spill, none]
         # (picking.AFFINITY_OUTCOMES), counted by the model's policy itself.
         self.affinity: dict[str, list[int]] = {}
         # Held requests' ends, by (model, outcome): served, timeout, overflow, client_gone, shutdown.
         self.hold_outcomes: dict[tuple[str, str], int] = {}
+        # Held requests' tries of a cold model's replicas, by (model, outcome): refused
+        # (connection refused), loading (503), answered (anything else: the request's attempt).
+        self.hold_probes: dict[tuple[str, str], int] = {}
         # Monotonic time a request for the model last found nothing to serve it (held, or refused).
         self.last_asked: dict[str, float] = {}
         self.overloaded: dict[str, int] = {}
@@ -70,8 +106,12 @@ class Tallies:
         key = (model, outcome)
         self.hold_outcomes[key] = self.hold_outcomes.get(key, 0) + 1
 
+    def hold_probed(self, model: str, outcome: str) -> None:
+        key = (model, outcome)
+        self.hold_probes[key] = self.hold_probes.get(key, 0) + 1
+
     def unserved_request(self, model: str) -> None:
-        if model not in self.unserved and (len(self.unserved) >= MAX_UNSERVED_NAMES or not keepable_name(model)):
+        if model not in self.unserved and (len(self.unserved) >= self.max_unserved_names or not keepable_name(model)):
             model = OTHER_MODELS
         self.unserved[model] = self.unserved.get(model, 0) + 1
 

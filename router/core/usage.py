@@ -70,6 +70,8 @@ class ReplicaUsage(NamedTuple):
     errors: Mapping[str, int]
     ejections: int
     recoveries: int = 0
+    # Connections to the replica that failed (refused, timed out): nothing reached it, so none is in `requests`.
+    connects_failed: int = 0
 
     def quiet_seconds(self, now: float) -> float | None:
         """Seconds since the last request, or None when no request is known."""
@@ -81,7 +83,7 @@ class ReplicaUsage(NamedTuple):
 # The snapshot's per-model tallies keyed by a model name, those keyed by a
 # pair, and a replica's fields that are mappings: the JSON codec's shape.
 TALLIES_BY_MODEL = ("retries", "unserved", "stalled", "overloaded")
-TALLIES_BY_PAIR = ("fallbacks", "hold_outcomes", "affinity")
+TALLIES_BY_PAIR = ("fallbacks", "hold_outcomes", "hold_probes", "affinity")
 REPLICA_MAPPINGS = ("labels", "responses", "errors")
 
 
@@ -120,6 +122,8 @@ class UsageSnapshot:
     stalled: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     overloaded: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     hold_outcomes: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
+    # Held requests' tries of their model's replicas, by (model, outcome): refused, loading, answered.
+    hold_probes: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
     # Session and prefix routing's first picks, by (model, outcome): hit, spill, none.
     affinity: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
     demand: Mapping[str, Demand] = field(default_factory=lambda: MappingProxyType({}))
@@ -189,6 +193,7 @@ class UsageSnapshot:
             replicas=replicas,
             fallbacks=_pairs(doc["fallbacks"]),
             hold_outcomes=_pairs(doc["hold_outcomes"]),
+            hold_probes=_pairs(doc["hold_probes"]),
             affinity=_pairs(doc["affinity"]),
             retries=MappingProxyType(doc["retries"]),
             unserved=MappingProxyType(doc["unserved"]),
@@ -363,6 +368,7 @@ class Snapshotter:
                     MappingProxyType(r.errors.copy()) if r.errors else _EMPTY,
                     r.ejections,
                     r.recoveries,
+                    r.connects_failed,
                 ),
             )
             put(known[0], usage)
@@ -417,6 +423,7 @@ class Snapshotter:
             stalled=MappingProxyType(dict(tallies.stalled)),
             overloaded=MappingProxyType(dict(tallies.overloaded)),
             hold_outcomes=MappingProxyType(dict(tallies.hold_outcomes)),
+            hold_probes=MappingProxyType(dict(tallies.hold_probes)),
             affinity=MappingProxyType(
                 {
                     (model, outcome): n

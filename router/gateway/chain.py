@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from router.core.config import Config
-from router.core.errors import NoReplicaAvailable, Overloaded
+from router.core.errors import NoReplicaAvailable, Overloaded, quoted
 from router.core.pool import Pool
 from router.core.replicas import Replica
 from router.core.tenants import ANYONE, Caller, lowered
@@ -23,7 +23,7 @@ from router.gateway.catalog import Routes
 from router.gateway.forward import Failed, Forwarder, answer_failed
 from router.gateway.hold import Holding
 from router.gateway.metrics import DataPathMetrics
-from router.gateway.responses import ResponsesMemory
+from router.gateway.responses import ResponsesMemory, lost
 from router.http.messages import Reply, Request
 from router.http.writer import Writer
 
@@ -75,60 +75,84 @@ class Chain:
         # that continue it must reach the replica that keeps it.
         remembering = request.path == "/v1/responses"
         chain = (model, *self.routes.fallbacks.get(model, ()))
+        cold_start = self.holding.cold_start.get(model)
         last: Failed | None = None
         only_connect_failures = True
         only_loading = True
-        for target in chain:
-            # The replica must see the name it serves (vLLM refuses an alias or
-            # another model's name); only then is the body re-encoded.
-            body = request.body if target == requested else with_model(request.body, obj, target)
-            avoid: Replica | None = None
-            refused: set[Replica] = set()
-            key = None
-            if self._affinity and (affinity := self._affinity.get(target)) is not None:
-                key = affinity.key(request, obj)
-            for attempt in range(self._max_attempts):
-                replica = pool.acquire(target, avoid, refused, key)
-                if replica is None:
-                    if not pool.saturated(target):
-                        break
-                    replica = await self._wait(target, avoid, refused, key, self._rank(request, obj, caller), caller)
+        # Tries of the cold model that found it loading: probes if the request is
+        # held in the end, else attempts as any (counted in the finally).
+        probes: list[Failed] | None = None
+        try:
+            for target in chain:
+                probing = cold_start is not None and target == model
+                if probing and pool.is_cold(model):
+                    # Its held requests probe its replicas one at a time: this one
+                    # waits its turn behind them (after the fallbacks), rather than
+                    # try a loading engine out of turn.
+                    continue
+                # The replica must see the name it serves (vLLM refuses an alias or
+                # another model's name); only then is the body re-encoded.
+                body = request.body if target == requested else with_model(request.body, obj, target)
+                avoid: Replica | None = None
+                refused: set[Replica] = set()
+                key = None
+                if self._affinity and (affinity := self._affinity.get(target)) is not None:
+                    key = affinity.key(request, obj)
+                for attempt in range(self._max_attempts):
+                    replica = pool.acquire(target, avoid, refused, key)
                     if replica is None:
-                        break
-                if attempt:
-                    pool.tallies.retried(target)
-                elif target != model:
-                    pool.tallies.fell_back(model, target)
-                try:
-                    failed = await self.forwarder.attempt(
-                        request,
-                        writer,
-                        replica,
-                        body,
-                        headers,
-                        target,
-                        stream,
-                        None,
-                        self.responses.remember(replica) if remembering else None,
-                    )
-                finally:
-                    pool.release(replica)
-                if failed is None:
-                    return
-                last = failed
-                only_connect_failures = only_connect_failures and failed.connect_failure
-                only_loading = only_loading and failed.loading
-                if not failed.retryable:
-                    answer_failed(writer, failed)
-                    return
-                avoid = replica
-                refused.add(replica)
-        cold_start = self.holding.cold_start.get(model)
-        if cold_start and (last is None or only_loading):
-            # Scaled to zero, or every replica still loading: held until one answers.
-            await self.holding.hold(request, writer, obj, requested, model, stream, headers, cold_start)
-            return
-        writer.answer(self._unserved(chain, last, only_connect_failures))
+                        if not pool.saturated(target):
+                            break
+                        replica = await self._wait(
+                            target, avoid, refused, key, self._rank(request, obj, caller), caller
+                        )
+                        if replica is None:
+                            break
+                    if attempt:
+                        pool.tallies.retried(target)
+                    elif target != model:
+                        pool.tallies.fell_back(model, target)
+                    try:
+                        failed = await self.forwarder.attempt(
+                            request,
+                            writer,
+                            replica,
+                            body,
+                            headers,
+                            target,
+                            stream,
+                            None,
+                            self.responses.remember(replica) if remembering else None,
+                            probing,
+                        )
+                    finally:
+                        pool.release(replica)
+                    if failed is None:
+                        return
+                    if failed.replica is not None:
+                        if probes is None:
+                            probes = []
+                        probes.append(failed)
+                    last = failed
+                    only_connect_failures = only_connect_failures and failed.connect_failure
+                    only_loading = only_loading and failed.loading
+                    if not failed.retryable:
+                        answer_failed(writer, failed)
+                        return
+                    avoid = replica
+                    refused.add(replica)
+            if cold_start and (last is None or only_loading):
+                # Scaled to zero, or every replica still loading: held until one answers.
+                if probes is not None:
+                    for probe in probes:
+                        pool.tallies.hold_probed(model, "refused" if probe.connect_failure else "loading")
+                    probes = None
+                await self.holding.hold(request, writer, obj, requested, model, stream, headers, cold_start)
+                return
+            writer.answer(self._unserved(chain, last, only_connect_failures))
+        finally:
+            if probes is not None:
+                self.forwarder.count_tried(probes, model)
 
     async def serve_pinned(
         self,
@@ -154,6 +178,37 @@ class Chain:
     def _rank(self, request: Request, obj: dict[str, object], caller: Caller) -> int:
         """The request's class: its key's, lowered by X-Priority or the body's `priority` (read only to wait)."""
         return lowered(caller.priority, request.header(b"x-priority"), obj.get("priority"), self._ranks)
+
+    async def pinned(self, response_id: object) -> Replica:
+        """The replica that keeps `response_id`, acquired: waiting in its queue while it is busy, as any request.
+
+        404 when this router never saw the response, or its replica is gone
+        (removed, draining, ejected); 503 server_overloaded after the queue wait.
+        """
+        replica_id = self.responses.maker_of(response_id)
+        replica = self.pool.acquire_this(replica_id)
+        if replica is not None:
+            return replica
+        keeper = self.pool.get(replica_id)
+        if keeper is None:
+            raise lost(response_id, replica_id)
+        # Its replica's queue is not the model's: it waits as the first class's requests do.
+        klass = self._classes[0]
+        started = time.perf_counter()
+        replica, timed_out = await self.pool.pinned.wait(replica_id, wait_seconds=klass.queue_timeout_seconds)
+        if replica is None and not timed_out:
+            # Gone, draining or ejected (at once or while it waited): not a wait of the limits.
+            raise lost(response_id, replica_id)
+        # A wait that ended in a 503 counts too, as in _wait().
+        self.metrics.observe_queue_wait(keeper.model, klass.name, time.perf_counter() - started)
+        if replica is None:
+            self.pool.tallies.refused_overloaded(keeper.model)
+            raise Overloaded(
+                f"Replica {replica_id}, which keeps response {quoted(response_id)}, is at its concurrency limit; "
+                f"waited {klass.queue_timeout_seconds:g} s.",
+                retry_after=1,
+            )
+        return replica
 
     async def _wait(
         self, model: str, avoid: Replica | None, refused: set[Replica], key: bytes | None, rank: int, caller: Caller

@@ -16,7 +16,6 @@ from router.core.config import Config
 from router.core.engines import ANTHROPIC_PATHS
 from router.core.errors import ClientFacingError, ModelNotFound, quoted
 from router.core.pool import Pool
-from router.core.replicas import Replica
 from router.core.tenants import ANYONE
 from router.gateway.access_log import AccessLog, Entry, current_entry
 from router.gateway.answers import JSON, error_body, error_response
@@ -64,7 +63,7 @@ class Proxy:
             expose_replica=config.expose_replica_header,
         )
         self.forwarder = forwarder
-        self.responses = ResponsesMemory(pool, config.remembered_responses)
+        self.responses = ResponsesMemory(config.remembered_responses)
         self.holding = Holding(config, pool, forwarder, metrics)
         self.chain = Chain(config, pool, forwarder, routes, self.responses, self.holding, metrics)
         # The POST paths routed by the model they name (config routed_paths).
@@ -182,7 +181,7 @@ class Proxy:
             # Framed once for every attempt; only Host and the length differ.
             headers = self._forwarded.framed(request.raw_headers)
             if request.path == "/v1/responses" and (previous := obj.get("previous_response_id")) is not None:
-                pinned: Replica = self.responses.maker_of(previous)
+                pinned = await self.chain.pinned(previous)
                 await self.chain.serve_pinned(request, writer, obj, requested, stream, headers, pinned)
             else:
                 await self.chain.serve(request, writer, obj, requested, model, stream, headers, caller)
@@ -204,7 +203,7 @@ class Proxy:
             if request.method not in allowed:
                 writer.answer(_not_allowed(request, ", ".join(allowed).encode()))
                 return
-            replica = self.responses.maker_of(ident)
+            replica = await self.chain.pinned(ident)
             if (entry := current_entry.get()) is not None:
                 entry.model = replica.model
             headers = self._forwarded.framed(request.raw_headers)

@@ -5,7 +5,15 @@ either answers the client through its Writer (a whole answer, or a stream
 passed through as it arrives) and returns None, or returns a `Failed`: what
 went wrong, whether another attempt may follow (nothing reached the client
 and the replica did not take the request), and the replica's own answer to
-give if none does. Every replica counter it touches changes through the pool.
+give if none does. Every replica counter it touches changes through the pool,
+but the counts of requests that reached the replica and of connections that
+failed, which only this module sees.
+
+A try of a cold model's replica that finds it still loading (no connection,
+a 503) is a probe when the request is held: not one of the request's
+attempts, nor an upstream error, but `router_hold_probes_total`. Whether it
+is held is known only after its tries, so such a try (`probe`) is left for
+the caller to count.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from router.core.errors import (
 )
 from router.core.pool import Pool
 from router.core.replicas import Replica
-from router.gateway.access_log import current_entry
+from router.gateway.access_log import Entry, current_entry
 from router.gateway.answers import error_body, error_response, replica_answer
 from router.gateway.metrics import DataPathMetrics
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
@@ -66,6 +74,8 @@ class Failed:
     retryable: bool
     # The replica's own answer (status, headers, body) when it gave one.
     answer: Reply | None = None
+    # The replica of a probe that found it loading, which the caller counts (Forwarder.count_tried).
+    replica: Replica | None = None
 
     @property
     def connect_failure(self) -> bool:
@@ -129,6 +139,14 @@ def answer_failed(writer: Writer, failed: Failed) -> None:
     writer.answer(failed.reply())
 
 
+def _tried(entry: Entry | None, replica: Replica, model: str) -> None:
+    """The access log's line: the request tried `replica` (one more attempt, and the last so far)."""
+    if entry is not None:
+        entry.attempts += 1
+        entry.served_model = model
+        entry.replica = replica.id
+
+
 def _is_sse(resp: Response) -> bool:
     return (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
 
@@ -163,18 +181,17 @@ class Forwarder:
         stream: bool,
         extra: list[tuple[bytes, bytes]] | None = None,
         remember: Callable[[bytes], None] | None = None,
+        probe: bool = False,
     ) -> Failed | None:
         """Send to `replica`; None once the client was answered, else what failed.
 
         `extra`: headers of the router's own added to the answer (X-Router-Held-Seconds).
         `remember`: given the answer's first bytes (a /v1/responses answer: its id).
+        `probe`: a try of a model that holds requests (chain.py, hold.py): a failure
+        that says the replica is still loading (no connection, a 503) is left for the
+        caller to count, as a probe (Failed.replica set) or as an attempt (count_tried).
         """
-        # The access log's line says how many replicas were tried, and the last.
         entry = current_entry.get()
-        if entry is not None:
-            entry.attempts += 1
-            entry.served_model = model
-            entry.replica = replica.id
         origin = replica.origin
         method = request.method
         head = b"".join(
@@ -197,14 +214,26 @@ class Forwarder:
             # runs from the request going out.
             resp = await self.client.request(origin, head, body, self._first_byte_timeout)
         except HeadTimeout:
+            replica.requests += 1
+            _tried(entry, replica, model)
             timeout = self._first_byte_timeout
             return self._failed(
                 replica, UpstreamTimeout(f"Replica {replica.id} sent no response within {timeout:g} s."), False
             )
-        except ConnectFailed as refused:
-            message = f"Cannot connect to replica {replica.id}: {refused}"
-            return self._failed(replica, UpstreamConnectError(message), True)
+        except ConnectFailed as not_connected:
+            # Nothing reached the replica: not one of its requests. A probe's is
+            # an engine still loading, as the hold expects: not an attempt nor an error.
+            replica.connects_failed += 1
+            self.pool.record_failure(replica)
+            refused = UpstreamConnectError(f"Cannot connect to replica {replica.id}: {not_connected}")
+            if probe:
+                return Failed(refused, True, replica=replica)
+            _tried(entry, replica, model)
+            self.pool.count_failure(replica, "connect")
+            return Failed(refused, True)
         except ConnectionBroken as exc:
+            replica.requests += 1
+            _tried(entry, replica, model)
             # The replica took the request and ended the connection, or answered
             # part of it: it may have acted on it (a paid generation, a prompt
             # that crashes it), so it is never sent again, here or elsewhere.
@@ -216,12 +245,18 @@ class Forwarder:
         try:
             ttfb = time.perf_counter() - began
             self.metrics.observe_first_byte(model, ttfb)
-            if entry is not None:
-                entry.ttfb_seconds = ttfb
+            # Counted here, not in acquire(): a refused connection reached nothing.
+            replica.requests += 1
             status = resp.status
             self.pool.count_response(replica, status)
             if status in RETRY_STATUSES:
-                return await self._refused(replica, resp)
+                return await self._refused(replica, resp, entry, model, ttfb, probe)
+            # The access log's line says how many replicas the request tried, and the last.
+            if entry is not None:
+                entry.attempts += 1
+                entry.served_model = model
+                entry.replica = replica.id
+                entry.ttfb_seconds = ttfb
             if status in UNHEALTHY_STATUSES:
                 self.pool.record_failure(replica)
             else:
@@ -264,7 +299,9 @@ class Forwarder:
             # was cut short, so a half-read stream never lingers.
             resp.release()
 
-    async def _refused(self, replica: Replica, resp: Response) -> Failed:
+    async def _refused(
+        self, replica: Replica, resp: Response, entry: Entry | None, model: str, ttfb: float, probe: bool
+    ) -> Failed:
         """A 429/502/503/504: keep the answer for the client in case no one else serves."""
         status = resp.status
         if status in UNHEALTHY_STATUSES:
@@ -274,8 +311,14 @@ class Forwarder:
         except ConnectionBroken:
             data = b""
         answer = replica_answer(status, resp.reason_bytes, data, RESPONSE_HEADERS.kept(resp.headers))
+        error = UpstreamError(f"Replica {replica.id} answered {status}.")
+        if probe and status == 503:
+            return Failed(error, retryable=True, answer=answer, replica=replica)
+        _tried(entry, replica, model)
+        if entry is not None:
+            entry.ttfb_seconds = ttfb
         self.pool.count_failure(replica, "status")
-        return Failed(UpstreamError(f"Replica {replica.id} answered {status}."), retryable=True, answer=answer)
+        return Failed(error, retryable=True, answer=answer)
 
     async def _stream(
         self,
@@ -353,6 +396,18 @@ class Forwarder:
             if (entry := current_entry.get()) is not None:
                 entry.outcome = "client_gone"
             writer.close_after()
+
+    def count_tried(self, probes: list[Failed], model: str) -> None:
+        """Probes of `model` that were not a held request's after all: attempts and upstream errors, as any."""
+        entry = current_entry.get()
+        for failed in probes:
+            assert failed.replica is not None
+            self.pool.count_failure(failed.replica, "connect" if failed.connect_failure else "status")
+            if entry is not None:
+                entry.attempts += 1
+                # The last replica tried, unless a later attempt is in the line already.
+                if entry.replica is None:
+                    entry.served_model, entry.replica = model, failed.replica.id
 
     def _failed(self, replica: Replica, error: UpstreamError, retryable: bool) -> Failed:
         self.pool.count_failure(replica, error.reason)

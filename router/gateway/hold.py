@@ -51,51 +51,69 @@ class Holding:
         """
         pool = self.pool
         pool.asked(model)
+        entry = current_entry.get()
         retry_after = max(1, min(30, round(cold_start / 4)))
         max_held = self.max_held[model]
         if pool.held(model) >= max_held:
             pool.tallies.hold_ended(model, "overflow")
+            if entry is not None:
+                entry.hold = entry.outcome = "overflow"
+                entry.held_seconds = 0.0
             raise ModelCold(
-                f"The model '{model}' is starting, and {max_held} requests already wait for it; retry shortly.",
+                f"The model '{model}' is starting, and {max_held} "
+                f"{'request already waits' if max_held == 1 else 'requests already wait'} for it; retry shortly.",
                 retry_after=retry_after,
             )
         if self.waker is not None:
             self.waker.held(model)
         body = request.body if model == requested else with_model(request.body, obj, model)
-        # The hold ends every try it hands out and counts how the request left it.
-        async with pool.hold(model, cold_start) as hold:
-            while True:
-                try:
-                    replica = await hold.replica()
-                except HoldEnded:
-                    raise ModelCold(
-                        f"The router is shutting down; the model '{model}' was still starting.", retry_after=1
-                    ) from None
-                if replica is None:
-                    raise ModelCold(
-                        f"No replica of '{model}' answered within {cold_start:g} s; it is still starting.",
-                        retry_after=retry_after,
+        hold = pool.hold(model, cold_start)
+        # How long it waited for the replica that answered; else, at the end, the whole wait.
+        held: float | None = None
+        try:
+            # The hold ends every try it hands out and counts how the request left it.
+            async with hold:
+                while True:
+                    try:
+                        replica = await hold.replica()
+                    except HoldEnded:
+                        raise ModelCold(
+                            f"The router is shutting down; the model '{model}' was still starting.", retry_after=1
+                        ) from None
+                    if replica is None:
+                        raise ModelCold(
+                            f"No replica of '{model}' answered within {cold_start:g} s; it is still starting.",
+                            retry_after=retry_after,
+                        )
+                    held = hold.held_seconds()
+                    failed = await self.forwarder.attempt(
+                        request,
+                        writer,
+                        replica,
+                        body,
+                        headers,
+                        model,
+                        stream,
+                        [(b"X-Router-Held-Seconds", b"%.3f" % held)],
+                        probe=True,
                     )
-                held = hold.held_seconds()
-                if (entry := current_entry.get()) is not None:
-                    entry.held_seconds = held
-                failed = await self.forwarder.attempt(
-                    request,
-                    writer,
-                    replica,
-                    body,
-                    headers,
-                    model,
-                    stream,
-                    [(b"X-Router-Held-Seconds", b"%.3f" % held)],
-                )
-                if failed is not None and failed.retryable and failed.loading:
-                    # Still loading: the next try after a pause, this request first in line.
-                    hold.still_loading()
-                    continue
-                if failed is None:
-                    hold.answered()
-                self.metrics.observe_held(model, held)
-                if failed is not None:
-                    answer_failed(writer, failed)
-                return
+                    if failed is not None and failed.retryable and failed.loading:
+                        # Still loading: the next try after a pause, this request first in line.
+                        pool.tallies.hold_probed(model, "refused" if failed.connect_failure else "loading")
+                        hold.still_loading()
+                        held = None
+                        continue
+                    pool.tallies.hold_probed(model, "answered")
+                    if failed is None:
+                        hold.answered()
+                    self.metrics.observe_held(model, held)
+                    if failed is not None:
+                        answer_failed(writer, failed)
+                    return
+        finally:
+            # The access log says how the hold ended, as router_hold_outcomes_total does.
+            if entry is not None:
+                entry.hold = hold.outcome
+                entry.held_seconds = held if held is not None and hold.outcome == "served" else hold.held_seconds()
+                if hold.outcome in ("timeout", "shutdown"):
+                    entry.outcome = hold.outcome

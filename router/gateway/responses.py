@@ -4,7 +4,8 @@ Engines keep stored responses in memory, so `previous_response_id`,
 `GET /v1/responses/{id}` and the rest must reach the replica that made the
 response. The router remembers `response id -> replica` for the responses it
 passed, the last `remembered_responses` of them; an id it never saw, or whose
-replica is gone, is 404 response_not_found.
+replica is gone, is 404 response_not_found. A request for a response whose
+replica is only busy waits in that replica's queue (chain.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from collections.abc import Callable
 import orjson
 
 from router.core.errors import ResponseNotFound, quoted
-from router.core.pool import Pool
 from router.core.replicas import Replica
 from router.core.tallies import MAX_NAME_BYTES
 
@@ -45,13 +45,12 @@ def response_id(first_bytes: bytes) -> str | None:
 class ResponsesMemory:
     """Response id -> the id of the replica that made it and keeps it, least recently used first."""
 
-    def __init__(self, pool: Pool, remembered: int) -> None:
-        self.pool = pool
+    def __init__(self, remembered: int) -> None:
         self.remembered = remembered
         self.makers: OrderedDict[str, str] = OrderedDict()
 
-    def maker_of(self, response_id: object) -> Replica:
-        """The replica that made `response_id`, acquired; 404 if this router did not see it, or it is gone."""
+    def maker_of(self, response_id: object) -> str:
+        """The id of the replica that made `response_id`; 404 if this router did not see it."""
         replica_id = self.makers.get(response_id) if isinstance(response_id, str) else None
         if replica_id is None:
             raise ResponseNotFound(
@@ -59,14 +58,7 @@ class ResponsesMemory:
                 param="previous_response_id",
             )
         self.makers.move_to_end(response_id)  # type: ignore[arg-type]
-        replica = self.pool.acquire_this(replica_id)
-        if replica is None:
-            raise ResponseNotFound(
-                f"The replica that made response {quoted(response_id)} ({replica_id}) is gone "
-                "or takes no new requests; the response is lost with it.",
-                param="previous_response_id",
-            )
-        return replica
+        return replica_id
 
     def remember(self, replica: Replica) -> Callable[[bytes], None]:
         """What reads a /v1/responses answer's id (its JSON body's, or its first event's) and keeps it."""
@@ -84,3 +76,12 @@ class ResponsesMemory:
                 makers.popitem(last=False)
 
         return seen
+
+
+def lost(response_id: object, replica_id: str) -> ResponseNotFound:
+    """The 404 for a response whose replica is gone: only that replica ever knew it."""
+    return ResponseNotFound(
+        f"The replica that made response {quoted(response_id)} ({replica_id}) is gone "
+        "or takes no new requests; the response is lost with it.",
+        param="previous_response_id",
+    )

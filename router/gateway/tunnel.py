@@ -131,11 +131,18 @@ class Tunnels:
             entry.served_model = model
             entry.replica = replica.id
         try:
-            return await upgrade(origin, head, connect_timeout=self._connect_timeout, head_timeout=self._head_timeout)
+            answer = await upgrade(origin, head, connect_timeout=self._connect_timeout, head_timeout=self._head_timeout)
         except ConnectFailed:
+            # Nothing reached the replica: not one of its requests.
+            replica.connects_failed += 1
             self.pool.count_failure(replica, "connect")
             self.pool.record_failure(replica)
             return None
+        except (ConnectionBroken, HeadTimeout):
+            replica.requests += 1
+            raise
+        replica.requests += 1
+        return answer
 
     async def _answered(self, writer: Writer, replica: Replica, answer: Answer) -> None:
         self.pool.count_response(replica, answer.status)

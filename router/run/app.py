@@ -38,9 +38,11 @@ from router.control.sources import (
 from router.core.clock import Clock, LoopClock
 from router.core.config import Config
 from router.core.ejection import EjectionPolicy
+from router.core.errors import CannotListen
 from router.core.merging import report_json
 from router.core.picking import Routing
 from router.core.pool import Limits, Pool
+from router.core.tallies import WORKER_UNSERVED_NAMES
 from router.core.tenants import Queueing, unit_weight
 from router.core.usage import Ticker
 from router.gateway.access_log import AccessLog
@@ -112,6 +114,9 @@ class RouterServer(Listening):
             routing={name: Routing(model.routing, model.balance_factor) for name, model in config.models.items()},
             queueing=Queueing(config.priority_classes, config.max_queued_per_tenant, unit_weight(config.api_keys)),
         )
+        if worker_socket is not None:
+            # The supervisor bounds the unserved names once it has summed its workers'.
+            self.pool.tallies.max_unserved_names = WORKER_UNSERVED_NAMES
         self.sinks = Sinks()
         self._wall = wall
         self._mono = clock.now
@@ -132,6 +137,8 @@ class RouterServer(Listening):
         """Listen on both ports; `before_clients` runs once the admin API is up."""
         config = self.config
         worker_socket = self.worker_socket
+        # Opened first: a file that cannot be opened leaves nothing else to close.
+        access_log = AccessLog(config.access_log) if config.access_log else None
         session = make_session(config)
         self._session = session
         # A worker's usage is ticked, exported and pushed by its supervisor.
@@ -180,8 +187,7 @@ class RouterServer(Listening):
 
         # The client port's own HTTP/1.1 server (router/http/server/): the request
         # path stays in one protocol object, with no framework per request.
-        if config.access_log:
-            proxy.access_log = AccessLog(config.access_log)
+        proxy.access_log = access_log
         self._client_server = client = ClientServer(
             # With no access log, the handler keeps nothing per request for it.
             proxy.dispatch_logged if proxy.access_log is not None else proxy.dispatch,
@@ -228,17 +234,19 @@ class RouterServer(Listening):
             admin_app.router.add_get(METRICS_PATH, self._metrics_json)
         self._admin_runner = web.AppRunner(admin_app, access_log=None, shutdown_timeout=1.0)
         await self._admin_runner.setup()
+        key, address = "admin_listen", config.admin_listen
         try:
             admin_site: web.BaseSite
             if worker_socket is not None:
                 admin_site = web.UnixSite(self._admin_runner, worker_socket)
             else:
-                admin_site = web.TCPSite(self._admin_runner, config.admin_listen.host, config.admin_listen.port)
+                admin_site = web.TCPSite(self._admin_runner, address.host, address.port)
             # The admin API first: a worker takes the supervisor's pushes from
             # here on, so its pool is current before the first client arrives.
             await admin_site.start()
             if before_clients is not None:
                 before_clients()
+            key, address = "listen", config.listen
             self._client_listener = await asyncio.get_running_loop().create_server(
                 client,
                 config.listen.host,
@@ -247,13 +255,17 @@ class RouterServer(Listening):
                 reuse_port=worker_socket is not None,
                 backlog=1024,
             )
-        except OSError:
+        except OSError as exc:
             if self._client_listener is not None:
                 self._client_listener.close()
             await self._admin_runner.cleanup()
             await session.close()
             await self.upstream.close()
-            raise
+            if access_log is not None:
+                access_log.close()
+            if worker_socket is not None:
+                raise
+            raise CannotListen(config.source, key, str(address), exc) from exc
         assert self._client_listener is not None
         host, port = self._client_listener.sockets[0].getsockname()[:2]
         self.client_address = (str(host), int(port))
@@ -285,7 +297,8 @@ class RouterServer(Listening):
         # them to: they get their 503 now, not at the end of the grace.
         ended = self.pool.end_holds()
         if ended:
-            log.info("shutting down: %d held requests answered 503 model_cold", ended)
+            said = "1 held request" if ended == 1 else f"{ended} held requests"
+            log.info("shutting down: %s answered 503 model_cold", said)
         if self._client_listener is not None:
             # Stop accepting at once; those connected finish within the grace.
             self._client_listener.close()

@@ -1,4 +1,4 @@
-"""The `router` command: serve, demo, ctl, bench, scaler.
+"""The `router` command: serve, demo, ctl, bench, scaler, fake.
 
 Server modules are imported inside the commands that need them, so that
 `router ctl` starts fast.
@@ -45,12 +45,13 @@ def _run(coro: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from router.core.config import load_config
+    from router.core.config import check_files, load_config
     from router.core.errors import ConfigError
     from router.run.app import serve
 
     try:
         config = load_config(args.config)
+        check_files(config)
     except ConfigError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2
@@ -63,8 +64,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else:
             _run(serve(config, config_path=args.config))
     except ConfigError as exc:
-        # Found only at start: where the Kubernetes API is ([discovery.kubernetes]),
-        # or, with --workers, that no directory is writable for their sockets.
+        # Found only at start: an address in use (CannotListen), where the Kubernetes
+        # API is ([discovery.kubernetes]), or, with --workers, that no directory is
+        # writable for their sockets.
         print(f"router: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
@@ -194,12 +196,16 @@ async def _demo(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from router.core.errors import CannotListen
+
     _setup_logging(args.log_level)
     try:
         _run(_demo(args))
-    except OSError as exc:
+    except CannotListen as exc:
+        flag = "--listen" if exc.key == "listen" else "--admin-listen"
         print(
-            f"router demo: cannot listen: {exc} (is another router running? use --listen/--admin-listen)",
+            f"router demo: cannot listen on {exc.address} ({flag}): {exc.reason} "
+            f"(is another router running? use --listen/--admin-listen)",
             file=sys.stderr,
         )
         return 1
@@ -213,7 +219,10 @@ def _workers(value: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from router import __version__
+
     parser = argparse.ArgumentParser(prog="router", description="An OpenAI-compatible gateway for LLM replicas.")
+    parser.add_argument("--version", action="version", version=f"router {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the router")
     serve.add_argument("--config", "-c", required=True, help="the TOML configuration file")
@@ -236,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "scaler", help="KEDA's external push scaler over every router (router scaler --help)", add_help=False
     )
+    sub.add_parser("fake", help="a fake OpenAI replica to try the router with (router fake --help)", add_help=False)
     return parser
 
 
@@ -257,6 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from router.scaler.main import main as scaler_main
 
         return scaler_main(argv[1:])
+    if argv and argv[0] == "fake":
+        from router.tools.fake.cli import main as fake_main
+
+        return fake_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args)

@@ -151,7 +151,7 @@ async def run(settings: ScalerSettings, *, on_ready: Callable[[Scaler], None] | 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="router scaler",
-        description="KEDA's external push scaler over every router's usage map (README: Scale to zero on Kubernetes).",
+        description="KEDA's external push scaler over every router's usage map (docs/kubernetes.md).",
     )
     parser.add_argument("--config", "-c", help="a TOML file with a [scaler] table (a router's own may hold it)")
     parser.add_argument(

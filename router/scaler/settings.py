@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from router.core import config_checks as check
 from router.core.config import Address, parse_address, replicas_where
 from router.core.errors import ConfigError
 
@@ -59,7 +60,7 @@ class ScalerSettings:
     tls_client_ca: str = ""
 
 
-# Each key: its help line (README's [scaler] block holds the same), and its parser.
+# Each key: its help line (docs/kubernetes.md's [scaler] block holds the same), and its parser.
 HELP = {
     "servers": "admin addresses of every router (host:port or URL)",
     "servers_from_dns": 'or "host:port" resolved each round to every router pod (a headless Service)',
@@ -151,7 +152,7 @@ def apply(
     for key, value in raw.items():
         parse = _PARSERS.get(key)
         if parse is None:
-            raise where.error(label(key), "unknown key")
+            raise check.unknown_key(where, label(key), key, _PARSERS)
         values[key] = parse(where, label(key), value)
     return replace(settings, **values)
 

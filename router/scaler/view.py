@@ -290,6 +290,10 @@ class Decision:
     reason: str
 
 
+def _requests(count: int) -> str:
+    return "1 request" if count == 1 else f"{count} requests"
+
+
 def decide(view: FleetView | None, query: Query, *, woken: bool = False) -> Decision:
     """IsActive for `query` on the newest round; `woken`: a router told us it holds a request for the model."""
     if view is None:
@@ -298,13 +302,14 @@ def decide(view: FleetView | None, query: Query, *, woken: bool = False) -> Deci
         return Decision(True, "a router did not answer the last round")
     facts = view.facts(query.model)
     if facts.held:
-        return Decision(True, f"{facts.held} requests held")
+        return Decision(True, f"{_requests(facts.held)} held")
     if woken:
         return Decision(True, "a router called to say it holds a request")
     if facts.in_flight:
-        return Decision(True, f"{facts.in_flight} requests in flight")
+        return Decision(True, f"{_requests(facts.in_flight)} in flight")
     if facts.unknown:
-        return Decision(True, f"{facts.unknown} of {facts.replicas} replicas unknown (not watched by every router)")
+        unknown = f"{facts.unknown} of {facts.replicas} {'replica' if facts.replicas == 1 else 'replicas'} unknown"
+        return Decision(True, f"{unknown} (not watched by every router)")
     if facts.last_asked is not None and view.as_of - facts.last_asked < query.idle_after:
         return Decision(True, f"asked for {view.as_of - facts.last_asked:.1f} s ago with no replica to serve it")
     if facts.quiet_for is not None and facts.quiet_for < query.idle_after:

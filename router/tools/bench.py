@@ -73,6 +73,14 @@ def describe_exception(exc: BaseException) -> str:
     return (f"{type(exc).__name__}: {text}" if text else type(exc).__name__)[:200]
 
 
+def endpoint(base_url: str, path: str) -> str:
+    """`path` under `base_url`, given with /v1 (as the openai SDK's base_url wants it) or without."""
+    base = base_url.rstrip("/")
+    if base.endswith("/v1") and path.startswith("/v1/"):
+        base = base.removesuffix("/v1")
+    return base + path
+
+
 async def run_load(
     base_url: str,
     *,
@@ -90,7 +98,7 @@ async def run_load(
     payload = orjson.dumps(
         {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens, "stream": stream}
     )
-    url = base_url.rstrip("/") + path
+    url = endpoint(base_url, path)
     latencies: list[float] = []
     ttfbs: list[float] = []
     kinds: Counter[str] = Counter()
@@ -176,7 +184,7 @@ def limits(requests: int | None, duration: float | None) -> tuple[int | None, fl
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="router bench", description=__doc__)
-    parser.add_argument("--url", default="http://127.0.0.1:8080", help="OpenAI base URL (without /v1)")
+    parser.add_argument("--url", default="http://127.0.0.1:8080", help="the router's client URL, with /v1 or without")
     parser.add_argument("--model", default="llama-3.1-8b")
     parser.add_argument("--concurrency", "-c", type=int, default=16)
     parser.add_argument(

@@ -86,7 +86,9 @@ class Client:
             with urllib.request.urlopen(request, timeout=self.timeout) as resp:  # noqa: S310 (as above)
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as exc:
-            raise CtlError(f"{self.server}: {method} {path} answered {exc.code}: {_error_message(exc)}") from exc
+            message, code = _error(exc)
+            said = f"{self.server}: {method} {path} answered {exc.code}: {message}"
+            raise CtlError(said + _hint(code, bool(self.token))) from exc
         except (urllib.error.URLError, OSError, TimeoutError) as exc:
             reason = getattr(exc, "reason", exc)
             raise CtlError(f"{self.server}: cannot reach the admin API: {reason}") from exc
@@ -94,12 +96,29 @@ class Client:
             raise CtlError(f"{self.server}: {path} did not answer JSON: {exc}") from exc
 
 
-def _error_message(exc: urllib.error.HTTPError) -> str:
+def _error(exc: urllib.error.HTTPError) -> tuple[str, str | None]:
+    """The message of an OpenAI-shaped error answer, and its code."""
     try:
         doc = json.loads(exc.read())
-        return str(doc["error"]["message"])
-    except (ValueError, KeyError, TypeError, OSError):
-        return exc.reason or "error"
+        code = doc["error"].get("code")
+        return str(doc["error"]["message"]), code if isinstance(code, str) else None
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        return exc.reason or "error", None
+
+
+def _hint(code: str | None, token_given: bool) -> str:
+    """What to do about an answer whose code says what went wrong."""
+    if code == "invalid_admin_token":
+        if token_given:
+            return " (the token given, by --token or ROUTER_ADMIN_TOKEN, is not this router's admin token)"
+        return " (give the router's admin token with --token TOKEN, or in ROUTER_ADMIN_TOKEN)"
+    if code in ("unknown_url", "invalid_api_key"):
+        # Only the client port answers these: the admin API has no such codes.
+        return (
+            " (this is a router's client port, not its admin API: give --server the admin address, "
+            f"admin_listen in its config, {DEFAULT_SERVER} unless it says otherwise)"
+        )
+    return ""
 
 
 def _emit(args: argparse.Namespace, doc: Any, text: str) -> None:

@@ -13,6 +13,7 @@ from router.core.config import ReplicaConfig
 from router.core.merging import Combiner, Memory, WorkerReport, combine, report_json
 from router.core.pool import Pool
 from router.core.replicas import Replica
+from router.core.tallies import MAX_UNSERVED_NAMES, OTHER_MODELS, WORKER_UNSERVED_NAMES, Tallies
 from router.core.usage import Queued, RouterReport, Ticker, UsageSnapshot, merge_reports
 from tests.fake_clock import FakeClock
 
@@ -138,6 +139,50 @@ def test_the_workers_queues_by_class_and_tenant_add_up_and_the_oldest_wait_wins(
     )
     assert dict(both.queues) == {a: (5, 4.0), b: (1, 7.0)}
     assert UsageSnapshot.from_json(both.to_json()).queues == both.queues
+
+
+# Model names clients asked for that nothing serves, each request sent to one of two workers.
+asked_names = st.lists(st.tuples(st.integers(0, 1), st.integers(0, 160)), max_size=600)
+
+
+@given(st.lists(asked_names, min_size=1, max_size=3), st.integers(0, 1))
+def test_the_unserved_names_are_bounded_after_the_workers_merge_and_each_count_is_whole(
+    rounds: list[list[tuple[int, int]]], dies: int
+) -> None:
+    """At most 100 names over every worker together, each with its whole count, the rest under __other__.
+
+    Collected after each round of requests, as the supervisor does each tick;
+    a worker may die between rounds (its totals retired) and start again.
+    """
+    memory = Memory()
+    workers = [Tallies(WORKER_UNSERVED_NAMES), Tallies(WORKER_UNSERVED_NAMES)]
+    real: dict[str, int] = {}
+    shown: set[str] = set()
+    other = 0
+
+    def snapshot(tallies: Tallies) -> UsageSnapshot:
+        return UsageSnapshot("w", 0.0, 10.0, 1.0, (), unserved=MappingProxyType(dict(tallies.unserved)))
+
+    for number, requests in enumerate(rounds):
+        for worker, name in requests:
+            workers[worker].unserved_request(f"model-{name}")
+            real[f"model-{name}"] = real.get(f"model-{name}", 0) + 1
+        merged = dict(
+            combine(
+                [snapshot(t) for t in workers], memory, router="r", started_at=0, generated_at=10, tick_seconds=1
+            ).unserved
+        )
+        named = {name: n for name, n in merged.items() if name != OTHER_MODELS}
+        assert len(named) <= MAX_UNSERVED_NAMES
+        assert named == {name: real[name] for name in named}
+        assert merged.get(OTHER_MODELS, 0) == sum(real.values()) - sum(named.values())
+        # A name once shown stays; the sum of the rest never goes down.
+        assert shown <= set(named)
+        assert merged.get(OTHER_MODELS, 0) >= other
+        shown, other = set(named), merged.get(OTHER_MODELS, 0)
+        if number == 0:
+            memory.retire(snapshot(workers[dies]))
+            workers[dies] = Tallies(WORKER_UNSERVED_NAMES)
 
 
 # The supervisor of --workers: each worker's changes, combined as they come ------------------------

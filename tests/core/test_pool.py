@@ -52,7 +52,9 @@ def test_acquire_counts_and_stamps_in_the_same_step() -> None:
     assert before is None
     got = pool.acquire("m")
     assert got is replica
-    assert (replica.in_flight, replica.requests, replica.last_used) == (1, 1, 50.0)
+    assert (replica.in_flight, replica.last_used) == (1, 50.0)
+    # A request of the replica's is counted once it reaches it (the forwarder's), not when picked.
+    assert replica.requests == 0
     clock.advance(10.0)
     pool.release(replica)
     assert (replica.in_flight, replica.last_used) == (0, 50.0)

@@ -45,6 +45,7 @@ def expected(replica: Replica, started_at: float = WALL) -> tuple[object, ...]:
         dict(replica.errors),
         replica.ejections,
         replica.recoveries,
+        replica.connects_failed,
     )
 
 
@@ -133,9 +134,14 @@ def test_a_snapshot_made_from_what_changed_equals_one_read_whole(ops: list[Op]) 
         elif op == "release" and held:
             pool.release(held.pop(n % len(held)))
         elif op == "respond" and held:
+            # The gateway counts a request once connected, as the replica would.
+            held[n % len(held)].requests += 1
             pool.count_response(held[n % len(held)], 200 + 100 * (n % 4))
         elif op == "fail" and held:
-            pool.count_failure(held[n % len(held)], ("reset", "timeout")[n % 2])
+            reason = ("reset", "timeout", "connect")[n % 3]
+            if reason == "connect":
+                held[n % len(held)].connects_failed += 1
+            pool.count_failure(held[n % len(held)], reason)
         elif op == "eject" and replica is not None and not replica.removed:
             pool.eject(replica, 5.0)
         elif op == "readmit" and replica is not None:

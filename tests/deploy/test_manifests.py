@@ -38,7 +38,9 @@ from tests.deploy.manifests import (
 from tests.helpers import scrape
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-README = (DEPLOY.parent / "README.md").read_text()
+# The walkthroughs: Kubernetes (the Secrets its commands make) and the image and systemd.
+KUBERNETES_DOC = (DEPLOY.parent / "docs" / "kubernetes.md").read_text()
+DEPLOY_DOC = (DEPLOY.parent / "docs" / "deploy.md").read_text()
 
 
 def documents(path: Path) -> list[dict[str, Any]]:
@@ -148,10 +150,9 @@ def test_the_router_images_are_this_version_s(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_secret_an_overlay_needs_is_made_by_a_command_the_readme_gives(overlay: str) -> None:
-    created = {
-        (name, key) for name, key in re.findall(r"kubectl create secret generic (\S+) --from-literal=(\w+)=", README)
-    }
+def test_every_secret_an_overlay_needs_is_made_by_a_command_the_docs_give(overlay: str) -> None:
+    commands = re.findall(r"kubectl create secret generic (\S+) --from-literal=(\w+)=", KUBERNETES_DOC)
+    created = {(name, key) for name, key in commands}
     assert secret_refs(render(overlay)) <= created
 
 
@@ -214,8 +215,8 @@ def unit_settings() -> dict[str, list[str]]:
     return settings
 
 
-def readme_section(title: str) -> str:
-    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+def deploy_doc_section(title: str) -> str:
+    return DEPLOY_DOC.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
 def test_the_systemd_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
@@ -224,7 +225,7 @@ def test_the_systemd_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
         pytest.skip("systemd-analyze is not installed (Debian's systemd package)")
     (exec_start,) = unit_settings()["ExecStart"]
     installed = shlex.split(exec_start)[0]
-    # The one change: the router where this checkout installed it, not where the README's steps put it.
+    # The one change: the router where this checkout installed it, not where the documented steps put it.
     here = str(Path(sys.executable).parent / "router")
     unit = tmp_path / "router.service"
     unit.write_text(UNIT.read_text().replace(installed, here))
@@ -235,12 +236,12 @@ def test_the_systemd_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     assert done.returncode == 0 and done.stdout + done.stderr == "", done.stdout + done.stderr
 
 
-def test_the_systemd_unit_runs_the_router_the_readme_s_steps_install() -> None:
+def test_the_systemd_unit_runs_the_router_the_documented_steps_install() -> None:
     (exec_start,) = unit_settings()["ExecStart"]
     venv = Path(shlex.split(exec_start)[0]).parent.parent
-    steps = readme_section("Running under systemd")
+    steps = deploy_doc_section("Running under systemd")
     assert f"python3 -m venv {venv}" in steps
-    assert f"{venv}/bin/pip install dist/router-{VERSION}-py3-none-any.whl" in steps
+    assert f"{venv}/bin/pip install dist/router-{VERSION}-*.whl" in steps
     assert f"install -m 0644 deploy/systemd/router.service /etc/systemd/system/{UNIT.name}" in steps
 
 
@@ -253,7 +254,7 @@ def test_the_systemd_unit_lets_the_access_log_and_the_workers_write_under_protec
     (logs,) = settings["LogsDirectory"]
     (runtime,) = settings["RuntimeDirectory"]
     assert runtime and "--workers" in settings["ExecStart"][0]
-    (example,) = re.findall(r"```toml\n(.*?)```", readme_section("Running under systemd"), re.S)
+    (example,) = re.findall(r"```toml\n(.*?)```", deploy_doc_section("Running under systemd"), re.S)
     config = load_toml(tmp_path, example)
     assert Path(config.access_log).parent == Path("/var/log") / logs
 

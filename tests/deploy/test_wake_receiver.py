@@ -14,7 +14,6 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,9 +23,8 @@ import aiohttp
 import pytest
 
 from tests.conftest import StartRouter
+from tests.deploy.receiver import wake_receiver
 from tests.helpers import free_port
-
-RECEIVER = Path(__file__).resolve().parents[2] / "deploy" / "scale-from-zero" / "wake_receiver.py"
 
 
 def alive(pid: int) -> bool:
@@ -49,61 +47,48 @@ async def wait_until(condition: Callable[[], object], what: str, timeout: float 
 async def test_the_receiver_stops_its_engine_and_the_engine_s_children_on_sigterm_and_sigint(
     start_router: StartRouter, tmp_path: Path, sig: signal.Signals
 ) -> None:
+    """Started with SIGINT ignored, as a background job of a non-interactive shell is: SIGINT stops it all the same."""
     server = await start_router([], models={"m": {"cold_start_seconds": 30}})
     port = free_port()
     child_pid_file = tmp_path / "engine-child.pid"
     engine = (
         f"sh -c '{sys.executable} -m router.tools.fake --port {{port}} --model m & echo $! > {child_pid_file}; wait'"
     )
-    receiver = subprocess.Popen(
-        [
-            sys.executable,
-            str(RECEIVER),
-            *("--listen", f"127.0.0.1:{port}", "--router-admin", server.admin_url),
-            *("--model", f"m={engine}", "--stop-grace-seconds", "10"),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    pids: list[int] = []
+    child: int | None = None
+    args = ("--listen", f"127.0.0.1:{port}", "--router-admin", server.admin_url)
     try:
-        assert receiver.stderr is not None
-        line = await asyncio.to_thread(receiver.stderr.readline)
-        assert "wake receiver on" in line
-        async with aiohttp.ClientSession() as session:
-            wake = {"router": "r", "model": "m", "held": 1, "since": time.time()}
-            async with session.post(f"http://127.0.0.1:{port}/wake", json=wake) as resp:
-                assert resp.status == 200, await resp.text()
-        started = await asyncio.to_thread(receiver.stderr.readline)
-        match = re.search(r"started m on port (\d+) \(pid (\d+)\)", started)
-        assert match is not None, started
-        engine_port, leader = int(match.group(1)), int(match.group(2))
-        await wait_until(lambda: child_pid_file.exists() and child_pid_file.read_text().strip(), "no child pid")
-        child = int(child_pid_file.read_text())
-        pids = [leader, child]
-        # The engine answers: it is the replica the receiver pushed.
-        async with aiohttp.ClientSession() as session:
-            deadline = time.monotonic() + 20
-            while True:
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(f"http://127.0.0.1:{engine_port}/v1/models") as resp:
-                        if resp.status == 200:
-                            break
-                assert time.monotonic() < deadline, "the engine never answered"
-                await asyncio.sleep(0.05)
-        assert [c.url for c in server.pool.configs()] == [f"http://127.0.0.1:{engine_port}"]
-        assert os.getpgid(child) == leader != os.getpgid(receiver.pid)
+        async with wake_receiver(
+            *args, "--model", f"m={engine}", "--stop-grace-seconds", "10", ignoring_sigint=True
+        ) as receiver:
+            async with aiohttp.ClientSession() as session:
+                wake = {"router": "r", "model": "m", "held": 1, "since": time.time()}
+                async with session.post(f"http://127.0.0.1:{port}/wake", json=wake) as resp:
+                    assert resp.status == 200, await resp.text()
+            started = await receiver.line()
+            match = re.search(r"started m on port (\d+) \(pid (\d+)\)", started)
+            assert match is not None, started
+            engine_port, leader = int(match.group(1)), int(match.group(2))
+            await wait_until(lambda: child_pid_file.exists() and child_pid_file.read_text().strip(), "no child pid")
+            child = int(child_pid_file.read_text())
+            # The engine answers: it is the replica the receiver pushed.
+            async with aiohttp.ClientSession() as session:
+                deadline = time.monotonic() + 20
+                while True:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with session.get(f"http://127.0.0.1:{engine_port}/v1/models") as resp:
+                            if resp.status == 200:
+                                break
+                    assert time.monotonic() < deadline, "the engine never answered"
+                    await asyncio.sleep(0.05)
+            assert [c.url for c in server.pool.configs()] == [f"http://127.0.0.1:{engine_port}"]
+            assert os.getpgid(child) == leader != os.getpgid(receiver.process.pid)
 
-        receiver.send_signal(sig)
-        assert await asyncio.to_thread(receiver.wait, 30) == 0
-        assert not alive(leader), "the engine outlived the receiver"
-        await wait_until(lambda: not alive(child), "the engine's child outlived the receiver", timeout=5)
+            assert await receiver.stop(sig) == 0
+            assert not alive(leader), "the engine outlived the receiver"
+            await wait_until(lambda: not alive(child), "the engine's child outlived the receiver", timeout=5)
     finally:
-        if receiver.poll() is None:
-            receiver.kill()
-            receiver.wait(10)
-        for pid in pids:
+        # The engine's child is in the engine's group, which the receiver's close kills; the pid
+        # file's is killed by itself too, in case it left the group.
+        if child is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if receiver.stderr is not None:
-            receiver.stderr.close()
+                os.kill(child, signal.SIGKILL)

@@ -423,34 +423,21 @@ async def test_sigterm_answers_held_requests_at_once(serve: Serve) -> None:
 async def test_the_example_wake_receiver_starts_a_replica_and_the_held_request_is_served(
     start_router: StartRouter,
 ) -> None:
-    """deploy/scale-from-zero/wake_receiver.py, the README's example, end to end."""
-    import subprocess
+    """deploy/scale-from-zero/wake_receiver.py, docs/scale-from-zero.md's example, end to end."""
     import sys
-    from pathlib import Path
 
+    from tests.deploy.receiver import wake_receiver
     from tests.helpers import free_port
 
     port = free_port()
     server = await start_router([], models={"m": {"cold_start_seconds": 30}}, wake_url=f"http://127.0.0.1:{port}/wake")
-    receiver = subprocess.Popen(
-        [
-            sys.executable,
-            str(Path(__file__).resolve().parents[2] / "deploy" / "scale-from-zero" / "wake_receiver.py"),
-            *("--listen", f"127.0.0.1:{port}", "--router-admin", server.admin_url),
-            *("--model", f"m={sys.executable} -m router.tools.fake --port {{port}} --model m"),
-        ],
-        stderr=subprocess.PIPE,
-    )
-    try:
-        assert receiver.stderr is not None
-        line = await asyncio.to_thread(receiver.stderr.readline)
-        assert b"wake receiver on" in line
+    async with wake_receiver(
+        *("--listen", f"127.0.0.1:{port}", "--router-admin", server.admin_url),
+        *("--model", f"m={sys.executable} -m router.tools.fake --port {{port}} --model m"),
+    ) as receiver:
         raw = await ask(server)
         assert raw.parse().choices[0].message.content == "tok0 tok1 "
         assert float(raw.headers["x-router-held-seconds"]) > 0
         assert [c.model for c in server.pool.configs()] == ["m"]
-    finally:
-        receiver.send_signal(signal.SIGINT)
-        await asyncio.to_thread(receiver.wait, 20)
-        if receiver.stderr is not None:
-            receiver.stderr.close()
+        # Stopped with SIGINT, as in a terminal: the engine it started goes with it.
+        assert await receiver.stop(signal.SIGINT) == 0

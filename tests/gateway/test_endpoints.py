@@ -88,6 +88,20 @@ async def test_the_responses_api_through_the_sdk_create_stream_and_retrieve(
     assert [seen.path.split("/")[-1] for seen in fake.seen[-2:]] == [created.id, "input_items"]
 
 
+async def test_the_sdks_responses_stream_helper_builds_the_response_as_it_arrives(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    """`client.responses.stream(...)` needs each output item announced before its deltas, as OpenAI sends them."""
+    fake = await start_fake("m", behaviour=Behaviour(tokens=3))
+    server = await start_router([replica_entry("r0", fake)])
+    async with sdk(server) as client, client.responses.stream(model="m", input="hi") as stream:
+        deltas = [event.delta async for event in stream if event.type == "response.output_text.delta"]
+        final = await stream.get_final_response()
+    assert deltas == ["tok0 ", "tok1 ", "tok2 "]
+    assert final.output_text == "tok0 tok1 tok2 " and final.status == "completed"
+    assert final.id in fake.responses
+
+
 async def test_previous_response_id_reaches_the_replica_that_made_the_response_every_time(
     start_fake: StartFake, start_router: StartRouter
 ) -> None:

@@ -15,8 +15,8 @@ import pytest
 
 from router.core.replicas import Replica
 from router.run.app import RouterServer
-from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import wait_for
+from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
+from tests.helpers import get_json, wait_for
 
 
 def replica(server: RouterServer, rid: str) -> Replica:
@@ -124,3 +124,23 @@ async def test_another_upgrade_is_ignored_as_before(start_fake: StartFake, start
             answers += chunk
     finally:
         writer.close()
+
+
+async def test_a_session_counts_as_a_request_of_the_replica_it_reached_and_a_refused_connect_apart(
+    start_fake: StartFake, start_router: StartRouter, refused_url: RefusedUrl
+) -> None:
+    good = await start_fake("m")
+    server = await start_router([{"id": "dead", "model": "m", "url": refused_url()}, replica_entry("good", good)])
+    sessions = 0
+    rows: dict[str, dict[str, int]] = {}
+    # Picks are at random between the two: until one of them found the dead replica.
+    while sessions < 30 and not rows.get("dead", {}).get("connects_failed"):
+        async with aiohttp.ClientSession() as session, session.ws_connect(ws_url(server)) as ws:
+            await ws.send_str("hi")
+            await ws.receive(timeout=10)
+        sessions += 1
+        rows = {row["id"]: row for row in await get_json(server.admin_url + "/api/v1/replicas")}
+    assert rows["dead"]["connects_failed"] >= 1
+    assert rows["dead"]["requests"] == 0
+    assert rows["good"]["requests"] == sessions
+    assert rows["good"]["connects_failed"] == 0

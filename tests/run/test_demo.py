@@ -61,7 +61,12 @@ async def demo() -> AsyncIterator[Demo]:
         yield Demo(f"http://{client}", f"http://{admin}", "".join(printed))
     finally:
         process.terminate()
-        await asyncio.wait_for(process.communicate(), timeout=30)
+        try:
+            await asyncio.wait_for(process.communicate(), timeout=30)
+        except TimeoutError:
+            # Whatever happened to its SIGTERM, it does not outlive the test.
+            process.kill()
+            await process.communicate()
 
 
 async def shell(command: str) -> tuple[int, str]:

@@ -305,9 +305,8 @@ async def test_workers_refuse_a_port_that_something_else_listens_on(serve: Serve
         )
     finally:
         taken.close()
-    assert done.returncode == 1
-    assert "cannot listen" in done.stderr
-    assert "Address already in use" in done.stderr
+    assert done.returncode == 2
+    assert f"listen: cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", ""])
@@ -494,3 +493,45 @@ async def test_a_tenants_queue_bound_is_split_over_the_workers_and_their_queues_
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_the_unserved_names_are_bounded_over_both_workers_and_each_shown_count_is_whole(
+    serve: Serve, start_fake: StartFake
+) -> None:
+    """150 names nobody serves, each asked twice, spread over two workers: 100 series of exactly 2, the rest other."""
+    fake = await start_fake("m")
+    serve.write([{"id": "r0", "model": "m", "url": fake.url}])
+    await serve.start("--workers", "2")
+    url = serve.client_url + "/v1/chat/completions"
+
+    async def ask(name: str) -> int:
+        # A connection of its own each, so that the kernel spreads them over the workers.
+        async with aiohttp.ClientSession() as own, own.post(url, data=orjson.dumps({**CHAT, "model": name})) as resp:
+            await resp.read()
+            return resp.status
+
+    names = [f"ghost-{i}" for i in range(150)]
+    for batch in range(0, 300, 50):
+        statuses = await asyncio.gather(*(ask(names[i % 150]) for i in range(batch, batch + 50)))
+        assert statuses == [404] * 50
+    async with aiohttp.ClientSession() as session:
+
+        async def unserved_now() -> dict[str, float]:
+            families = await metrics(session, serve)
+            return {
+                dict(key)["model"]: value
+                for key, value in families.get("router_unserved_requests", {}).items()
+                if dict(key)["sample"] == "router_unserved_requests_total"
+            }
+
+        # The metrics are the last tick's (0.1 s here): wait for the one that has every request.
+        deadline = time.monotonic() + 10
+        while sum((unserved := await unserved_now()).values()) < 300:
+            assert time.monotonic() < deadline, unserved
+            await asyncio.sleep(0.05)
+        workers = per_worker(await metrics(session, serve), "router_worker_in_flight_requests")
+    assert len(workers) == 2
+    other = unserved.pop("__other__")
+    assert len(unserved) == 100
+    assert set(unserved.values()) == {2.0}
+    assert other == 300 - 200

@@ -118,12 +118,12 @@ def test_the_scaler_deployment_runs_router_scaler_with_ports_and_probes_that_mat
     assert {p["targetPort"] for p in service["spec"]["ports"]} == {"grpc", "http"}
 
 
-def test_the_readme_s_router_settings_for_the_loop_are_valid_and_point_at_the_scaler() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_documented_router_settings_for_the_loop_are_valid_and_point_at_the_scaler() -> None:
+    readme = (ROOT / "docs" / "kubernetes.md").read_text()
     section = readme.split("## Scale to zero on Kubernetes", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```toml\n(.*?)```", section, re.S)
     router_block = next(b for b in blocks if b.startswith("wake_url"))
-    config = parse_config(tomllib.loads(router_block), "README", environ={})
+    config = parse_config(tomllib.loads(router_block), "docs/kubernetes.md", environ={})
     service = by_name("router-scaler", "Service")
     http_port = {p["name"]: p["port"] for p in service["spec"]["ports"]}["http"]
     assert config.wake_url == f"http://router-scaler.default.svc.cluster.local:{http_port}/wake"

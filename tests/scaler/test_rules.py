@@ -621,14 +621,14 @@ def test_no_view_is_active_and_says_why() -> None:
     assert decision.active and decision.reason == "no poll round has finished yet"
 
 
-def test_the_readme_lists_every_scaler_key_with_its_default_and_help() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_docs_list_every_scaler_key_with_its_default_and_help() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "kubernetes.md").read_text()
     section = readme.split("## Scale to zero on Kubernetes", 1)[1]
     block = section.split("```toml\n[scaler]\n", 1)[1].split("```", 1)[0]
     documented = tomllib.loads(block)
     defaults = ScalerSettings()
     assert set(documented) == set(HELP) == {f.name for f in fields(ScalerSettings)}
-    shown = apply(defaults, documented, "README")
+    shown = apply(defaults, documented, "docs/kubernetes.md")
     assert shown == defaults
     comments = dict(re.findall(r"^(\w+) = .*?# (.*)$", block, re.M))
     assert comments == HELP

@@ -87,3 +87,15 @@ async def test_bad_limits_are_refused_by_name() -> None:
     assert status == 2 and "--duration must be a number of seconds above 0" in out
     status, out = await bench("-n", "0")
     assert status == 2 and "--requests must be at least 1" in out
+
+
+async def test_the_clients_url_with_v1_as_the_demo_prints_it_works_as_well_as_without(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("r0", fake)])
+    for url in (server.client_url + "/v1", server.client_url + "/v1/", server.client_url):
+        status, out = await bench("--url", url, "--model", "m", "-n", "4", "-c", "2", "--json")
+        assert status == 0, out
+        assert orjson.loads(out)["requests"] == 4
+    assert {seen.path for seen in fake.seen} == {"/v1/chat/completions"}

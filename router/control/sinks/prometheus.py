@@ -367,6 +367,13 @@ class UsageCollector(Collector):
             snapshot.hold_outcomes.items(),
         )
         yield _tallies(
+            "router_hold_probes",
+            "Tries of held requests on their cold model's replicas: refused (connection refused), "
+            "loading (503), answered (anything else: the request's attempt). Not upstream errors.",
+            ["model", "outcome"],
+            snapshot.hold_probes.items(),
+        )
+        yield _tallies(
             "router_affinity",
             "Requests of models routed by session or prefix: hit (the key's own replica), "
             "spill (passed on for load), none (no key: least loaded).",

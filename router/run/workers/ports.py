@@ -23,3 +23,11 @@ def reserve_port(host: str, port: int) -> socket.socket:
     hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     hold.bind((address[0], port, *address[2:]))
     return hold
+
+
+def check_free(host: str, port: int) -> None:
+    """OSError if something listens on the address already: known before any worker starts, not after."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(address)

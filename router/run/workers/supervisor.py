@@ -32,13 +32,14 @@ from router.control.admin import Admin
 from router.control.sinks import build_sinks
 from router.control.sources import build_sources, exclusive_source, initial_set, reload_all, sources_ready
 from router.core.config import Config
+from router.core.errors import CannotListen
 from router.core.merging import Combiner, Memory, WorkerReport
 from router.core.usage import UsageSnapshot, publish
 from router.run.app import SNAPSHOT_PATH, Listening, freeze_start_up, run_until_signalled
 from router.run.session import make_session
 from router.run.worker_metrics import METRICS_PATH, MergedCollector, Report, SampleKey, merge, retire
 from router.run.workers.fanout import SupervisedFleet
-from router.run.workers.ports import reserve_port
+from router.run.workers.ports import check_free, reserve_port
 from router.run.workers.processes import Worker, WorkerProcesses
 from router.run.workers.state import make_runtime
 
@@ -100,7 +101,18 @@ class Supervisor(Listening):
         config = self.config
         # First: without a place for the workers' sockets nothing may listen.
         self._runtime = make_runtime(os.environ)
-        self._hold = reserve_port(config.listen.host, config.listen.port)
+        key = "listen"
+        try:
+            self._hold = reserve_port(config.listen.host, config.listen.port)
+            key = "admin_listen"
+            check_free(config.admin_listen.host, config.admin_listen.port)
+        except OSError as exc:
+            if self._hold is not None:
+                self._hold.close()
+                self._hold = None
+            shutil.rmtree(self._runtime, ignore_errors=True)
+            self._runtime = None
+            raise CannotListen(config.source, key, str(getattr(config, key)), exc) from exc
         self.client_address = (config.listen.host, self._hold.getsockname()[1])
         self._session = make_session(config)
         self.sinks = build_sinks(config, self._session)
@@ -133,7 +145,10 @@ class Supervisor(Listening):
             self._admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=1.0)
             await self._admin_runner.setup()
             site = web.TCPSite(self._admin_runner, config.admin_listen.host, config.admin_listen.port)
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:
+                raise CannotListen(config.source, "admin_listen", str(config.admin_listen), exc) from exc
         except BaseException:
             await self._teardown()
             raise

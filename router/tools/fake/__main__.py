@@ -1,6 +1,8 @@
-"""`python -m router.tools.fake`: bench/ and the tests start the fake replica this way."""
+"""`python -m router.tools.fake` (`router fake`): bench/ and the tests start the fake replica this way."""
+
+import sys
 
 from router.tools.fake.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(prog="python -m router.tools.fake"))

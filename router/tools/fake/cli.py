@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -27,15 +28,21 @@ from router.tools.fake.replica import FakeReplica
 from router.tools.fake.switches import Behaviour
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m router.tools.fake`: serve a fake replica, optionally in several processes."""
-    parser = argparse.ArgumentParser(prog="python -m router.tools.fake", description=__doc__)
+def main(argv: Sequence[str] | None = None, prog: str = "router fake") -> int:
+    """`router fake` (or `python -m router.tools.fake`): serve a fake replica, optionally in several processes."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="A fake OpenAI-compatible replica (as vLLM answers), to put behind the router.",
+        epilog="It prints its address and models once it listens; Ctrl-C (or SIGTERM) stops it.",
+    )
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--model", action="append", dest="models", help="model name to serve (repeatable)")
-    parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--token-delay", type=float, default=0.0)
-    parser.add_argument("--first-token-delay", type=float, default=0.0)
+    parser.add_argument("--port", type=int, default=8000, help="0: any free port (the line it prints names it)")
+    parser.add_argument(
+        "--model", action="append", dest="models", help="model name to serve (repeatable; default fake-model)"
+    )
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per answer, at most")
+    parser.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
+    parser.add_argument("--first-token-delay", type=float, default=0.0, help="seconds before the first token")
     parser.add_argument(
         "--paced",
         action="append",
@@ -52,30 +59,68 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--prefill-seconds-per-token", type=float, default=0.0, help="time to first token per prompt token not cached"
     )
     parser.add_argument("--processes", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
+    parser.add_argument(
+        "--share-port",
+        action="store_true",
+        help="listen even if something listens on the port already, sharing it (SO_REUSEPORT); "
+        "without it a port in use is refused",
+    )
     args = parser.parse_args(argv)
     if args.cache_block_chars < 1 or args.prefix_cache_blocks < 0 or args.prefill_seconds_per_token < 0:
         parser.error(
             "--cache-block-chars must be at least 1; --prefix-cache-blocks and --prefill-seconds-per-token >= 0"
         )
+    if args.processes < 1 or (args.processes > 1 and args.port == 0):
+        parser.error("--processes must be at least 1, and share a port given with --port (not 0)")
+    paced = dict(_pace(spec) for spec in args.paced)
+    models = [*(args.models or ([] if paced else ["fake-model"])), *paced]
+    if not args.share_port and args.port:
+        # Its socket shares the port (SO_REUSEPORT, for --processes and
+        # --share-port), but a fake that joined an engine or another fake
+        # by accident would answer half of the requests meant for them.
+        try:
+            check_free(args.host, args.port)
+        except OSError as exc:
+            hint = "(--share-port to share it with what listens there)"
+            print(f"{prog}: {_cannot_listen(args, exc)} {hint}", file=sys.stderr)
+            return 2
     children: list[int] = []
-    for _ in range(max(0, args.processes - 1)):
+    for _ in range(args.processes - 1):
         pid = os.fork()
         if pid == 0:
             children = []
             break
         children.append(pid)
-    # SIGTERM becomes SystemExit so that the finally below stops the children.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # SIGTERM and SIGINT (Ctrl-C) become SystemExit, whatever the disposition
+    # inherited (a shell that ignores SIGINT), so that the finally below stops the children.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
     try:
-        uvloop.run(_serve_forever(args))
-    except KeyboardInterrupt:
-        pass
+        # The first process alone says where it listens.
+        uvloop.run(_serve_forever(args, models, paced, tell=args.processes == 1 or bool(children)))
+    except OSError as exc:
+        # Shared with a listener that does not share (an engine), or an address not this host's.
+        print(f"{prog}: {_cannot_listen(args, exc)}", file=sys.stderr)
+        return 2
     finally:
         for pid in children:
             try:
-                os.kill(pid, 15)
+                os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+    return 0
+
+
+def _cannot_listen(args: argparse.Namespace, exc: OSError) -> str:
+    return f"cannot listen on {args.host}:{args.port}: {os.strerror(exc.errno) if exc.errno else exc}"
+
+
+def check_free(host: str, port: int) -> None:
+    """OSError if something listens on host:port already (a plain bind, without SO_REUSEPORT)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(address)
 
 
 def _pace(spec: str) -> tuple[str, tuple[float, float]]:
@@ -90,9 +135,9 @@ def _pace(spec: str) -> tuple[str, tuple[float, float]]:
     return model, pace
 
 
-async def _serve_forever(args: argparse.Namespace) -> None:
-    paced = dict(_pace(spec) for spec in args.paced)
-    models = [*(args.models or ([] if paced else ["fake-model"])), *paced]
+async def _serve_forever(
+    args: argparse.Namespace, models: list[str], paced: dict[str, tuple[float, float]], *, tell: bool
+) -> None:
     fake = FakeReplica(
         models=tuple(models),
         behaviour=Behaviour(
@@ -108,5 +153,9 @@ async def _serve_forever(args: argparse.Namespace) -> None:
         name=f"fake-{args.port}",
         tokenizer_path=args.tokenizer_path,
     )
-    await fake.start(args.host, args.port)
+    url = await fake.start(args.host, args.port)
+    if tell:
+        # Once it listens: a script may wait for this line and read the address from it.
+        count = f" in {args.processes} processes" if args.processes > 1 else ""
+        print(f"fake replica of {', '.join(models)} at {url}{count}", flush=True)
     await asyncio.Event().wait()

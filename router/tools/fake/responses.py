@@ -100,27 +100,41 @@ class ResponsesApi:
         }
 
     async def _stream(self, request: web.Request, doc: dict[str, Any]) -> web.StreamResponse:
-        """The response as the API's typed events: created, one delta a word, completed."""
+        """The response as the API's typed events, in the order OpenAI sends them.
+
+        created and in_progress, then the message's output item and its text
+        part added, one delta a word, the text, part and item done, and
+        completed: what the openai SDK's `client.responses.stream(...)`
+        helper needs to build the response as it arrives (it refuses a delta
+        for an output item it was not told of).
+        """
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self.replica.headers()})
         await resp.prepare(request)
         started = {**doc, "status": "in_progress", "output": []}
-        events: list[dict[str, Any]] = [{"type": "response.created", "response": started}]
-        text = doc["output"][0]["content"][0]["text"]
-        for i, word in enumerate(text.split()):
-            events.append(
-                {
-                    "type": "response.output_text.delta",
-                    "item_id": doc["output"][0]["id"],
-                    "output_index": 0,
-                    "content_index": 0,
-                    "delta": word + " ",
-                    "logprobs": [],
-                    "sequence_number": i,
-                }
-            )
-        events.append({"type": "response.completed", "response": doc})
+        message = doc["output"][0]
+        part = message["content"][0]
+        text = part["text"]
+        at = {"item_id": message["id"], "output_index": 0, "content_index": 0}
+        events: list[dict[str, Any]] = [
+            {"type": "response.created", "response": started},
+            {"type": "response.in_progress", "response": started},
+            {
+                "type": "response.output_item.added",
+                "output_index": 0,
+                "item": {**message, "status": "in_progress", "content": []},
+            },
+            {"type": "response.content_part.added", **at, "part": {**part, "text": ""}},
+            *(
+                {"type": "response.output_text.delta", **at, "delta": word + " ", "logprobs": []}
+                for word in text.split()
+            ),
+            {"type": "response.output_text.done", **at, "text": text, "logprobs": []},
+            {"type": "response.content_part.done", **at, "part": part},
+            {"type": "response.output_item.done", "output_index": 0, "item": message},
+            {"type": "response.completed", "response": doc},
+        ]
         for number, event in enumerate(events):
-            event.setdefault("sequence_number", number)
+            event["sequence_number"] = number
             await resp.write(b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n")
         await resp.write_eof()
         return resp

@@ -24,7 +24,7 @@ import pytest
 from tests.deploy.container.podman import Podman
 from tests.deploy.manifests import ROOT
 
-README = (ROOT / "README.md").read_text()
+KUBERNETES_DOC = (ROOT / "docs" / "kubernetes.md").read_text()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -89,8 +89,8 @@ def image(podman: Podman) -> str:
 
 @pytest.fixture(scope="session")
 def secret_values() -> dict[tuple[str, str], str]:
-    """The Secrets the README's `kubectl create secret generic` commands make, each with a fresh value."""
-    made = re.findall(r"kubectl create secret generic (\S+) --from-literal=(\w+)=", README)
+    """The Secrets docs/kubernetes.md's `kubectl create secret generic` commands make, each with a fresh value."""
+    made = re.findall(r"kubectl create secret generic (\S+) --from-literal=(\w+)=", KUBERNETES_DOC)
     assert made
     return {(name, key): secrets.token_hex(16) for name, key in made}
 

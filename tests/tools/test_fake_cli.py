@@ -1,0 +1,124 @@
+"""`router fake` as a user runs it: it says where it listens, refuses a port in use, and stops on Ctrl-C.
+
+Real processes on loopback. Each is stopped by the test whatever happens
+(killed if a signal did not stop it), and SIGINT must stop it even when it
+was started ignoring SIGINT, as a background job of a non-interactive shell
+is: a fake must not depend on the disposition it inherits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import orjson
+
+from tests.helpers import free_port
+
+FAKE = [sys.executable, "-m", "router", "fake"]
+
+
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def running(*args: str, ignoring_sigint: bool = False) -> Iterator[subprocess.Popen[str]]:
+    """`router fake ARGS`, stopped at the end: SIGINT, then SIGKILL if it did not stop."""
+    process = subprocess.Popen(
+        [*FAKE, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=ignore_sigint if ignoring_sigint else None,  # noqa: PLW1509 (a signal disposition, nothing else)
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def ready_line(process: subprocess.Popen[str]) -> str:
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line, process.stderr.read() if process.stderr is not None else "no output"
+    return line.rstrip("\n")
+
+
+def models_at(url: str) -> list[str]:
+    with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
+        return [m["id"] for m in orjson.loads(resp.read())["data"]]
+
+
+def test_it_prints_its_address_and_models_once_it_listens_and_serves_them() -> None:
+    with running("--port", "0", "--model", "a", "--model", "b") as fake:
+        line = ready_line(fake)
+        match = re.fullmatch(r"fake replica of a, b at (http://127\.0\.0\.1:\d+)", line)
+        assert match is not None, line
+        assert models_at(match.group(1)) == ["a", "b"]
+
+
+def test_sigint_stops_it_though_it_was_started_ignoring_sigint() -> None:
+    with running("--port", "0", ignoring_sigint=True) as fake:
+        ready_line(fake)
+        fake.send_signal(signal.SIGINT)
+        assert fake.wait(10) == 0
+
+
+def test_a_port_in_use_is_refused_in_one_line_unless_asked_to_share_it() -> None:
+    port = free_port()
+    with running("--port", str(port), "--model", "first") as first:
+        assert ready_line(first) == f"fake replica of first at http://127.0.0.1:{port}"
+        refused = subprocess.run([*FAKE, "--port", str(port)], capture_output=True, text=True, timeout=30, check=False)
+        assert refused.returncode == 2
+        assert refused.stderr.splitlines() == [
+            f"router fake: cannot listen on 127.0.0.1:{port}: Address already in use "
+            "(--share-port to share it with what listens there)"
+        ]
+        with running("--port", str(port), "--model", "second", "--share-port") as second:
+            assert ready_line(second) == f"fake replica of second at http://127.0.0.1:{port}"
+            # Both answer on the port now: the kernel spreads new connections over them.
+            seen: set[str] = set()
+            deadline = time.monotonic() + 10
+            while len(seen) < 2:
+                assert time.monotonic() < deadline, seen
+                seen.update(models_at(f"http://127.0.0.1:{port}"))
+            assert seen == {"first", "second"}
+
+
+def test_a_port_held_by_something_that_does_not_share_is_refused_even_when_asked_to_share() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [*FAKE, "--port", str(port), "--share-port"], capture_output=True, text=True, timeout=30, check=False
+        )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"router fake: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
+def test_several_processes_say_where_they_listen_once() -> None:
+    port = free_port()
+    with running("--port", str(port), "--processes", "2") as fake:
+        assert ready_line(fake) == f"fake replica of fake-model at http://127.0.0.1:{port} in 2 processes"
+        assert models_at(f"http://127.0.0.1:{port}") == ["fake-model"]
+        fake.send_signal(signal.SIGINT)
+        assert fake.wait(10) == 0
+        assert fake.stdout is not None and fake.stdout.read() == ""
