@@ -15,13 +15,14 @@ extensions, and what happens when they cannot be built.
 
 The modules are those one request's parse, pick, forward and answer run
 through, measured with bench/instructions.py; per-tick and start-up code
-gains nothing from compiling and is left out. A module must not define a
-class that mypyc cannot compile natively (one deriving from a builtin
-exception other than Exception's own family, a `continue` in `try/finally`):
-router/http/writer.py, router/gateway/tunnel.py and router/core/usage.py are
-left out for that. So is router/core/errors.py: compiled, its errors' class-level
-`status` and `code` (overridden per subclass) were missing on an error
-raised by uncompiled code, and raising errors is not per-request work.
+gains nothing from compiling and is left out. Three modules mypyc refuses:
+router/http/writer.py (an error class deriving from ConnectionResetError, a
+builtin it cannot extend), router/gateway/tunnel.py (a `continue` inside
+`try/finally`) and router/core/usage.py (an int stored where a float is
+declared). router/core/errors.py compiles, but mypyc takes its errors'
+class-level `status` and `code`, overridden per subclass, for per-instance
+defaults, and the suite found an error answered without them; raising an
+error is not per-request work.
 """
 
 from __future__ import annotations

@@ -54,6 +54,21 @@ def library(where: str, obj: str) -> str:
     return "other"
 
 
+def readable(name: str) -> str:
+    """A coroutine's C name as its Python one.
+
+    `chain.serve_Chain_gen.__mypyc_generator_helper__` is `chain.Chain.serve`.
+    """
+    suffix = "_gen.__mypyc_generator_helper__"
+    if not name.endswith(suffix):
+        return name
+    module, _, function = name.removesuffix(suffix).rpartition(".")
+    method, _, owner = function.rpartition("_")
+    if method and owner[:1].isupper():
+        function = f"{owner}.{method}"
+    return f"{module}.{function} (coroutine)" if module else f"{function} (coroutine)"
+
+
 def annotate(dump: Path, inclusive: bool) -> list[tuple[int, str, str]]:
     command = ["callgrind_annotate", "--threshold=100", f"--inclusive={'yes' if inclusive else 'no'}", str(dump)]
     text = subprocess.run(command, capture_output=True, text=True, check=True, timeout=300).stdout
@@ -90,7 +105,7 @@ def main() -> int:
     for count, where, _ in annotate(args.dump, inclusive=True):
         match = COMPILED.search(where.split(":")[-1].split("'")[0])
         if match:
-            name = match.group(1).replace("___", ".")
+            name = readable(match.group(1).replace("___", "."))
             functions[name] = max(functions.get(name, 0), count)
     if functions:
         print("\n| router function (inclusive) | instructions per request | share |\n| --- | --- | --- |")

@@ -1,29 +1,84 @@
-"""The data path's histograms: per model, observed per request, their children bound once."""
+"""The data path's histograms: two observed per request, by model, the rest when a request waits."""
 
 from __future__ import annotations
 
-from typing import Any
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class _Series:
+    """One model's counts: per bucket (not cumulative; the last is +Inf's own), and the sum."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * buckets
+        self.total = 0.0
+
+
+class ModelHistogram(Collector):
+    """A Prometheus histogram by model, observed on the event loop alone: a bucket found by
+    bisection, two additions, no lock.
+
+    prometheus_client's Histogram takes a lock per value and walks its buckets
+    in Python: about 9,000 instructions per observation, and every request
+    makes two (docs/performance.md, issue 29). What a scrape reads is the same:
+    `_bucket{le}` cumulative, `_count`, `_sum` (tests/gateway/test_metrics.py
+    compares them). The scrape runs in a thread: it takes the models as a list
+    first, since the loop may add one meanwhile.
+    """
+
+    def __init__(self, name: str, documentation: str, bounds: Sequence[float], registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = tuple(float(b) for b in bounds)
+        # As prometheus_client writes a bound (its floatToGoString, for bounds below 10**6).
+        self._les = [repr(b) for b in self.bounds] + ["+Inf"]
+        self._series: dict[str, _Series] = {}
+        registry.register(self)
+
+    def observe(self, model: str, value: float) -> None:
+        series = self._series.get(model)
+        if series is None:
+            series = self._series[model] = _Series(len(self.bounds) + 1)
+        # `le` is inclusive: a value equal to a bound is in that bound's bucket.
+        series.counts[bisect_left(self.bounds, value)] += 1
+        series.total += value
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self.name, self.documentation, labels=["model"])]
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model"])
+        for model, series in list(self._series.items()):
+            cumulative: list[tuple[str, float]] = []
+            running = 0
+            for le, count in zip(self._les, series.counts, strict=True):
+                running += count
+                cumulative.append((le, running))
+            family.add_metric([model], cumulative, series.total)
+        yield family
 
 
 class DataPathMetrics:
-    """Histograms observed per request; their children are bound once per model."""
+    """Histograms observed per request (duration and time to first byte), and those of waits."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.duration = Histogram(
+        self.duration = ModelHistogram(
             "router_request_duration_seconds",
             "Inference requests from arrival to the last byte sent, by model.",
-            ["model"],
-            registry=registry,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry,
         )
-        self.first_byte = Histogram(
+        self.first_byte = ModelHistogram(
             "router_time_to_first_byte_seconds",
             "From arrival to the replica's response head, by model.",
-            ["model"],
-            registry=registry,
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry,
         )
         self.held = Histogram(
             "router_held_seconds",
@@ -40,23 +95,11 @@ class DataPathMetrics:
             registry=registry,
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
-        self._duration: dict[str, Any] = {}
-        self._first_byte: dict[str, Any] = {}
-
-    def observe_duration(self, model: str, seconds: float) -> None:
-        child = self._duration.get(model)
-        if child is None:
-            child = self._duration[model] = self.duration.labels(model)
-        child.observe(seconds)
+        self.observe_duration = self.duration.observe
+        self.observe_first_byte = self.first_byte.observe
 
     def observe_held(self, model: str, seconds: float) -> None:
         self.held.labels(model).observe(seconds)
 
     def observe_queue_wait(self, model: str, priority: str, seconds: float) -> None:
         self.queue_wait.labels(model, priority).observe(seconds)
-
-    def observe_first_byte(self, model: str, seconds: float) -> None:
-        child = self._first_byte.get(model)
-        if child is None:
-            child = self._first_byte[model] = self.first_byte.labels(model)
-        child.observe(seconds)
