@@ -5,8 +5,8 @@ the one thing a declarative build cannot say: which modules become C
 extensions, and what happens when they cannot be built.
 
 - `pip install .` (or a wheel built with `python -m build`) compiles them
-  where mypyc and a C compiler are present: about 35% fewer instructions per
-  request (docs/performance.md).
+  where mypyc, a C compiler and Python's headers are present: about 40% fewer
+  instructions per request (docs/performance.md).
 - Where the compiler or Python's headers are missing, the build says so and
   installs the same modules as Python: a slower router, never a failed install.
 - `ROUTER_COMPILE=0` asks for the pure build. The development venv
@@ -28,7 +28,9 @@ error is not per-request work.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,8 @@ def say(message: str) -> None:
 class BuildOrFallBack(build_ext):
     """Build the compiled modules, or leave the package pure when no compiler can."""
 
+    failed = False
+
     def run(self) -> None:
         try:
             super().run()
@@ -99,23 +103,41 @@ class BuildOrFallBack(build_ext):
             self._fall_back(exc)
 
     def build_extension(self, ext: Any) -> None:
+        # All or nothing: a module's extension without the shared runtime that
+        # mypyc builds beside it would not import.
+        if self.failed:
+            return
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001 - as above, per extension
             self._fall_back(exc)
 
     def _fall_back(self, exc: Exception) -> None:
-        say(f"cannot compile ({exc}); installing the pure-Python modules, which run slower")
-        self.extensions = []
-        # What was built before the failure would leave some modules compiled
-        # and the shared runtime they need missing: none of it is installed.
+        if not self.failed:
+            say(f"cannot compile ({exc}); installing the pure-Python modules, which run slower")
+        self.failed = True
+        # What was built before the failure goes too: the modules stay Python,
+        # every one of them.
         for output in self.get_outputs():
             Path(output).unlink(missing_ok=True)
+        if self.inplace:
+            for ext in self.extensions:
+                (ROOT / self.get_ext_filename(self.get_ext_fullname(ext.name))).unlink(missing_ok=True)
+
+
+def compiler_present() -> bool:
+    """A C compiler to call and Python's headers to compile against: without either, mypyc's work is wasted."""
+    compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    return shutil.which(compiler) is not None and headers.exists()
 
 
 def extensions() -> list[Any]:
     if not wanted():
         say("ROUTER_COMPILE=0: the pure-Python build")
+        return []
+    if not compiler_present():
+        say("no C compiler or no Python.h here; installing the pure-Python modules, which run slower")
         return []
     try:
         # Optional: without mypyc the build is pure.

@@ -103,9 +103,7 @@ class Chain:
                     if replica is None:
                         if not pool.saturated(target):
                             break
-                        replica = await self._wait(
-                            target, avoid, refused, key, self._rank(request, obj, caller), caller
-                        )
+                        replica = await self._wait(target, avoid, refused, key, self.rank(request, obj, caller), caller)
                         if replica is None:
                             break
                     if attempt:
@@ -175,15 +173,18 @@ class Chain:
         if failed is not None:
             answer_failed(writer, failed)
 
-    def _rank(self, request: Request, obj: dict[str, object], caller: Caller) -> int:
+    def rank(self, request: Request, obj: dict[str, object], caller: Caller) -> int:
         """The request's class: its key's, lowered by X-Priority or the body's `priority` (read only to wait)."""
         return lowered(caller.priority, request.header(b"x-priority"), obj.get("priority"), self._ranks)
 
-    async def pinned(self, response_id: object) -> Replica:
+    async def pinned(self, response_id: object, rank: int = 0) -> Replica:
         """The replica that keeps `response_id`, acquired: waiting in its queue while it is busy, as any request.
 
         404 when this router never saw the response, or its replica is gone
-        (removed, draining, ejected); 503 server_overloaded after the queue wait.
+        (removed, draining, ejected); 503 server_overloaded after the wait of
+        the request's class (`rank`). Only that replica can serve it, so it
+        waits in the replica's own line, in arrival order, not in the model's
+        queue by class and tenant (docs/fairness.md).
         """
         replica_id = self.responses.maker_of(response_id)
         replica = self.pool.acquire_this(replica_id)
@@ -192,15 +193,18 @@ class Chain:
         keeper = self.pool.get(replica_id)
         if keeper is None:
             raise lost(response_id, replica_id)
-        # Its replica's queue is not the model's: it waits as the first class's requests do.
-        klass = self._classes[0]
+        klass = self._classes[rank]
         started = time.perf_counter()
         replica, timed_out = await self.pool.pinned.wait(replica_id, wait_seconds=klass.queue_timeout_seconds)
         if replica is None and not timed_out:
             # Gone, draining or ejected (at once or while it waited): not a wait of the limits.
             raise lost(response_id, replica_id)
         # A wait that ended in a 503 counts too, as in _wait().
-        self.metrics.observe_queue_wait(keeper.model, klass.name, time.perf_counter() - started)
+        waited = time.perf_counter() - started
+        self.metrics.observe_queue_wait(keeper.model, klass.name, waited)
+        if (entry := current_entry.get()) is not None:
+            entry.priority = klass.name
+            entry.queued_seconds = waited
         if replica is None:
             self.pool.tallies.refused_overloaded(keeper.model)
             raise Overloaded(

@@ -181,7 +181,7 @@ class Proxy:
             # Framed once for every attempt; only Host and the length differ.
             headers = self._forwarded.framed(request.raw_headers)
             if request.path == "/v1/responses" and (previous := obj.get("previous_response_id")) is not None:
-                pinned = await self.chain.pinned(previous)
+                pinned = await self.chain.pinned(previous, self.chain.rank(request, obj, caller))
                 await self.chain.serve_pinned(request, writer, obj, requested, stream, headers, pinned)
             else:
                 await self.chain.serve(request, writer, obj, requested, model, stream, headers, caller)

@@ -28,7 +28,8 @@ class ModelHistogram(Collector):
     in Python: about 9,000 instructions per observation, and every request
     makes two (docs/performance.md, issue 29). What a scrape reads is the same:
     `_bucket{le}` cumulative, `_count`, `_sum` (tests/gateway/test_metrics.py
-    compares them). The scrape runs in a thread: it takes the models as a list
+    compares them), without the `_created` sample, which no query here reads
+    and the workers' merge leaves out. The scrape runs in a thread: it takes the models as a list
     first, since the loop may add one meanwhile.
     """
 

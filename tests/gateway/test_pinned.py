@@ -12,7 +12,10 @@ deadline on a fake clock.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
@@ -147,3 +150,41 @@ async def test_a_pinned_request_whose_client_leaves_while_it_waits_takes_no_slot
             model="m", input="again", previous_response_id=response_id, max_output_tokens=2
         )
     assert answered.previous_response_id == response_id
+
+
+async def test_a_pinned_request_that_waited_logs_its_own_class_and_its_wait(
+    start_fake: StartFake, start_router: StartRouter, tmp_path: Path
+) -> None:
+    """Lowered to batch by its header, it waits with batch's timeout and says so, as a queued request does."""
+    fake = await start_fake("m", behaviour=Behaviour(tokens=1000, token_delay=0.01))
+    log_path = tmp_path / "access.log"
+    server = await start_router(
+        [replica_entry("r0", fake)], max_in_flight_per_replica=1, queue_timeout_seconds=5, access_log=str(log_path)
+    )
+    async with aiohttp.ClientSession() as session, sdk(server) as client:
+        created = await client.responses.create(model="m", input="hi", max_output_tokens=2)
+        stream = await occupy(server, session)
+        turn = asyncio.create_task(
+            client.responses.create(
+                model="m",
+                input="more",
+                previous_response_id=created.id,
+                max_output_tokens=2,
+                extra_headers={"X-Priority": "batch"},
+            )
+        )
+        await wait_for(lambda: server.pool.queued() == {"m": 1})
+        stream.close()
+        await turn
+
+    def waited() -> dict[str, Any] | None:
+        lines = log_path.read_text().splitlines() if log_path.exists() else []
+        found = [doc for doc in map(json.loads, lines) if doc["queued_seconds"] is not None]
+        return found[0] if found else None
+
+    await wait_for(lambda: waited() is not None)
+    line = waited()
+    assert line is not None
+    assert line["path"] == "/v1/responses"
+    assert line["priority"] == "batch"
+    assert line["queued_seconds"] > 0
