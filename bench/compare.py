@@ -562,6 +562,20 @@ def budget(summary: dict[str, dict[str, dict[str, float]]], held: dict[str, Any]
                 verdict(cpu <= min(rust_cpu)),
             )
         )
+    # What pip install gives where a compiler is: CPU per short request at most 0.75x
+    # vllm-router's (issue 29).
+    compiled, vllm = (
+        fig("short", "router-compiled", "cpu_ms_per_request"),
+        fig("short", "vllm-router", "cpu_ms_per_request"),
+    )
+    if compiled is not None and vllm:
+        lines.append(
+            (
+                "router-compiled: CPU per short request <= 0.75x vllm-router's",
+                f"{compiled:.4f} vs {vllm:.4f} ms: {compiled / vllm:.2f}x",
+                verdict(compiled <= 0.75 * vllm),
+            )
+        )
     rps, floor = fig("short", "router", "rps"), fig("short", "floor", "rps")
     if rps and floor:
         lines.append(("router: short req/s >= 1.0x the floor proxy", ratio(rps, floor), verdict(rps >= floor)))
