@@ -14,7 +14,7 @@ from router.core.config import Config
 from router.core.errors import NoReplicaAvailable, Overloaded, quoted
 from router.core.pool import Pool
 from router.core.replicas import Replica
-from router.core.tenants import ANYONE, Caller, lowered
+from router.core.tenants import ANYONE, Caller, PriorityClass, lowered
 from router.gateway.access_log import current_entry
 from router.gateway.affinity import Affinity
 from router.gateway.answers import error_response
@@ -199,12 +199,7 @@ class Chain:
         if replica is None and not timed_out:
             # Gone, draining or ejected (at once or while it waited): not a wait of the limits.
             raise lost(response_id, replica_id)
-        # A wait that ended in a 503 counts too, as in _wait().
-        waited = time.perf_counter() - started
-        self.metrics.observe_queue_wait(keeper.model, klass.name, waited)
-        if (entry := current_entry.get()) is not None:
-            entry.priority = klass.name
-            entry.queued_seconds = waited
+        self._waited(keeper.model, klass, started)
         if replica is None:
             self.pool.tallies.refused_overloaded(keeper.model)
             raise Overloaded(
@@ -223,12 +218,7 @@ class Chain:
         replica, timed_out = await self.pool.acquire_or_wait(
             model, avoid, refused, wait_seconds=klass.queue_timeout_seconds, key=key, caller=caller, priority=rank
         )
-        waited = time.perf_counter() - started
-        # A wait that ended in a 503 counts too: it is the wait the client saw.
-        self.metrics.observe_queue_wait(model, klass.name, waited)
-        if (entry := current_entry.get()) is not None:
-            entry.priority = klass.name
-            entry.queued_seconds = waited + (entry.queued_seconds or 0.0)
+        self._waited(model, klass, started)
         if timed_out:
             self.pool.tallies.refused_overloaded(model)
             raise Overloaded(
@@ -237,6 +227,15 @@ class Chain:
                 retry_after=1,
             )
         return replica
+
+    def _waited(self, model: str, klass: PriorityClass, started: float) -> None:
+        """A wait for a slot ended, served or not: a wait that ended in a 503 counts too, it is the one
+        the client saw. The access log sums a request's waits, one per attempt that waited."""
+        waited = time.perf_counter() - started
+        self.metrics.observe_queue_wait(model, klass.name, waited)
+        if (entry := current_entry.get()) is not None:
+            entry.priority = klass.name
+            entry.queued_seconds = waited + (entry.queued_seconds or 0.0)
 
     def _unserved(self, chain: tuple[str, ...], last: Failed | None, only_connect_failures: bool) -> Reply:
         """No attempt answered: the last replica's own answer, or a 503 when none could be reached."""

@@ -47,18 +47,24 @@ class Keeper:
     server: RouterServer
     response_id: str
     clock: FakeClock
+    access_log: Path
 
 
 @pytest.fixture
-async def keeper(start_fake: StartFake, start_router: StartRouter) -> Keeper:
+async def keeper(start_fake: StartFake, start_router: StartRouter, tmp_path: Path) -> Keeper:
     fake = await start_fake("m", behaviour=Behaviour(tokens=1000, token_delay=0.01))
     clock = FakeClock()
+    access_log = tmp_path / "access.log"
     server = await start_router(
-        [replica_entry("r0", fake)], max_in_flight_per_replica=1, queue_timeout_seconds=5, clock=clock
+        [replica_entry("r0", fake)],
+        max_in_flight_per_replica=1,
+        queue_timeout_seconds=5,
+        access_log=str(access_log),
+        clock=clock,
     )
     async with sdk(server) as client:
         created = await client.responses.create(model="m", input="hi", max_output_tokens=2)
-    return Keeper(server, created.id, clock)
+    return Keeper(server, created.id, clock, access_log)
 
 
 async def test_a_previous_response_id_whose_replica_is_busy_waits_for_it_and_is_served(
@@ -152,23 +158,16 @@ async def test_a_pinned_request_whose_client_leaves_while_it_waits_takes_no_slot
     assert answered.previous_response_id == response_id
 
 
-async def test_a_pinned_request_that_waited_logs_its_own_class_and_its_wait(
-    start_fake: StartFake, start_router: StartRouter, tmp_path: Path
-) -> None:
+async def test_a_pinned_request_that_waited_logs_its_own_class_and_its_wait(keeper: Keeper) -> None:
     """Lowered to batch by its header, it waits with batch's timeout and says so, as a queued request does."""
-    fake = await start_fake("m", behaviour=Behaviour(tokens=1000, token_delay=0.01))
-    log_path = tmp_path / "access.log"
-    server = await start_router(
-        [replica_entry("r0", fake)], max_in_flight_per_replica=1, queue_timeout_seconds=5, access_log=str(log_path)
-    )
+    server, response_id, log_path = keeper.server, keeper.response_id, keeper.access_log
     async with aiohttp.ClientSession() as session, sdk(server) as client:
-        created = await client.responses.create(model="m", input="hi", max_output_tokens=2)
         stream = await occupy(server, session)
         turn = asyncio.create_task(
             client.responses.create(
                 model="m",
                 input="more",
-                previous_response_id=created.id,
+                previous_response_id=response_id,
                 max_output_tokens=2,
                 extra_headers={"X-Priority": "batch"},
             )
