@@ -9,6 +9,7 @@ the prefix cache.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import socket
@@ -25,6 +26,35 @@ from router.tools.fake.inference import Inference
 from router.tools.fake.messages import Messages
 from router.tools.fake.responses import ResponsesApi
 from router.tools.fake.switches import Behaviour, Seen
+
+# Loop turns from the accept of a connection to its handler's connection_made (asyncio: two), and a margin.
+_ACCEPT_TURNS = 4
+_BACKLOG = 128
+
+
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets as aiohttp's TCPSite binds them: one per address of `host`, SO_REUSEADDR,
+    and SO_REUSEPORT on a given port (a fake beside another one, or restarted while the old one dies)."""
+    listeners: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        ):
+            sock = socket.socket(family, kind, proto)
+            listeners.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(_BACKLOG)
+            sock.setblocking(False)
+    except OSError:
+        for sock in listeners:
+            sock.close()
+        raise
+    return listeners
 
 
 @dataclass
@@ -56,6 +86,7 @@ class FakeReplica:
     # Fields of the model cards in this replica's /v1/models, as vLLM's carry them (max_model_len, root).
     card: dict[str, Any] = field(default_factory=dict)
     _runner: web.AppRunner | None = None
+    _listeners: list[socket.socket] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def app(self) -> web.Application:
@@ -92,12 +123,10 @@ class FakeReplica:
             self.app(), handler_cancellation=True, keepalive_timeout=self.keepalive_timeout, access_log=None
         )
         await self._runner.setup()
-        site: web.BaseSite
-        if sock is not None:
-            site = web.SockSite(self._runner, sock)
-        else:
-            site = web.TCPSite(self._runner, host, port, reuse_port=port != 0)
-        await site.start()
+        # Its own listening sockets (TCPSite's, by hand), so that kill() can stop accepting before it closes them.
+        self._listeners = [sock] if sock is not None else _listen(host, port)
+        for listener in self._listeners:
+            await web.SockSite(self._runner, listener).start()
         bound = self._runner.addresses[-1]
         self.url = f"http://{bound[0]}:{bound[1]}"
         return self.url
@@ -106,20 +135,41 @@ class FakeReplica:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+            self._listeners = []
 
     async def kill(self) -> None:
-        """Stop as a killed engine does: every connection reset at once, nothing finished, the port refusing."""
+        """Stop as a killed engine does: the port refusing, every connection reset at once, nothing finished."""
         runner = self._runner
         if runner is None:
             return
+        self._runner = None
+        # Accepting stops first, and the port closes only once every connection accepted is
+        # a handler. Closed at once, the port can leave behind a connection the loop accepted
+        # the turn before and has no transport for yet: asyncio (3.11) then drops it unclosed
+        # (Server._attach asserts the server is open), and the router's request on it waits
+        # for an answer no killed engine keeps it waiting for.
+        loop = asyncio.get_running_loop()
+        for listener in self._listeners:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                # A loop that accepts otherwise (uvloop) makes each transport at the accept.
+                loop.remove_reader(listener.fileno())
+        for _ in range(_ACCEPT_TURNS):
+            self._reset_connections(runner)
+            await asyncio.sleep(0)
+        self._reset_connections(runner)
+        for site in list(runner.sites):
+            await site.stop()
+        self._listeners = []
+        # With no connection left, the runner's graceful shutdown has nothing to wait for.
+        await runner.cleanup()
+
+    @staticmethod
+    def _reset_connections(runner: web.AppRunner) -> None:
         if runner.server is not None:
             for handler in list(runner.server.connections):
                 transport = handler.transport
                 if transport is not None:
                     transport.abort()
-        # With no connection left, the runner's graceful shutdown has nothing to wait for.
-        await runner.cleanup()
-        self._runner = None
 
     # What the endpoints share ---------------------------------------------------------
 
