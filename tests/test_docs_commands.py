@@ -68,22 +68,26 @@ class Block:
 
 
 def shell_blocks(path: Path) -> list[Block]:
-    """The ```sh blocks of a Markdown file, with the words after `sh` on their fence."""
+    """The ```sh blocks of a Markdown file, with the words after `sh` on their fence.
+
+    A fence may be indented (a block inside a list item): its lines lose that indent."""
     blocks = []
     lines = path.read_text().splitlines()
     start: int | None = None
+    indent = 0
     marks: tuple[str, ...] = ()
     body: list[str] = []
     for number, line in enumerate(lines, 1):
+        fence = line.lstrip(" ")
         if start is None:
-            words = line.removeprefix("```").split()
-            if line.startswith("```") and words[:1] == ["sh"]:
-                start, marks, body = number, tuple(words[1:]), []
-        elif line.startswith("```"):
+            words = fence.removeprefix("```").split()
+            if fence.startswith("```") and words[:1] == ["sh"]:
+                start, indent, marks, body = number, len(line) - len(fence), tuple(words[1:]), []
+        elif fence.startswith("```"):
             blocks.append(Block(path, start, marks, "\n".join(body) + "\n"))
             start = None
         else:
-            body.append(line)
+            body.append(line[indent:] if line[:indent].strip(" ") == "" else line)
     assert start is None, f"{path}:{start}: a block that never ends"
     return blocks
 
