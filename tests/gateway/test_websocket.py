@@ -8,6 +8,13 @@ flight on its replica the whole time; every other Upgrade is ignored as before.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -16,7 +23,10 @@ import pytest
 from router.core.replicas import Replica
 from router.run.app import RouterServer
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.helpers import get_json, wait_for
+from tests.helpers import StartRaw, get_json, wait_for
+
+# RFC 6455 4.2.2: the accept key is the client's key and this GUID, hashed.
+GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
 
 def replica(server: RouterServer, rid: str) -> Replica:
@@ -144,3 +154,111 @@ async def test_a_session_counts_as_a_request_of_the_replica_it_reached_and_a_ref
     assert rows["dead"]["requests"] == 0
     assert rows["good"]["requests"] == sessions
     assert rows["good"]["connects_failed"] == 0
+
+
+def access_lines(path: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def masked_binary_frame(payload: bytes) -> bytes:
+    """A client's binary frame (RFC 6455 5.2), masked with a zero key so the payload goes as it is."""
+    return b"\x82\xff" + struct.pack("!Q", len(payload)) + b"\0\0\0\0" + payload
+
+
+async def test_a_replica_that_takes_nothing_it_is_sent_ends_the_session(
+    start_router: StartRouter, raw_server: StartRaw, tmp_path: Path
+) -> None:
+    """The write-stall rule toward the replica: after its 101 it reads nothing more, and the router gives up on it."""
+    released = asyncio.Event()
+
+    async def switch_then_read_nothing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        head = raw.requests[-1].decode("latin-1")
+        key = next(
+            line.split(":", 1)[1].strip()
+            for line in head.split("\r\n")
+            if line.lower().startswith("sec-websocket-key:")
+        )
+        accept = base64.b64encode(hashlib.sha1(key.encode() + GUID).digest()).decode()
+        writer.write(
+            "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Accept: {accept}\r\n\r\n".encode()
+        )
+        await writer.drain()
+        # Neither reads nor ends: an engine wedged with the session open.
+        await asyncio.wait_for(released.wait(), timeout=30)
+        writer.close()
+
+    raw = await raw_server(switch_then_read_nothing)
+    log_path = tmp_path / "access.log"
+    server = await start_router(
+        [{"id": "r0", "model": "m", "url": f"http://{raw.address}"}],
+        write_stall_timeout_seconds=0.5,
+        upstream_idle_timeout_seconds=60,
+        access_log=str(log_path),
+    )
+    try:
+        async with aiohttp.ClientSession() as session, session.ws_connect(ws_url(server)) as ws:
+            assert replica(server, "r0").in_flight == 1
+
+            async def flood() -> None:
+                chunk = os.urandom(1 << 20)
+                for _ in range(64):
+                    await ws.send_bytes(chunk)
+
+            sending = asyncio.get_running_loop().create_task(flood())
+            try:
+                # The router ends the session: the client's side closes, well before 64 MiB went anywhere.
+                message = await asyncio.wait_for(ws.receive(), timeout=10)
+                assert message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR)
+            finally:
+                sending.cancel()
+                await asyncio.gather(sending, return_exceptions=True)
+        await wait_for(lambda: replica(server, "r0").in_flight == 0)
+        await wait_for(lambda: len(access_lines(log_path)) == 1, timeout=5)
+        (line,) = access_lines(log_path)
+        assert line["path"] == "/v1/realtime" and line["status"] == 101 and line["outcome"] == "stalled"
+    finally:
+        released.set()
+
+
+async def test_a_client_that_reads_nothing_it_is_sent_ends_the_session(
+    start_fake: StartFake, start_router: StartRouter, tmp_path: Path
+) -> None:
+    """The write-stall rule toward the client: it sends and never reads, and the replica's echo has nowhere to go."""
+    fake = await start_fake("m")
+    log_path = tmp_path / "access.log"
+    server = await start_router(
+        [replica_entry("r0", fake)],
+        write_stall_timeout_seconds=0.5,
+        upstream_idle_timeout_seconds=60,
+        access_log=str(log_path),
+    )
+    assert server.client_address is not None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # A small window, so that what the router sends it backs up in the router, not in this kernel.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, server.client_address)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write(
+            (
+                "GET /v1/realtime?model=m HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            ).encode()
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        assert head.startswith(b"HTTP/1.1 101 ")
+        await wait_for(lambda: fake.active == 1)
+        # 8 MiB echoed back, and never read.
+        chunk = os.urandom(1 << 20)
+        for _ in range(8):
+            writer.write(masked_binary_frame(chunk))
+        await wait_for(lambda: replica(server, "r0").in_flight == 0, timeout=10)
+        await wait_for(lambda: fake.active == 0, timeout=10)
+        await wait_for(lambda: len(access_lines(log_path)) == 1, timeout=5)
+        (line,) = access_lines(log_path)
+        assert line["path"] == "/v1/realtime" and line["status"] == 101 and line["outcome"] == "stalled"
+    finally:
+        writer.transport.abort()
