@@ -7,6 +7,7 @@ streams.py    vLLM's chunk framing and the stream writer (pacing, resets, raw by
 prefix.py     the prefix cache an engine keeps, and the prompt as a chat template lays it out
 responses.py  the Responses API and its store: only the replica that made a response knows it
 echo.py       the other endpoints vLLM and SGLang serve, answered with an echo; audio
+messages.py   Anthropic's Messages API as vLLM and llama.cpp serve it, whole or streamed
 cli.py        `router fake`, or `python -m router.tools.fake` (`__main__.py`)
 """
 
