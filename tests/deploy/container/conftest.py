@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def podman() -> Podman:
     if shutil.which("podman") is None:
         pytest.skip(
-            "podman is not installed: the container tier needs podman, runc, netavark, aardvark-dns and "
+            "podman is not installed: the container tier needs podman, runc, netavark, aardvark-dns, iptables and "
             "debootstrap (Debian's packages; .ci/run installs them)"
         )
     if os.geteuid() != 0:
@@ -53,6 +53,8 @@ def podman() -> Podman:
         or shutil.which("aardvark-dns", path="/usr/lib/podman:/usr/libexec/podman") is None
     ):
         pytest.skip("the container tier needs netavark and aardvark-dns: containers reach each other by name")
+    if shutil.which("iptables") is None:
+        pytest.skip("the container tier needs iptables: netavark sets up each network's NAT with it")
     return engine
 
 
