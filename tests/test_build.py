@@ -78,6 +78,11 @@ def test_the_build_that_runs_is_the_build_asked_for() -> None:
         timeout=60,
     )
     assert started.stdout.strip().endswith(suffix)
+    # And `router --version` says so, as an operator asks an installed router.
+    said = subprocess.run(
+        [sys.executable, "-m", "router", "--version"], capture_output=True, text=True, check=True, cwd="/", timeout=60
+    )
+    assert said.stdout.strip().endswith("(compiled)" if compiled else "(pure Python)"), said.stdout
 
 
 @pytest.mark.timeout(600)

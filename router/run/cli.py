@@ -218,11 +218,22 @@ def _workers(value: str) -> int:
     return worker_count(value)
 
 
+def build_kind() -> str:
+    """Which build is installed: the hot modules as the C extensions setup.py makes, or as Python.
+
+    Read from the files, not by importing them, so that `router ctl` loads none of the server.
+    """
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    server = Path(__file__).resolve().parent.parent / "http" / "server"
+    return "compiled" if any((server / f"reader{suffix}").exists() for suffix in EXTENSION_SUFFIXES) else "pure Python"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from router import __version__
 
     parser = argparse.ArgumentParser(prog="router", description="An OpenAI-compatible gateway for LLM replicas.")
-    parser.add_argument("--version", action="version", version=f"router {__version__}")
+    parser.add_argument("--version", action="version", version=f"router {__version__} ({build_kind()})")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the router")
     serve.add_argument("--config", "-c", required=True, help="the TOML configuration file")

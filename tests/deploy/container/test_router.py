@@ -96,6 +96,17 @@ def chat(model: str, *, stream: bool = False, max_tokens: int = 4) -> dict[str, 
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "stream": stream}
 
 
+def test_the_image_runs_the_compiled_build(fleet: Fleet) -> None:
+    """Built on a base with a compiler, run on one without: the hot modules are the C extensions, and load."""
+    said = fleet.podman("run", "--rm", "--pull", "never", fleet.image, "--version")
+    assert said.stdout.strip().endswith("(compiled)"), said.stdout
+    loaded = fleet.podman(
+        *("run", "--rm", "--pull", "never", "--entrypoint", "/opt/router/bin/python", fleet.image),
+        *("-c", "import router.http.server.reader as m, router.core.pool as p; print(m.__file__, p.__file__)"),
+    )
+    assert all(path.endswith(".so") for path in loaded.stdout.split()), loaded.stdout
+
+
 def test_the_probes_answer_as_the_kubelet_calls_them(fleet: Fleet) -> None:
     assert fleet.router.probe("readinessProbe") == 200
     assert fleet.router.probe("livenessProbe") == 200
