@@ -160,6 +160,13 @@ def access_lines(path: Path) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+async def logged_stalled(path: Path) -> None:
+    """The session's one access-log line says the stall ended it."""
+    await wait_for(lambda: len(access_lines(path)) == 1, timeout=5)
+    (line,) = access_lines(path)
+    assert line["path"] == "/v1/realtime" and line["status"] == 101 and line["outcome"] == "stalled"
+
+
 def masked_binary_frame(payload: bytes) -> bytes:
     """A client's binary frame (RFC 6455 5.2), masked with a zero key so the payload goes as it is."""
     return b"\x82\xff" + struct.pack("!Q", len(payload)) + b"\0\0\0\0" + payload
@@ -214,9 +221,7 @@ async def test_a_replica_that_takes_nothing_it_is_sent_ends_the_session(
                 sending.cancel()
                 await asyncio.gather(sending, return_exceptions=True)
         await wait_for(lambda: replica(server, "r0").in_flight == 0)
-        await wait_for(lambda: len(access_lines(log_path)) == 1, timeout=5)
-        (line,) = access_lines(log_path)
-        assert line["path"] == "/v1/realtime" and line["status"] == 101 and line["outcome"] == "stalled"
+        await logged_stalled(log_path)
     finally:
         released.set()
 
@@ -257,8 +262,6 @@ async def test_a_client_that_reads_nothing_it_is_sent_ends_the_session(
             writer.write(masked_binary_frame(chunk))
         await wait_for(lambda: replica(server, "r0").in_flight == 0, timeout=10)
         await wait_for(lambda: fake.active == 0, timeout=10)
-        await wait_for(lambda: len(access_lines(log_path)) == 1, timeout=5)
-        (line,) = access_lines(log_path)
-        assert line["path"] == "/v1/realtime" and line["status"] == 101 and line["outcome"] == "stalled"
+        await logged_stalled(log_path)
     finally:
         writer.transport.abort()
