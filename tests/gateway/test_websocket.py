@@ -23,7 +23,7 @@ import pytest
 from router.core.replicas import Replica
 from router.run.app import RouterServer
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.helpers import StartRaw, get_json, wait_for
+from tests.helpers import StartRaw, fixed, get_json, wait_for
 
 # RFC 6455 4.2.2: the accept key is the client's key and this GUID, hashed.
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -265,3 +265,29 @@ async def test_a_client_that_reads_nothing_it_is_sent_ends_the_session(
         await logged_stalled(log_path)
     finally:
         writer.transport.abort()
+
+
+@pytest.mark.parametrize(
+    ("reply", "status"),
+    [
+        pytest.param(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 2\r\n\r\nno", 403, id="refused"),
+        pytest.param(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n", 502, id="101-without-connection"
+        ),
+        pytest.param(b"HTTP/1.1 099 Odd\r\nContent-Length: 0\r\n\r\n", 502, id="status-099"),
+    ],
+)
+async def test_a_replica_that_will_not_switch_is_answered_for_and_counted(
+    start_router: StartRouter, raw_server: StartRaw, reply: bytes, status: int
+) -> None:
+    """Its refusal is the client's; a 101 or a status line it may not send is a 502; either way it took the request."""
+    raw = await raw_server(fixed(reply, close=True))
+    server = await start_router([{"id": "r0", "model": "m", "url": f"http://{raw.address}"}])
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await session.ws_connect(ws_url(server))
+        assert refused.value.status == status
+    assert len(raw.requests) == 1
+    await wait_for(lambda: replica(server, "r0").in_flight == 0)
+    (row,) = await get_json(server.admin_url + "/api/v1/replicas")
+    assert row["requests"] == 1 and row["connects_failed"] == 0

@@ -75,7 +75,15 @@ class _Head(asyncio.Protocol):
             # An interim answer (100, 103): the real one follows.
             self._reason, self._headers, self.status = b"", [], 0
             return
-        self._finish(None)
+        self._refusal_read()
+
+    def _refusal_read(self) -> None:
+        """A whole answer other than the switch: the client's, if its status line is one to pass on."""
+        problem = status_line_problem(self.parser.get_http_version(), self.status, self._reason)
+        if problem is not None:
+            self._fail(ConnectionBroken(problem, before_head=True))
+        else:
+            self._finish(None)
 
     def _finish(self, pipe: Pipe | None) -> None:
         if not self.done.done():
@@ -103,6 +111,11 @@ class _Head(asyncio.Protocol):
             self._finish(pipe)
             return
         except httptools.HttpParserError as failure:
+            if self.status == 101:
+                # llhttp stops at a 101 whose Connection names no upgrade (its pause is then no
+                # HttpParserUpgrade): RFC 9110 7.8 asks for both, and nothing was switched.
+                self._fail(ConnectionBroken("the replica answered 101 without Connection: Upgrade", before_head=True))
+                return
             self._fail(
                 ConnectionBroken(f"the replica's answer is not valid HTTP: {failure}", before_head=not self.status)
             )
@@ -117,7 +130,7 @@ class _Head(asyncio.Protocol):
             return
         if self.status and self.parser.should_keep_alive() is False and exc is None:
             # A body that ends with the connection (RFC 9112 6.3).
-            self._finish(None)
+            self._refusal_read()
             return
         self._fail(ConnectionBroken(f"the replica closed the connection: {exc or 'EOF'}", before_head=not self.status))
 
