@@ -19,7 +19,15 @@ import time
 from urllib.parse import parse_qsl, urlencode
 
 from router.core.config import Config
-from router.core.errors import BadRequest, ModelNotFound, NoReplicaAvailable, UpstreamConnectError, quoted
+from router.core.errors import (
+    BadRequest,
+    ModelNotFound,
+    NoReplicaAvailable,
+    UpstreamError,
+    UpstreamResetError,
+    UpstreamTimeout,
+    quoted,
+)
 from router.core.pool import Pool
 from router.core.replicas import Replica
 from router.gateway.access_log import current_entry
@@ -81,12 +89,8 @@ class Tunnels:
                 + (f" (last failure: {last})." if last else "."),
                 retry_after=self.pool.retry_after((model,)),
             )
-        except (BadRequest, ModelNotFound, NoReplicaAvailable, UpstreamConnectError) as exc:
+        except (BadRequest, ModelNotFound, NoReplicaAvailable, UpstreamError) as exc:
             writer.answer(error_response(exc))
-        except ConnectionBroken as exc:
-            writer.answer(error_response(UpstreamConnectError(f"The replica broke off the upgrade: {exc}")))
-        except HeadTimeout as exc:
-            writer.answer(error_response(UpstreamConnectError(f"The replica did not answer the upgrade: {exc}")))
 
     def _model(self, request: Request) -> tuple[str, str, list[tuple[str, str]]]:
         """(the name asked for, the model it leads to, the query's fields)."""
@@ -138,9 +142,17 @@ class Tunnels:
             self.pool.count_failure(replica, "connect")
             self.pool.record_failure(replica)
             return None
-        except (ConnectionBroken, HeadTimeout):
+        except ConnectionBroken as exc:
+            # It had the request: one of its requests, and a failure as a reset stream is.
             replica.requests += 1
-            raise
+            self.pool.count_failure(replica, "reset")
+            self.pool.record_failure(replica)
+            raise UpstreamResetError(f"Replica {replica.id} broke off the upgrade: {exc}") from exc
+        except HeadTimeout as exc:
+            replica.requests += 1
+            self.pool.count_failure(replica, "timeout")
+            self.pool.record_failure(replica)
+            raise UpstreamTimeout(f"Replica {replica.id} did not answer the upgrade: {exc}") from exc
         replica.requests += 1
         return answer
 

@@ -291,3 +291,29 @@ async def test_a_replica_that_will_not_switch_is_answered_for_and_counted(
     await wait_for(lambda: replica(server, "r0").in_flight == 0)
     (row,) = await get_json(server.admin_url + "/api/v1/replicas")
     assert row["requests"] == 1 and row["connects_failed"] == 0
+    # A refusal is an answer; a broken switch a failure, as a stream reset before its answer is.
+    assert row["errors"] == (0 if status == 403 else 1)
+    assert replica(server, "r0").errors == ({} if status == 403 else {"reset": 1})
+
+
+async def test_a_replica_that_never_answers_the_upgrade_is_a_504_and_a_timeout(
+    start_router: StartRouter, raw_server: StartRaw
+) -> None:
+    released = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await asyncio.wait_for(released.wait(), timeout=30)
+        writer.close()
+
+    raw = await raw_server(silent)
+    server = await start_router(
+        [{"id": "r0", "model": "m", "url": f"http://{raw.address}"}], first_byte_timeout_seconds=0.3
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await session.ws_connect(ws_url(server))
+            assert refused.value.status == 504
+        assert replica(server, "r0").errors == {"timeout": 1}
+    finally:
+        released.set()
