@@ -30,8 +30,11 @@ test: lint
 
 # The peers (bench/peers: LiteLLM, SGLang's and vLLM's routers, nginx, wrk) go
 # into .cache/peers and need root for Debian's packages; the run needs wrk.
+# The bench extras into the development venv, pure as scripts/setup-venv makes it
+# (an editable install would otherwise compile the tree in place, and an edited
+# module would no longer be what runs); bench/compare.py builds the compiled copy.
 bench: setup
-	$(BIN)/pip install --quiet -e '.[test,bench]'
+	ROUTER_COMPILE=0 $(BIN)/pip install --quiet -e '.[test,bench]'
 	bench/peers
 	$(BIN)/python bench/run.py
 

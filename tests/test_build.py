@@ -115,3 +115,20 @@ def test_a_machine_without_a_compiler_gets_the_pure_modules(tmp_path: Path) -> N
         timeout=60,
     )
     assert served.stdout.strip() == str(tree / "router" / "http" / "server" / "reader.py")
+
+
+def test_every_editable_install_into_the_dev_venv_asks_for_the_pure_build() -> None:
+    """An editable install compiles the tree in place unless told not to, and then an edited module is not what runs.
+
+    `make bench` once did: after it the development venv ran .so files beside the sources,
+    and `make test`'s pure run failed `test_the_build_that_runs_is_the_build_asked_for`.
+    """
+    places = [ROOT / "Makefile", ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    places += [p for p in sorted((ROOT / "scripts").iterdir()) if p.is_file()]
+    unpure = [
+        f"{place.relative_to(ROOT)}: {line.strip()}"
+        for place in places
+        for line in place.read_text().splitlines()
+        if "pip install" in line and " -e " in f"{line} " and "ROUTER_COMPILE=0" not in line
+    ]
+    assert unpure == []
