@@ -14,7 +14,7 @@ import socket
 import orjson
 import pytest
 
-from router.tools.fake import FakeReplica
+from router.tools.fake import Behaviour, FakeReplica
 
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 REQUEST = (
@@ -40,7 +40,8 @@ def read_to_the_end(sock: socket.socket) -> bytes:
 # step of the accept (in the kernel's backlog, accepted, transport made, handler running).
 @pytest.mark.parametrize("turns", [0, 1, 2, 3, 4, 6])
 async def test_a_connection_made_as_the_replica_is_killed_is_reset_and_the_port_refuses(turns: int) -> None:
-    fake = FakeReplica(models=("m",))
+    # An engine still at the prompt: whatever turn the kill lands on, no answer can be under way.
+    fake = FakeReplica(models=("m",), behaviour=Behaviour(first_token_delay=30))
     await fake.start("127.0.0.1", 0)
     port = int(fake.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as sock:
