@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
@@ -74,6 +75,11 @@ async def wait_for(condition: Any, timeout: float = 5.0) -> None:
         if time.perf_counter() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.01)
+
+
+def access_log_lines(path: Path) -> list[dict[str, Any]]:
+    """The access log's lines so far, parsed (none before the file is made)."""
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line] if path.exists() else []
 
 
 async def get_json(url: str) -> Any:

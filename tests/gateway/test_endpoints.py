@@ -29,7 +29,7 @@ from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from router.tools.fake.echo import ECHOED
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.helpers import CHAT, Serve, wait_for
+from tests.helpers import CHAT, Serve, access_log_lines, wait_for
 
 
 def sdk(server: RouterServer) -> openai.AsyncOpenAI:
@@ -270,10 +270,6 @@ async def test_every_log_line_a_request_causes_names_its_id(
 # The access log ---------------------------------------------------------------------------------------
 
 
-def lines(path: Path) -> list[dict[str, Any]]:
-    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line]
-
-
 async def test_the_access_log_has_one_line_per_request_field_by_field(
     start_fake: StartFake, start_router: StartRouter, refused_url: RefusedUrl, tmp_path: Path
 ) -> None:
@@ -302,8 +298,8 @@ async def test_the_access_log_has_one_line_per_request_field_by_field(
     ):
         await resp.content.readany()
     await post_json(server, "/v1/nope", CHAT, **{"X-Request-Id": "lost"})
-    await wait_for(lambda: log_path.exists() and len(lines(log_path)) == 33, timeout=5)
-    by_id = {line["id"]: line for line in lines(log_path)}
+    await wait_for(lambda: log_path.exists() and len(access_log_lines(log_path)) == 33, timeout=5)
+    by_id = {line["id"]: line for line in access_log_lines(log_path)}
     first = by_id["a1"]
     assert first["method"] == "POST" and first["path"] == "/v1/chat/completions"
     assert first["model"] == "em" and first["served_model"] == "m" and first["status"] == 200
@@ -330,8 +326,8 @@ async def test_a_body_refused_for_want_of_a_key_has_its_access_log_line(
     status, headers, answer = await post_json(server, "/v1/chat/completions", CHAT, **{"X-Request-Id": "keyless"})
     assert status == 401 and answer["error"]["code"] == "invalid_api_key"
     assert headers["X-Request-Id"] == "keyless"
-    await wait_for(lambda: log_path.exists() and len(lines(log_path)) == 1, timeout=5)
-    line = lines(log_path)[0]
+    await wait_for(lambda: log_path.exists() and len(access_log_lines(log_path)) == 1, timeout=5)
+    line = access_log_lines(log_path)[0]
     assert line["id"] == "keyless" and line["status"] == 401 and line["bytes_in"] == 0
     assert line["method"] == "POST" and line["path"] == "/v1/chat/completions" and line["attempts"] == 0
     assert fake.seen == []
@@ -366,7 +362,7 @@ async def test_rotating_the_access_log_with_sighup_under_load_loses_no_line(
         serve.signal(signal.SIGHUP)
     await asyncio.gather(*loaders)
     await asyncio.sleep(0.5)  # the last batch is written within 0.2 s
-    counted = sum(len(lines(path)) for path in [*rotated, log_path])
+    counted = sum(len(access_log_lines(path)) for path in [*rotated, log_path])
     assert sent > 50 and counted == sent
     # Every rotated file got lines: the reopen took effect each time.
-    assert all(lines(path) for path in rotated)
+    assert all(access_log_lines(path) for path in rotated)

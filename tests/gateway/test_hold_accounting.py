@@ -18,7 +18,6 @@ from typing import Any
 
 import aiohttp
 import openai
-import orjson
 import pytest
 
 from router.core.coldstart import PROBE_CAP_SECONDS
@@ -27,17 +26,13 @@ from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
 from tests.fake_clock import FakeClock
 from tests.gateway.test_cold_start import ask, held, push, refused_tries, scrape
-from tests.helpers import CHAT, get_json, samples, wait_for
-
-
-def log_lines(path: Path) -> list[dict[str, Any]]:
-    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line] if path.exists() else []
+from tests.helpers import CHAT, access_log_lines, get_json, samples, wait_for
 
 
 async def the_line(path: Path) -> dict[str, Any]:
     """The one access-log line the test's one request leaves (the log is written in batches)."""
-    await wait_for(lambda: len(log_lines(path)) == 1)
-    return log_lines(path)[0]
+    await wait_for(lambda: len(access_log_lines(path)) == 1)
+    return access_log_lines(path)[0]
 
 
 def hold_outcomes(text: str) -> dict[str, float]:

@@ -14,7 +14,6 @@ import os
 import socket
 import struct
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
@@ -23,7 +22,7 @@ import pytest
 from router.core.replicas import Replica
 from router.run.app import RouterServer
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.helpers import StartRaw, fixed, get_json, wait_for
+from tests.helpers import StartRaw, access_log_lines, fixed, get_json, wait_for
 
 # RFC 6455 4.2.2: the accept key is the client's key and this GUID, hashed.
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -156,14 +155,10 @@ async def test_a_session_counts_as_a_request_of_the_replica_it_reached_and_a_ref
     assert rows["good"]["connects_failed"] == 0
 
 
-def access_lines(path: Path) -> list[dict[str, Any]]:
-    return [orjson.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 async def logged_stalled(path: Path) -> None:
     """The session's one access-log line says the stall ended it."""
-    await wait_for(lambda: len(access_lines(path)) == 1, timeout=5)
-    (line,) = access_lines(path)
+    await wait_for(lambda: len(access_log_lines(path)) == 1, timeout=5)
+    (line,) = access_log_lines(path)
     assert line["path"] == "/v1/realtime" and line["status"] == 101 and line["outcome"] == "stalled"
 
 
