@@ -142,17 +142,17 @@ class Tunnels:
             self.pool.count_failure(replica, "connect")
             self.pool.record_failure(replica)
             return None
-        except ConnectionBroken as exc:
-            # It had the request: one of its requests, and a failure as a reset stream is.
+        except (ConnectionBroken, HeadTimeout) as exc:
+            # It had the request: one of its requests, and a failure as a reset or silent stream is.
             replica.requests += 1
-            self.pool.count_failure(replica, "reset")
+            error: UpstreamError = (
+                UpstreamTimeout(f"Replica {replica.id} did not answer the upgrade: {exc}")
+                if isinstance(exc, HeadTimeout)
+                else UpstreamResetError(f"Replica {replica.id} broke off the upgrade: {exc}")
+            )
+            self.pool.count_failure(replica, error.reason)
             self.pool.record_failure(replica)
-            raise UpstreamResetError(f"Replica {replica.id} broke off the upgrade: {exc}") from exc
-        except HeadTimeout as exc:
-            replica.requests += 1
-            self.pool.count_failure(replica, "timeout")
-            self.pool.record_failure(replica)
-            raise UpstreamTimeout(f"Replica {replica.id} did not answer the upgrade: {exc}") from exc
+            raise error from exc
         replica.requests += 1
         return answer
 
