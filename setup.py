@@ -46,6 +46,7 @@ COMPILED = [
     "router/http/messages.py",
     "router/http/pipe.py",
     "router/http/protocol_errors.py",
+    "router/http/transports.py",
     "router/http/wire.py",
     "router/http/server/",
     "router/http/client/",

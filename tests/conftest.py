@@ -21,9 +21,14 @@ from router.tools.fake import Behaviour, FakeReplica
 # Raw HTTP servers standing in for replicas, for the upstream client's tests.
 from tests.helpers import Serve, free_port, raw_server  # noqa: F401
 from tests.http.harness import Handler, Harness, StartServer, Stub, serving
+
+# Each test on the loop its code runs on in production, under a deadline of its own (tests/loops.py).
+from tests.loops import pytest_asyncio_loop_factories, pytest_runtest_call  # noqa: F401
 from tests.wire import StartRaw, raw_replicas
 
 StartFake = Callable[..., Awaitable[FakeReplica]]
+
+
 StartRouter = Callable[..., Awaitable[RouterServer]]
 
 

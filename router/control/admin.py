@@ -120,7 +120,9 @@ class Admin:
         if self._token and request.method in _MUTATING:
             header = request.headers.get("Authorization", "")
             scheme, _, given = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode("utf-8", "surrogateescape"), self._token
+            ):
                 return _error(401, "This call needs 'Authorization: Bearer <admin token>'.", "invalid_admin_token")
         try:
             return await handler(request)

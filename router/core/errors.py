@@ -33,11 +33,24 @@ QUOTED_CHARS = 256
 
 
 def quoted(value: object) -> str:
-    """`value` in quotes for an error message, cut to QUOTED_CHARS characters."""
-    text = value if isinstance(value, str) else repr(value)
+    """`value` in quotes for an error message, cut to QUOTED_CHARS characters.
+
+    A client's value that is not a string or a number is named by its kind,
+    never printed: repr() of a list nested a thousand deep (orjson reads
+    1,024 levels) raises RecursionError, and of a wide one costs its size.
+    """
+    if isinstance(value, str):
+        text = value
+    elif value is None or isinstance(value, bool | int | float):
+        text = repr(value)
+    else:
+        return f"(a JSON {_KINDS.get(type(value), type(value).__name__)})"
     if len(text) > QUOTED_CHARS:
         return f"'{text[:QUOTED_CHARS]}...' ({len(text)} characters)"
     return f"'{text}'"
+
+
+_KINDS: dict[type, str] = {dict: "object", list: "array"}
 
 
 class RouterError(Exception):

@@ -73,15 +73,19 @@ def _prompt_pieces(obj: dict[str, Any]) -> Iterator[str]:
         elif isinstance(messages, list):
             for message in messages:
                 if isinstance(message, dict):
-                    yield f"{message.get('role')}:{_content_text(message.get('content'))}\n"
+                    # Only a string is a role: anything else would be formatted
+                    # whole, and a list nested a thousand deep cannot be.
+                    role = message.get("role")
+                    yield f"{role if isinstance(role, str) else ''}:{_content_text(message.get('content'))}\n"
     prompt = obj.get("prompt")
     if isinstance(prompt, list) and prompt:
         prompt = prompt[0] if isinstance(prompt[0], str | list) else prompt
     if isinstance(prompt, str):
         yield prompt
     elif isinstance(prompt, list):
-        # Token ids: the same ids make the same key.
-        yield ",".join(str(token) for token in prompt)
+        # Token ids: the same ids make the same key (anything else in the list
+        # is no token, and is not formatted: it may be nested without end).
+        yield ",".join(str(token) if isinstance(token, int) else "?" for token in prompt)
 
 
 def _content_text(content: object) -> str:

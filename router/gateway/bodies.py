@@ -93,7 +93,14 @@ def with_model(body: bytes, obj: dict[str, Any], model: str) -> bytes:
     """The body with another model's name (an alias's, a fallback's): re-encoded JSON, or the form field replaced."""
     boundary = obj.get(_FORM)
     if boundary is None:
-        return orjson.dumps({**obj, "model": model})
+        try:
+            return orjson.dumps({**obj, "model": model})
+        except TypeError as exc:
+            # orjson writes 255 levels at most, and reads 1,024: a body it
+            # read may be too deep to write again under another name.
+            raise BadRequest(
+                f"The request body is nested too deeply to send under the model's own name ({exc})."
+            ) from exc
     for headers, start, end in _form_parts(body, boundary):
         if b'name="model"' in headers and b"filename=" not in headers:
             return body[:start] + model.encode() + body[end:]

@@ -14,7 +14,7 @@ import time
 
 from router.core.config import Config
 from router.core.engines import ANTHROPIC_PATHS
-from router.core.errors import ClientFacingError, ModelNotFound, quoted
+from router.core.errors import BadRequest, ClientFacingError, ModelNotFound, quoted
 from router.core.pool import Pool
 from router.core.tenants import ANYONE
 from router.gateway.access_log import AccessLog, Entry, current_entry
@@ -181,6 +181,8 @@ class Proxy:
             # Framed once for every attempt; only Host and the length differ.
             headers = self._forwarded.framed(request.raw_headers)
             if request.path == "/v1/responses" and (previous := obj.get("previous_response_id")) is not None:
+                if not isinstance(previous, str):
+                    raise BadRequest("'previous_response_id' must be a string.", param="previous_response_id")
                 pinned = await self.chain.pinned(previous, self.chain.rank(request, obj, caller))
                 await self.chain.serve_pinned(request, writer, obj, requested, stream, headers, pinned)
             else:

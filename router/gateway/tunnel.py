@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, quote, unquote_to_bytes
 
 from router.core.config import Config
 from router.core.errors import (
     BadRequest,
+    ClientFacingError,
     ModelNotFound,
     NoReplicaAvailable,
     UpstreamError,
@@ -31,23 +32,42 @@ from router.core.errors import (
 from router.core.pool import Pool
 from router.core.replicas import Replica
 from router.gateway.access_log import current_entry
-from router.gateway.answers import error_response, replica_answer
+from router.gateway.answers import JSON, error_body, error_response, replica_answer
 from router.gateway.catalog import Routes
 from router.gateway.keys import ApiKeys
 from router.http.client import ConnectFailed, ConnectionBroken, HeadTimeout
-from router.http.client.upgrade import Answer, upgrade
+from router.http.client.upgrade import Answer, Streamed, names_protocol, upgrade
 from router.http.headers import RESPONSE_HEADERS, HeaderFilter
-from router.http.messages import Request
+from router.http.messages import Reply, Request
 from router.http.pipe import Pipe
 from router.http.writer import Writer
 
 log = logging.getLogger("router.gateway.tunnel")
 
+WEBSOCKET = b"websocket"
+
 
 def asks_websocket(request: Request) -> bool:
-    """The server's upgrade check for upgrade_paths: a GET that asks for a WebSocket."""
+    """The server's upgrade check for upgrade_paths: an HTTP/1.1 GET whose Upgrade names the WebSocket protocol.
+
+    (An HTTP/1.0 request's Upgrade is ignored, RFC 9110 7.8; `notwebsocket` is another protocol.)
+    """
     value = request.header(b"upgrade")
-    return request.method == "GET" and value is not None and b"websocket" in value.lower()
+    return request.method == "GET" and request.version_11 and value is not None and names_protocol(value, WEBSOCKET)
+
+
+def with_model(target: bytes, model: str) -> bytes:
+    """`target` with its query's `model` field naming `model`: every other byte of it as the client sent it."""
+    path, mark, query = target.partition(b"?")
+    if not mark:
+        return target
+    fields = query.split(b"&")
+    named = quote(model, safe="").encode("ascii")
+    for i, field in enumerate(fields):
+        name, equals, _ = field.partition(b"=")
+        if equals and unquote_to_bytes(name.replace(b"+", b" ")) == b"model":
+            fields[i] = name + b"=" + named
+    return path + b"?" + b"&".join(fields)
 
 
 class Tunnels:
@@ -65,6 +85,10 @@ class Tunnels:
     async def serve(self, request: Request, writer: Writer) -> None:
         try:
             self.keys.check(request)
+            if not asks_websocket(request):
+                # The server did not hold this connection for a switch: no replica is asked for one.
+                writer.answer(_upgrade_required())
+                return
             requested, model, query = self._model(request)
             if (entry := current_entry.get()) is not None:
                 entry.model = requested
@@ -89,7 +113,8 @@ class Tunnels:
                 + (f" (last failure: {last})." if last else "."),
                 retry_after=self.pool.retry_after((model,)),
             )
-        except (BadRequest, ModelNotFound, NoReplicaAvailable, UpstreamError) as exc:
+        except ClientFacingError as exc:
+            # Every refusal of the router's own, a missing or wrong key's 401 included.
             writer.answer(error_response(exc))
 
     def _model(self, request: Request) -> tuple[str, str, list[tuple[str, str]]]:
@@ -110,9 +135,7 @@ class Tunnels:
         target = request.target
         if requested != model and query:
             # The engine must see the name it serves, as a body's model is rewritten.
-            fields = [(name, model if name == "model" else value) for name, value in query]
-            target = request.path.encode("utf-8", "surrogateescape") + b"?" + urlencode(fields).encode()
-        upgrade_value = request.header(b"upgrade") or b"websocket"
+            target = with_model(target, model)
         origin = replica.origin
         head = b"".join(
             (
@@ -123,9 +146,7 @@ class Tunnels:
                 origin.host_header,
                 b"\r\nX-Request-Id: ",
                 request.request_id,
-                b"\r\nConnection: Upgrade\r\nUpgrade: ",
-                upgrade_value,
-                b"\r\n",
+                b"\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n",
                 self._forwarded.framed(request.raw_headers),
                 b"\r\n",
             )
@@ -135,7 +156,9 @@ class Tunnels:
             entry.served_model = model
             entry.replica = replica.id
         try:
-            answer = await upgrade(origin, head, connect_timeout=self._connect_timeout, head_timeout=self._head_timeout)
+            answer = await upgrade(
+                origin, head, connect_timeout=self._connect_timeout, head_timeout=self._head_timeout, protocol=WEBSOCKET
+            )
         except ConnectFailed:
             # Nothing reached the replica: not one of its requests.
             replica.connects_failed += 1
@@ -159,6 +182,9 @@ class Tunnels:
     async def _answered(self, writer: Writer, replica: Replica, answer: Answer) -> None:
         self.pool.count_response(replica, answer.status)
         pipe = answer.pipe
+        if answer.streamed is not None:
+            await self._relay(writer, replica, answer, answer.streamed)
+            return
         if pipe is None:
             # The replica would not switch: its answer is the client's.
             writer.answer(
@@ -176,6 +202,47 @@ class Tunnels:
             return
         await self._join(client, pipe, replica)
 
+    async def _relay(self, writer: Writer, replica: Replica, answer: Answer, body: Streamed) -> None:
+        """An answer that did not switch and is no error (an event stream): passed on as it arrives."""
+        self.pool.record_success(replica)
+        length = answer.header(b"content-length")
+        writer.start(
+            answer.status,
+            answer.reason,
+            RESPONSE_HEADERS.kept(answer.headers),
+            length=int(length) if length is not None and length.isdigit() else None,
+        )
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self._idle):
+                        data = await body.read()
+                except TimeoutError:
+                    if (entry := current_entry.get()) is not None:
+                        entry.outcome = "timeout"
+                    self.pool.count_failure(replica, "timeout")
+                    writer.abort()
+                    return
+                if not data:
+                    break
+                if writer.write(data):
+                    await writer.drain()
+        except ConnectionError:
+            # The client went away, or took nothing for the write-stall timeout (the server cut it off).
+            if (entry := current_entry.get()) is not None and entry.outcome == "ok":
+                entry.outcome = "client_gone"
+            return
+        finally:
+            body.abort()
+        if body.whole:
+            writer.end()
+        else:
+            if (entry := current_entry.get()) is not None:
+                entry.outcome = "upstream_reset"
+            self.pool.count_failure(replica, "reset")
+            self.pool.record_failure(replica)
+            writer.abort()
+
     async def _join(self, client: Pipe, upstream: Pipe, replica: Replica) -> None:
         """Both ways until either side ends, or the session goes idle, or a side stalls."""
         loop = asyncio.get_running_loop()
@@ -187,8 +254,9 @@ class Tunnels:
             for task in (*tasks, watch):
                 task.cancel()
             await asyncio.gather(*tasks, watch, return_exceptions=True)
-            upstream.close()
-            client.close()
+            # A side that stalled is cut off at once; the other's last bytes get as long to go out.
+            upstream.close(linger=self._stall)
+            client.close(linger=self._stall)
             log.debug("session on replica %s ended", replica.id)
 
     async def _carry(self, source: Pipe, sink: Pipe) -> None:
@@ -217,3 +285,14 @@ class Tunnels:
                 if (entry := current_entry.get()) is not None:
                     entry.outcome = "timeout"
                 return
+
+
+def _upgrade_required() -> Reply:
+    """A request on an upgrade path that cannot switch (no WebSocket Upgrade, or HTTP/1.0): RFC 9110 15.5.22."""
+    body = error_body(
+        426,
+        "This path serves WebSocket sessions only: send an HTTP/1.1 GET with 'Upgrade: websocket'.",
+        "invalid_request_error",
+        "upgrade_required",
+    )
+    return Reply(426, body, [JSON, (b"Upgrade", WEBSOCKET), (b"Connection", b"Upgrade")])

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from router.http.transports import reset
+
 # Above this many bytes queued and not read, the transport stops reading.
 HIGH_WATER = 256 * 1024
 
@@ -121,8 +123,24 @@ class Pipe(asyncio.Protocol):
     def lost(self) -> bool:
         return self._lost
 
-    def close(self) -> None:
-        self.transport.close()
+    def close(self, linger: float | None = None) -> None:
+        """Close once what was written went out; with `linger`, abort if that takes longer.
+
+        A peer that takes nothing would hold a closing transport open for
+        ever, its unsent bytes with it: one whose buffer is already full
+        (the writes paused) is aborted at once, any other after `linger`.
+        """
+        transport = self.transport
+        if linger is not None and self._paused:
+            reset(transport)
+            return
+        transport.close()
+        if linger is not None and not self._lost:
+            asyncio.get_running_loop().call_later(linger, self._linger_over)
+
+    def _linger_over(self) -> None:
+        if not self._lost:
+            reset(self.transport)
 
     def abort(self) -> None:
         self.transport.abort()

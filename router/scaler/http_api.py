@@ -157,7 +157,9 @@ class HttpApi:
     async def wake(self, request: web.Request) -> web.Response:
         if self._token:
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode("utf-8", "surrogateescape"), self._token
+            ):
                 self.wake_calls.labels("unauthorized").inc()
                 return _json({"error": "this call needs 'Authorization: Bearer <admin token>'"}, 401)
         try:

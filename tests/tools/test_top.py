@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import re
+import subprocess
 import sys
 import time
 import uuid
@@ -225,18 +226,19 @@ class Tmux:
         self.socket = f"router-top-{uuid.uuid4().hex[:8]}"
 
     async def run(self, *args: str) -> tuple[int, str]:
-        child = await asyncio.create_subprocess_exec(
-            self.tmux,
-            "-L",
-            self.socket,
-            *args,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+        # In a thread, not with the loop's subprocess: uvloop's child inherits a
+        # pipe of its own (libuv's, at a high fd), which the tmux server that
+        # `new-session` forks keeps open, and communicate() would wait for it.
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [self.tmux, "-L", self.socket, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             env={**os.environ, "TERM": "xterm"},
+            timeout=10,
+            check=False,
         )
-        out, _ = await asyncio.wait_for(child.communicate(), timeout=10)
-        assert child.returncode is not None
-        return child.returncode, out.decode()
+        return done.returncode, done.stdout.decode()
 
     async def screen(self) -> str:
         code, out = await self.run("capture-pane", "-p", "-t", "top")

@@ -26,6 +26,7 @@ from router.http.server.head import Refusal
 from router.http.server.intake import DISCARD_SECONDS, Intake
 from router.http.server.states import ANSWERING, READING, Answering, Event, Reading, on
 from router.http.server.writer import Http11Writer, write_continue
+from router.http.transports import reset
 from router.http.writer import WriteStalled
 
 if TYPE_CHECKING:
@@ -197,7 +198,8 @@ class Connection(Intake):
                 "write_stall", f"{self!r} took none of its answer for {server.write_stall_timeout:g} s"
             )
             flow.fail(WriteStalled("the client read nothing of its answer"))
-            self.transport.abort()
+            # Reset: a plain abort would leave the kernel holding what the client will not take.
+            reset(self.transport)
             return
         if not 0.0 < self._deadline < now:
             return
