@@ -13,6 +13,8 @@ import asyncio
 import gzip
 import logging
 import time
+import zlib
+from collections.abc import Callable
 
 import openai
 import orjson
@@ -582,7 +584,27 @@ def sse_event(ident: str) -> bytes:
     return b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n"
 
 
-@pytest.mark.parametrize("form", ["gzipped-json", "gzipped-sse", "chunked-json"])
+def raw_deflate(data: bytes) -> bytes:
+    packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return packer.compress(data) + packer.flush()
+
+
+def two_members(data: bytes) -> bytes:
+    """Two gzip members, the first ending 40 bytes in: inside the first event's id."""
+    return gzip.compress(data[:40]) + gzip.compress(data[40:])
+
+
+# A stream's codings, each with the Content-Encoding it is sent under.
+STREAM_CODINGS: dict[str, tuple[Callable[[bytes], bytes], bytes]] = {
+    "gzipped-sse": (gzip.compress, b"gzip"),
+    "gzip-members-sse": (two_members, b"gzip"),
+    "raw-deflate-sse": (raw_deflate, b"deflate"),
+}
+
+
+@pytest.mark.parametrize(
+    "form", ["gzipped-json", "raw-deflate-json", "gzipped-sse", "gzip-members-sse", "raw-deflate-sse", "chunked-json"]
+)
 async def test_the_responses_memory_finds_the_id_of_a_compressed_or_chunked_answer(
     start_raw: StartRaw, start_router: StartRouter, form: str
 ) -> None:
@@ -593,15 +615,16 @@ async def test_the_responses_memory_finds_the_id_of_a_compressed_or_chunked_answ
     async def answer(exchange: Exchange) -> None:
         if exchange.head.startswith(b"GET"):
             await exchange.write(json_answer(doc))
-        elif form == "gzipped-json":
-            coded = gzip.compress(doc)
+        elif form.endswith("-json") and form != "chunked-json":
+            coded, coding = (gzip.compress(doc), b"gzip") if form == "gzipped-json" else (raw_deflate(doc), b"deflate")
             await exchange.write(
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
-                b"Content-Length: %d\r\n\r\n%b" % (len(coded), coded)
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: %b\r\n"
+                b"Content-Length: %d\r\n\r\n%b" % (coding, len(coded), coded)
             )
-        elif form == "gzipped-sse":
-            coded = gzip.compress(sse_event(ident) + b"event: response.completed\ndata: {}\n\n")
-            await exchange.write(sse_head(b"Content-Encoding: gzip\r\n"))
+        elif form in STREAM_CODINGS:
+            code, coding = STREAM_CODINGS[form]
+            coded = code(sse_event(ident) + b"event: response.completed\ndata: {}\n\n")
+            await exchange.write(sse_head(b"Content-Encoding: %b\r\n" % coding))
             for start in range(0, len(coded), 7):
                 await exchange.write(chunk(coded[start : start + 7]))
             await exchange.write(b"0\r\n\r\n")

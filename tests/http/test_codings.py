@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from router.http.codings import StreamDecoder, decoded
+from router.http.codings import MAX_MEMBERS, StreamDecoder, decoded
 
 TEXT = b'{"detail": "the prompt is too long"}'
 
@@ -72,3 +72,55 @@ def test_a_stream_whose_coded_bytes_go_bad_is_unreadable_from_there() -> None:
     assert start == b""
     assert decoder.feed(b"\xff" * 64) is None
     assert decoder.feed(coded[10:]) is None
+
+
+def empty_members(count: int) -> bytes:
+    """`count` gzip members of nothing: about 20 bytes each, no output at all."""
+    return gzip.compress(b"") * count
+
+
+def test_a_body_of_thousands_of_empty_members_is_unreadable_at_once() -> None:
+    """50,000 members in under 1 MiB: the work is bounded by members, not only by what they decode to."""
+    body = empty_members(50_000) + gzip.compress(TEXT)
+    assert len(body) < 1 << 20
+    # (Read to its end, as before the bound, it took 0.7 s of the event loop.)
+    assert decoded(body, b"gzip", 1 << 20) is None
+    decoder = StreamDecoder(b"gzip", 1 << 20)
+    fed = [decoder.feed(body[i : i + 65536]) for i in range(0, len(body), 65536)]
+    assert fed[-1] is None
+
+
+@pytest.mark.parametrize("members", [2, MAX_MEMBERS])
+def test_up_to_the_bound_members_are_read_in_full(members: int) -> None:
+    pieces = [TEXT[i::members] for i in range(members)]
+    body = b"".join(gzip.compress(piece) for piece in pieces)
+    assert decoded(body, b"gzip", 1 << 20) == b"".join(pieces)
+
+
+def test_a_long_body_in_many_members_is_not_copied_member_by_member() -> None:
+    """Each member's leftover is at most a window, not the rest of a body of megabytes."""
+    body = gzip.compress(b"x" * (3 << 20)) + empty_members(MAX_MEMBERS - 2) + gzip.compress(b"end")
+    assert decoded(body, b"gzip", 4 << 20) == b"x" * (3 << 20) + b"end"
+
+
+def feed_in_pieces(decoder: StreamDecoder, coded: bytes, size: int) -> bytes | None:
+    out = b""
+    for i in range(0, len(coded), size):
+        piece = decoder.feed(coded[i : i + size])
+        if piece is None:
+            return None
+        out += piece
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 4096])
+def test_a_raw_deflate_stream_is_undone_as_a_whole_body_is(size: int) -> None:
+    """Servers send raw deflate under `deflate`: the stream decoder tells it from zlib by its first two bytes."""
+    assert feed_in_pieces(StreamDecoder(b"deflate", 1 << 20), raw_deflate(TEXT), size) == TEXT
+    assert feed_in_pieces(StreamDecoder(b"deflate", 1 << 20), zlib.compress(TEXT), size) == TEXT
+
+
+@pytest.mark.parametrize("size", [1, 5, 4096])
+def test_a_stream_over_two_gzip_members_is_read_across_them(size: int) -> None:
+    coded = gzip.compress(TEXT[:7]) + gzip.compress(TEXT[7:])
+    assert feed_in_pieces(StreamDecoder(b"gzip", 1 << 20), coded, size) == TEXT
