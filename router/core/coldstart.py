@@ -137,7 +137,6 @@ class ColdStart:
             if expiry is not None and expiry[0] > hold.deadline:
                 expiry[1].cancel()
                 del self._expiries[model]
-        self._holds[model] = self._holds.get(model, 0) + 1
         # No timer per held request: a model's held requests share one, for
         # the oldest one's deadline (they are held in arrival order, for the
         # same cold_start_seconds, so the oldest is always the first due).
@@ -155,9 +154,17 @@ class ColdStart:
         finally:
             queue.discard(waiter)
             self._lines.close(model, queue)
-            self._holds[model] -= 1
-            if not self._holds[model]:
-                del self._holds[model]
+
+    def entered(self, model: str) -> None:
+        """A request is held for `model` from now until left(): waiting, or trying a replica."""
+        self._holds[model] = self._holds.get(model, 0) + 1
+
+    def left(self, model: str) -> None:
+        held = self._holds[model] - 1
+        if held:
+            self._holds[model] = held
+        else:
+            del self._holds[model]
 
     def end_try(self, model: str, replica: Replica, probe: ColdSpell | None, seen: _Seen | None) -> None:
         """A try is over: its replica back to the pool, and the model warm, still cold, or free to probe again."""
@@ -209,7 +216,12 @@ class ColdStart:
         return ended
 
     def held(self, model: str) -> int:
-        """Requests held for `model` now, waiting (a probe trying a replica is not counted meanwhile)."""
+        """Requests held for `model` now: waiting in its line, or trying one of its replicas.
+
+        A request counts from the moment it is held to the end of its hold,
+        tries included, so that `max_held` bounds them at every instant: a
+        request that arrives while another probes a loading replica sees it.
+        """
         return self._holds.get(model, 0)
 
     def oldest_held(self, model: str) -> float | None:
@@ -361,6 +373,7 @@ class Hold:
 
     async def __aenter__(self) -> Hold:
         self._entered = True
+        self._cold_start.entered(self.model)
         return self
 
     async def __aexit__(
@@ -368,6 +381,7 @@ class Hold:
     ) -> None:
         self._end_try()
         self._entered = False
+        self._cold_start.left(self.model)
         if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
             outcome: str | None = "client_gone"
         elif self._ended is not None:

@@ -91,7 +91,7 @@ async def test_a_refused_probe_keeps_its_place_at_the_head_of_the_line_and_its_a
             behind = asyncio.create_task(second.replica())
             replica = await first.replica()
             assert replica is not None
-            assert pool.held("m") == 1  # trying: not counted as waiting meanwhile
+            assert pool.held("m") == 2  # one trying, one waiting: both held, as max_held counts them
             first.still_loading()
             again = asyncio.create_task(first.replica())
             await turns()

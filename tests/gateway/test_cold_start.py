@@ -32,6 +32,7 @@ from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.fake_clock import FakeClock
 from tests.helpers import CHAT, Serve, samples, wait_for
 from tests.helpers import scrape as scrape_now
+from tests.wire import Exchange, StartRaw
 
 COLD = {"m": {"cold_start_seconds": 10}}
 
@@ -178,6 +179,46 @@ async def test_one_more_than_max_held_gets_a_fast_503_model_cold_with_retry_afte
     for task in waiting:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_max_held_counts_a_held_request_while_it_probes_a_loading_replica(
+    start_router: StartRouter, start_raw: StartRaw
+) -> None:
+    """The bound holds at every instant: a request that arrives while the held one tries a replica sees it."""
+    probing = asyncio.Event()
+    answer = asyncio.Event()
+
+    async def loading(exchange: Exchange) -> None:
+        # An engine still loading: 503 at once to the first try (which holds the request);
+        # the probes that follow it takes, and answers 503 once the test says so.
+        if exchange.index > 1:
+            probing.set()
+            await asyncio.wait_for(answer.wait(), timeout=30)
+        await exchange.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 7\r\n\r\nloading")
+
+    replica = await start_raw(loading)
+    server = await start_router(
+        [{"id": "r0", "model": "m", "url": replica.url}],
+        models={"m": {"cold_start_seconds": 30, "max_held": 1}},
+    )
+    first = asyncio.create_task(ask(server))
+    try:
+        await asyncio.wait_for(probing.wait(), timeout=10)
+        assert held(server) == 1
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.client_url + "/v1/chat/completions", json=CHAT) as resp:
+                body = await resp.json()
+                assert resp.status == 503, body
+        assert body["error"]["code"] == "model_cold" and "1 request already waits" in body["error"]["message"]
+        answer.set()
+        # Its probe refused, the first request is still held (and still the only one).
+        await wait_for(lambda: len(replica.requests) >= 3)
+        assert held(server) == 1
+    finally:
+        answer.set()
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+    await wait_for(lambda: held(server) == 0)
 
 
 async def test_the_deadline_gives_503_after_cold_start_seconds_not_before(start_router: StartRouter) -> None:
