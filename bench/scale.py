@@ -16,7 +16,10 @@ client traffic, over replicas spread across 10 models:
 - ctl: the router's CPU for one `router ctl idle` and one `router ctl status`;
 - workers: the supervisor of `--workers 2` per usage tick;
 - ring: one session-routed model of N replicas: its start-up, then one
-  replica added, removed, ejected and readmitted (each on the event loop).
+  replica added, removed, ejected and readmitted (each on the event loop);
+- quiet: a fleet of N replicas that do not answer (scaled to zero: every
+  connection refused), every feature at its default: the router's CPU per
+  second once its start-up reads are done (the model cards' among them).
 
 Every figure runs in a fresh child process (`--child`), from the working tree
 or, with `--baseline REF`, also from REF's tree, and is the median of
@@ -46,7 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = (4, 40, 400, 4000, 10000)
 RING_SIZES = (4, 40, 400, 800, 4000, 10000)
-TARGETS = ("acquire", "tick", "scrape", "put", "ctl", "workers", "ring")
+TARGETS = ("acquire", "tick", "scrape", "put", "ctl", "workers", "ring", "quiet")
 MODELS = 10
 
 RECEIVER = """
@@ -381,6 +384,42 @@ def measure_ring(n: int, rounds: int) -> dict[str, float]:
     }
 
 
+def refused_config(path: Path, n: int) -> int:
+    """`n` replicas on loopback addresses where nothing listens, nothing else set; returns the admin port."""
+    port, admin = free_port(), free_port()
+    lines = [f'listen = "127.0.0.1:{port}"', f'admin_listen = "127.0.0.1:{admin}"']
+    for i in range(n):
+        # Port 9 (discard) on 127.1/16: refused at once, as a node with no engine refuses.
+        lines += ["[[replicas]]", f'id = "model-{i % MODELS}-replica-{i}"', f'model = "model-{i % MODELS}"']
+        lines.append(f'url = "http://127.1.{i // 250}.{i % 250 + 1}:9"')
+    path.write_text("\n".join(lines) + "\n")
+    return admin
+
+
+def measure_quiet(n: int, rounds: int) -> dict[str, float]:
+    """The router's CPU per second of a quiet fleet that does not answer, once start-up has settled."""
+    window = 2.0
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "r.toml"
+        admin = refused_config(config, n)
+        with router_process(config, admin) as process:
+            pid = process.pid
+            # Settled: three windows in a row under 50 ms of CPU a second (start-up reads each card once).
+            # (A router that never settles is measured after 90 s all the same.)
+            calm, deadline = 0, time.monotonic() + 90
+            while calm < 3 and time.monotonic() < deadline:
+                before = process_cpu(pid)
+                time.sleep(window)
+                calm = calm + 1 if (process_cpu(pid) - before) / window < 0.05 else 0
+            # Windows of 10 s: work done every 10 s (a retry, two ticks) falls in each whole.
+            figures = []
+            for _ in range(min(rounds, 3)):
+                before = process_cpu(pid)
+                time.sleep(10.0)
+                figures.append((process_cpu(pid) - before) / 10.0)
+    return {"quiet_fleet_ms_per_s": statistics.median(figures) * 1e3}
+
+
 MEASURES: dict[str, Callable[[int, int], dict[str, float]]] = {
     "acquire": measure_acquire,
     "tick": measure_tick,
@@ -389,6 +428,7 @@ MEASURES: dict[str, Callable[[int, int], dict[str, float]]] = {
     "ctl": measure_router,
     "workers": measure_workers,
     "ring": measure_ring,
+    "quiet": measure_quiet,
 }
 
 
@@ -433,6 +473,7 @@ ROWS = (
     ("ring_remove_ms", "... one replica removed", "{:.2f} ms"),
     ("ring_eject_ms", "... one replica ejected", "{:.2f} ms"),
     ("ring_readmit_ms", "... one replica readmitted", "{:.2f} ms"),
+    ("quiet_fleet_ms_per_s", "a fleet that does not answer, defaults: CPU a second", "{:.2f} ms"),
 )
 
 
@@ -443,6 +484,7 @@ KEYS = {
     "scrape": ("scrape_ms", "scrape_kb", "put_one_changed_ms", "ctl_idle_ms", "ctl_status_ms", "usage_poll_ms"),
     "workers": ("supervisor_tick_ms",),
     "ring": ("ring_start_s", "ring_add_ms", "ring_remove_ms", "ring_eject_ms", "ring_readmit_ms"),
+    "quiet": ("quiet_fleet_ms_per_s",),
 }
 
 Figures = dict[str, float | str]

@@ -33,6 +33,17 @@ class Card:
         return out
 
 
+# What a card field may hold, at most: a path (`root`) and a model name
+# (`parent`), as engines write them. A field past its bound is left out, as
+# if unsaid: it would be kept, and served in every client's /v1/models.
+MAX_ROOT_CHARS = 4096
+MAX_PARENT_CHARS = 256
+
+
+def _text(value: object, bound: int) -> str | None:
+    return value if isinstance(value, str) and len(value) <= bound and value.isprintable() else None
+
+
 def read_card(doc: object, model: str) -> Card | None:
     """The card of `model` in a replica's /v1/models answer; None when it has none to give.
 
@@ -56,8 +67,8 @@ def read_card(doc: object, model: str) -> Card | None:
     parent = chosen.get("parent")
     return Card(
         length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None,
-        root if isinstance(root, str) else None,
-        parent if isinstance(parent, str) else None,
+        _text(root, MAX_ROOT_CHARS),
+        _text(parent, MAX_PARENT_CHARS),
     )
 
 

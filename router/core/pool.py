@@ -278,6 +278,18 @@ class Pool:
         self._ejections.forget_removed()
         return diff
 
+    def watch_joins(self) -> dict[Replica, None]:
+        """The replicas that become ready from now on (added, readmitted, undrained), in order,
+        starting with every replica ready now: the caller takes them out as it deals with them.
+
+        For a reader that acts on a replica's arrival (the model cards), at the cost
+        of the arrivals alone: no scan of the fleet to find them.
+        """
+        joined = self._set.joined
+        if joined is None:
+            joined = self._set.joined = {r: None for r in self._by_id.values() if r.state is ReplicaState.READY}
+        return joined
+
     def get(self, replica_id: str) -> Replica | None:
         return self._by_id.get(replica_id)
 

@@ -138,6 +138,7 @@ class ReplicaSet:
         "by_id",
         "candidates",
         "ever_served",
+        "joined",
         "leaving",
         "models",
         "_affinity",
@@ -180,6 +181,9 @@ class ReplicaSet:
         self.candidates: dict[str, Policy[Replica]] = {}
         # Every model that had a replica since start: known, so never 404.
         self.ever_served: set[str] = set()
+        # Replicas that became ready (added, readmitted, undrained), for a reader that
+        # takes them out (Pool.watch_joins); None while no one watches, and nothing is kept.
+        self.joined: dict[Replica, None] | None = None
         # While a whole set is applied: the policies holding their changes, and
         # the models whose waiters are told once it is in.
         self._batch: _Batch | None = None
@@ -299,6 +303,8 @@ class ReplicaSet:
         serving = replica.state is ReplicaState.READY
         if serving and replica not in candidates:
             candidates.add(replica, replica.in_flight)
+            if self.joined is not None:
+                self.joined[replica] = None
             # A new, readmitted or undrained replica: the model's waiters first.
             self._tell(replica.model)
         elif not serving:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import openai
 import pytest
 from aiohttp import web
 
-from router.core.cards import Cards
+from router.control.cards import CARD_BYTES
+from router.core.cards import MAX_ROOT_CHARS, Cards
 from router.run.app import RouterServer
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.helpers import get_json, wait_for
+from tests.wire import Exchange, StartRaw, chunk, json_answer
 
 VLLM_CARD = {"max_model_len": 8192, "root": "/models/Llama-3.1-8B-Instruct", "permission": [{"id": "p"}]}
 
@@ -110,3 +113,88 @@ async def test_model_cards_off_reads_nothing(start_fake: StartFake, start_router
     assert server.cards is None
     doc = await get_json(server.client_url + "/v1/models/llama")
     assert "max_model_len" not in doc and fake.seen == []
+
+
+async def test_an_endless_models_answer_is_cut_off_and_no_card_is_kept(
+    start_router: StartRouter, start_raw: StartRaw
+) -> None:
+    """A replica that never ends its /v1/models: the read stops at CARD_BYTES (before: 646 MB of RSS in 4.5 s)."""
+    sent = [0]
+
+    async def endless(exchange: Exchange) -> None:
+        await exchange.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        piece = chunk(b'{"data": [' + b" " * 65536)
+        with contextlib.suppress(ConnectionError):
+            while sent[0] < 64 * CARD_BYTES:
+                await exchange.write(piece)
+                sent[0] += len(piece)
+        exchange.close()
+
+    replica = await start_raw(endless)
+    server = await start_router([{"id": "r0", "model": "m", "url": replica.url}], model_cards=True)
+    await wait_for(lambda: server.cards is not None and server.cards.reads == 1 and server.cards.pending == 1)
+    await wait_for(lambda: not replica.handlers, timeout=10)
+    assert sent[0] < 8 * CARD_BYTES
+    assert cards(server).get("m") is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("root", "/models/" + "x" * (MAX_ROOT_CHARS + 1)), ("parent", "p" * 300), ("root", "/models/a\x1b[2Jb")],
+    ids=["root-8-MiB", "parent-past-a-name", "root-with-a-control-byte"],
+)
+async def test_a_card_field_past_its_bound_is_left_out_of_every_clients_models(
+    start_fake: StartFake, start_router: StartRouter, field: str, value: str
+) -> None:
+    fake = await start_fake("llama", card={"max_model_len": 8192, field: value})
+    server = await start_router([replica_entry("r0", fake)], model_cards=True)
+    await wait_for(lambda: card_read(server, "llama"))
+    doc = await get_json(server.client_url + "/v1/models/llama")
+    assert doc["max_model_len"] == 8192 and field not in doc
+
+
+async def test_a_redirect_from_a_replicas_models_is_not_followed(
+    start_router: StartRouter, start_raw: StartRaw
+) -> None:
+    """The router never fetches a URL a replica names, nor serves what it finds there."""
+    card = b'{"data": [{"id": "llama", "max_model_len": 8192, "root": "/from/elsewhere"}]}'
+    elsewhere = await start_raw(lambda exchange: exchange.write(json_answer(card)))
+
+    async def redirect(exchange: Exchange) -> None:
+        await exchange.write(
+            b"HTTP/1.1 302 Found\r\nLocation: %b/v1/models\r\nContent-Length: 0\r\n\r\n" % elsewhere.url.encode()
+        )
+
+    replica = await start_raw(redirect)
+    server = await start_router([{"id": "r0", "model": "llama", "url": replica.url}], model_cards=True)
+    await wait_for(lambda: server.cards is not None and server.cards.reads == 1 and server.cards.pending == 1)
+    assert len(replica.requests) == 1 and elsewhere.requests == []
+    assert cards(server).get("llama") is None
+
+
+async def test_a_replica_whose_read_failed_is_read_again_only_once_it_shows_life(
+    start_router: StartRouter, start_raw: StartRaw
+) -> None:
+    """A replica down or cold is never polled: its card is looked for again once a request has reached it."""
+
+    async def loading_models(exchange: Exchange) -> None:
+        if exchange.head.startswith(b"GET /v1/models"):
+            await exchange.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n")
+        else:
+            await exchange.write(json_answer())
+
+    replica = await start_raw(loading_models)
+    server = await start_router([{"id": "r0", "model": "m", "url": replica.url}], model_cards=True)
+    reader = server.cards
+    assert reader is not None
+    await wait_for(lambda: reader.reads == 1 and reader.pending == 1)
+    # However long it has been, with no sign of life: not due, and looked for later still.
+    later = asyncio.get_running_loop().time() + 100_000
+    assert reader.due(later) == []
+    assert reader.pending == 1
+    async with sdk(server) as client:
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    (due,) = reader.due(later + 2 * reader.retry_cap)
+    assert due.id == "r0"
+    # Read, it fails again, and waits for the next sign of life.
+    assert not await reader.read(due)

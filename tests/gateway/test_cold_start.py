@@ -205,10 +205,12 @@ async def test_max_held_counts_a_held_request_while_it_probes_a_loading_replica(
     try:
         await asyncio.wait_for(probing.wait(), timeout=10)
         assert held(server) == 1
-        async with aiohttp.ClientSession() as session:
-            async with session.post(server.client_url + "/v1/chat/completions", json=CHAT) as resp:
-                body = await resp.json()
-                assert resp.status == 503, body
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(server.client_url + "/v1/chat/completions", json=CHAT) as resp,
+        ):
+            body = await resp.json()
+            assert resp.status == 503, body
         assert body["error"]["code"] == "model_cold" and "1 request already waits" in body["error"]["message"]
         answer.set()
         # Its probe refused, the first request is still held (and still the only one).

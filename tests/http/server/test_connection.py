@@ -70,7 +70,7 @@ async def test_a_refused_body_that_goes_on_past_its_window_closes_the_connection
 
         sender = asyncio.create_task(trickle())
         try:
-            assert await wire.closed(timeout=4) == b""
+            assert await wire.closed(timeout=10) == b""
         finally:
             sender.cancel()
 
