@@ -23,7 +23,7 @@ from tests.helpers import Serve, free_port, raw_server  # noqa: F401
 from tests.http.harness import Handler, Harness, StartServer, Stub, serving
 
 # Each test on the loop its code runs on in production, under a deadline of its own (tests/loops.py).
-from tests.loops import pytest_asyncio_loop_factories, pytest_runtest_call  # noqa: F401
+from tests.loops import no_loop_errors, pytest_asyncio_loop_factories, pytest_runtest_call  # noqa: F401
 from tests.wire import StartRaw, raw_replicas
 
 StartFake = Callable[..., Awaitable[FakeReplica]]

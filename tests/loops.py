@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,3 +63,34 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         return (yield)
     finally:
         item.obj = function
+
+
+class _LoopErrors(logging.Handler):
+    """What the event loop logged as an error: an exception raised in a callback, a transport's fatal error."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def no_loop_errors() -> Iterator[None]:
+    """Fails a test during which the loop logged an error: asyncio and uvloop both log, and go on
+    past, what a protocol callback raises, so such a defect would otherwise pass every assertion."""
+    handler = _LoopErrors()
+    logger = logging.getLogger("asyncio")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+    if handler.records:
+        formatter = logging.Formatter()
+        shown = "\n".join(
+            r.getMessage() + ("\n" + formatter.formatException(r.exc_info) if r.exc_info else "")
+            for r in handler.records[:3]
+        )
+        pytest.fail(f"the event loop logged {len(handler.records)} error(s):\n{shown}", pytrace=False)
