@@ -20,13 +20,16 @@ import anthropic
 import openai
 import orjson
 from aiohttp import web
+from anthropic.types import MessageParam
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import StartFake
 from tests.helpers import Serve, get_json, wait_for
 
-MESSAGES = [{"role": "user", "content": "hi"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+HELLO: list[MessageParam] = [{"role": "user", "content": "hi"}]
 
 
 def openai_sdk(serve: Serve, key: str = "unused") -> openai.AsyncOpenAI:
@@ -50,7 +53,7 @@ async def test_a_chat_stream_with_the_openai_sdk(serve: Serve, start_fake: Start
             model="m",
             messages=MESSAGES,
             stream=True,
-            stream_options={"include_usage": True},  # type: ignore[arg-type]
+            stream_options={"include_usage": True},
         )
         pieces = [chunk async for chunk in stream]
     text = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
@@ -65,7 +68,7 @@ async def test_a_messages_stream_with_the_anthropic_sdk(serve: Serve, start_fake
     await serve.start()
     async with (
         anthropic.AsyncAnthropic(base_url=serve.client_url, api_key="unused", max_retries=0, timeout=30) as client,
-        client.messages.stream(model="m", max_tokens=8, messages=MESSAGES) as stream,  # type: ignore[arg-type]
+        client.messages.stream(model="m", max_tokens=8, messages=HELLO) as stream,
     ):
         kinds = [event.type async for event in stream]
         final = await stream.get_final_message()
@@ -114,7 +117,7 @@ async def test_a_held_request_is_served_once_the_control_plane_answers_the_wake(
         serve.write([], f'wake_url = "http://{host}:{port}/wake"\n[models.m]\ncold_start_seconds = 30\nmax_held = 10')
         await serve.start()
         async with openai_sdk(serve) as client:
-            raw = await client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES)  # type: ignore[arg-type]
+            raw = await client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES)
         assert raw.parse().choices[0].message.content
         assert float(raw.headers["x-router-held-seconds"]) >= 0
         assert [call["model"] for call in calls] == ["m"]
@@ -139,7 +142,7 @@ async def test_a_full_replica_serves_its_queue_by_class_before_arrival(serve: Se
 
     async def ask(key: str, user: str) -> None:
         async with openai_sdk(serve, key) as client:
-            await client.chat.completions.create(model="m", messages=MESSAGES, user=user)  # type: ignore[arg-type]
+            await client.chat.completions.create(model="m", messages=MESSAGES, user=user)
 
     first = asyncio.create_task(ask("sk-nightly", "first"))
     await wait_for(lambda: fake.active == 1)
@@ -171,8 +174,7 @@ async def test_two_workers_serve_as_one_router(serve: Serve, start_fake: StartFa
     clients = [openai_sdk(serve) for _ in range(16)]
     try:
         streams = [
-            await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)  # type: ignore[arg-type]
-            for client in clients
+            await client.chat.completions.create(model="m", messages=MESSAGES, stream=True) for client in clients
         ]
         for stream in streams:
             await stream.__anext__()
@@ -199,7 +201,7 @@ async def test_sigterm_lets_the_streams_in_flight_finish_and_exits_0(serve: Serv
     await serve.start()
 
     async def read_stream(client: openai.AsyncOpenAI, began: asyncio.Event) -> str:
-        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)  # type: ignore[arg-type]
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
         text = ""
         async for chunk in stream:
             began.set()
