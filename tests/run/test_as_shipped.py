@@ -172,8 +172,9 @@ async def test_two_workers_serve_as_one_router(serve: Serve, start_fake: StartFa
     serve.write([{"id": "r0", "model": "m", "url": fake.url}])
     await serve.start("--workers", "2")
     clients = [openai_sdk(serve) for _ in range(16)]
+    streams = []
     try:
-        streams = [
+        streams += [
             await client.chat.completions.create(model="m", messages=MESSAGES, stream=True) for client in clients
         ]
         for stream in streams:
@@ -190,6 +191,8 @@ async def test_two_workers_serve_as_one_router(serve: Serve, start_fake: StartFa
         }
         assert sorted(split) == ["0", "1"] and all(value > 0 for value in split.values()), split
     finally:
+        for stream in streams:
+            await stream.close()
         for client in clients:
             await client.close()
     await wait_for(lambda: fake.active == 0, timeout=10)
