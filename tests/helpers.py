@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.core.origin import Origin
 from router.run.app import RouterServer
 from router.tools import ctl
+from tests.wire import ending_quietly
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -219,7 +220,7 @@ async def raw_server() -> AsyncIterator[StartRaw]:
 
     async def start(answer: Answer) -> RawServer:
         raw = RawServer(answer)
-        raw.server = await asyncio.start_server(raw.handle, "127.0.0.1", 0)
+        raw.server = await asyncio.start_server(ending_quietly(raw.handle), "127.0.0.1", 0)
         servers.append(raw)
         return raw
 

@@ -25,6 +25,7 @@ import pytest
 from router.core.origin import Origin
 from router.http.client import BodyTooLarge, Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response
 from tests.helpers import HEAD, OK, StartRaw, fixed, wait_for
+from tests.wire import ending_quietly
 
 
 @pytest.fixture
@@ -280,7 +281,7 @@ async def listening(handle: Handle, tls: ssl.SSLContext | None = None) -> AsyncI
             writer.close()
             tasks.discard(task)
 
-    server = await asyncio.start_server(run, "127.0.0.1", 0, ssl=tls)
+    server = await asyncio.start_server(ending_quietly(run), "127.0.0.1", 0, ssl=tls)
     try:
         yield Origin.parse(f"{'https' if tls else 'http'}://127.0.0.1:{server.sockets[0].getsockname()[1]}")
     finally:

@@ -34,6 +34,7 @@ from router.http.client import (
     UpstreamIdle,
 )
 from tests.helpers import HEAD, OK, RawServer, StartRaw, fixed, wait_for
+from tests.wire import ending_quietly
 
 MakeClient = Callable[..., Client]
 
@@ -121,7 +122,7 @@ async def test_a_replica_that_speaks_before_the_request_is_connect_failed(
         await until_hung_up(reader)
         writer.close()
 
-    server = await asyncio.start_server(banner, "127.0.0.1", 0)
+    server = await asyncio.start_server(ending_quietly(banner), "127.0.0.1", 0)
     loop = asyncio.get_running_loop()
     connect = loop.create_connection
 
@@ -314,7 +315,7 @@ async def big_request_replica(second: Callable[[asyncio.StreamReader, asyncio.St
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0, limit=1 << 20)
+    server = await asyncio.start_server(ending_quietly(handle), "127.0.0.1", 0, limit=1 << 20)
     return server, connections, requests
 
 
