@@ -18,7 +18,7 @@ through, measured with bench/instructions.py; per-tick and start-up code
 gains nothing from compiling and is left out. Three modules mypyc refuses:
 router/http/writer.py (an error class deriving from ConnectionResetError, a
 builtin it cannot extend), router/gateway/tunnel.py (a `continue` inside
-`try/finally`) and router/core/usage.py (an int stored where a float is
+`try/finally`) and router/core/usage/snapshots.py (an int stored where a float is
 declared). router/core/errors.py compiles, but mypyc takes its errors'
 class-level `status` and `code`, overridden per subclass, for per-instance
 defaults, and the suite found an error answered without them; raising an
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent
 
 # Relative to the project root; directories stand for every module in them.
 COMPILED = [
-    "router/http/codings.py",
+    "router/gateway/codings.py",
     "router/http/headers.py",
     "router/http/messages.py",
     "router/http/pipe.py",
@@ -63,14 +63,14 @@ COMPILED = [
     "router/gateway/metrics.py",
     "router/gateway/responses.py",
     "router/core/clock.py",
-    "router/core/coldstart.py",
-    "router/core/ejection.py",
-    "router/core/picking.py",
-    "router/core/pool.py",
-    "router/core/replicas.py",
-    "router/core/ring.py",
-    "router/core/tallies.py",
-    "router/core/waiters.py",
+    "router/core/pool/coldstart.py",
+    "router/core/pool/ejection.py",
+    "router/core/pool/picking.py",
+    "router/core/pool/pool.py",
+    "router/core/pool/replicas.py",
+    "router/core/pool/ring.py",
+    "router/core/pool/tallies.py",
+    "router/core/pool/waiters.py",
 ]
 
 

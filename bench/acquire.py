@@ -11,8 +11,8 @@ import argparse
 import json
 import time
 
-from router.core.config import ReplicaConfig
-from router.core.pool import Pool
+from router.core.config.settings import ReplicaConfig
+from router.core.pool.pool import Pool
 
 SIZES = (4, 40, 400)
 

@@ -425,7 +425,7 @@ def measure(path: Path_, workload: str, args: argparse.Namespace, tmp: Path) -> 
     return figures
 
 
-# Holding many streams ------------------------------------------------------------------------
+# HeldRequests many streams ------------------------------------------------------------------------
 
 
 async def hold_streams(url: str, count: int, tokens: int, ramp_seconds: float) -> dict[str, float]:

@@ -51,10 +51,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.compare import free_port, wait_http  # noqa: E402
-from router.core.config import ReplicaConfig  # noqa: E402
-from router.core.pool import Limits, Pool  # noqa: E402
-from router.core.replicas import Replica  # noqa: E402
-from router.core.tenants import Caller, Queueing  # noqa: E402
+from router.core.config.settings import ReplicaConfig  # noqa: E402
+from router.core.config.tenants import Caller, Queueing  # noqa: E402
+from router.core.pool.pool import Limits, Pool  # noqa: E402
+from router.core.pool.replicas import Replica  # noqa: E402
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 CAPACITY = 4
@@ -212,11 +212,11 @@ async def queued_pool(tenants: int, queued: int) -> tuple[Pool, Replica, list[as
     assert replica is not None
     callers = [Caller(f"t{i}") for i in range(tenants)]
     waiting = [
-        asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=3600, caller=callers[i % tenants]))
+        asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=3600, caller=callers[i % tenants]))
         for i in range(queued)
     ]
     await asyncio.sleep(0)
-    assert pool.waiting("m") == queued
+    assert pool.queues.waiting("m") == queued
     return pool, replica, waiting
 
 

@@ -174,8 +174,8 @@ def cpu_of(pid: int, action: Callable[[], object], rounds: int) -> list[float]:
 
 
 def measure_acquire(n: int, rounds: int) -> dict[str, float]:
-    from router.core.config import ReplicaConfig
-    from router.core.pool import Pool
+    from router.core.config.settings import ReplicaConfig
+    from router.core.pool.pool import Pool
 
     pool = Pool([ReplicaConfig(r["id"], r["model"], r["url"]) for r in map(replica, range(n))])
     for _ in range(max(1, n // MODELS // 2)):
@@ -194,7 +194,7 @@ def measure_acquire(n: int, rounds: int) -> dict[str, float]:
 
 
 async def _tick(n: int, rounds: int, push: bool) -> dict[str, float]:
-    from router.core.config import load_config
+    from router.core.config.settings import load_config
     from router.run.app import RouterServer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -350,9 +350,9 @@ def measure_workers(n: int, rounds: int) -> dict[str, float]:
 
 
 def measure_ring(n: int, rounds: int) -> dict[str, float]:
-    from router.core.config import ReplicaConfig
-    from router.core.picking import Routing
-    from router.core.pool import Pool
+    from router.core.config.settings import ReplicaConfig
+    from router.core.pool.picking import Routing
+    from router.core.pool.pool import Pool
 
     configs = [ReplicaConfig(f"s-{i}", "m", f"http://10.0.{i // 250}.{i % 250}:8000") for i in range(n)]
     began = time.process_time()
@@ -370,10 +370,10 @@ def measure_ring(n: int, rounds: int) -> dict[str, float]:
         victim = pool.get(configs[0].id)
         assert victim is not None
         began = time.process_time()
-        pool.eject(victim, 10.0)
+        pool.ejections.eject(victim, 10.0)
         ejected.append(time.process_time() - began)
         began = time.process_time()
-        pool.readmit(victim)
+        pool.ejections.readmit(victim)
         readmitted.append(time.process_time() - began)
     return {
         "ring_start_s": start,

@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from router.control.sinks.latest import LatestSink
 from router.control.sinks.prometheus import PrometheusSink, UsageCollector
-from router.core.config import ReplicaConfig
-from router.core.pool import Pool
-from router.core.usage import Ticker
+from router.core.config.settings import ReplicaConfig
+from router.core.pool.pool import Pool
+from router.core.usage.snapshots import Ticker
 
 SIZES = (4, 400, 4000)
 

@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from router.core.clock import Clock
-from router.core.config import parse_config
+from router.core.config.settings import parse_config
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 

@@ -25,7 +25,7 @@ import pytest
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.core.origin import Origin
+from router.http.origin import Origin
 from router.run.app import RouterServer
 from router.tools import ctl
 from tests.wire import ending_quietly

@@ -272,7 +272,7 @@ def test_every_link_between_the_docs_reaches_a_file_and_a_heading(path: Path) ->
 
 def test_the_readmes_configuration_examples_are_each_a_valid_config() -> None:
     """The README's TOML blocks are whole configs a router would start with, not fragments that drifted."""
-    from router.core.config import parse_config
+    from router.core.config.settings import parse_config
 
     blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert blocks

@@ -10,6 +10,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import grimp
+import pytest
+
 ROUTER = Path(__file__).resolve().parent.parent / "router"
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 300
@@ -50,24 +53,32 @@ ARCHITECTURE = ROUTER.parent / "docs" / "architecture.md"
 
 
 def _unnamed_in_the_architecture() -> list[str]:
-    """Modules and subpackages that docs/architecture.md's table leaves out.
+    """Modules and subpackages that docs/architecture.md's sections leave out.
 
-    Each package's row names its modules and subpackages in backticks; a
-    subpackage's modules are named in that row or in its `__init__.py`'s
+    Each package's section names its modules and subpackages in backticks; a
+    subpackage's modules are named in that section or in its `__init__.py`'s
     docstring (as `name.py`). A module added without a word of where it
     belongs is how the README's old layer table drifted.
     """
-    rows: dict[str, str] = {}
+    # Each package's section: from its `### `router/<name>/`` heading to the next heading.
+    sections: dict[str, str] = {}
+    current: str | None = None
     for line in ARCHITECTURE.read_text().splitlines():
-        if line.startswith("| `router/") and "/` |" in line:
-            rows[line.split("`")[1].removeprefix("router/").rstrip("/")] = line
+        if line.startswith("#"):
+            current = (
+                line.split("`")[1].removeprefix("router/").rstrip("/") if line.startswith("### `router/") else None
+            )
+            if current is not None:
+                sections[current] = ""
+        elif current is not None:
+            sections[current] += line + "\n"
     missing = []
     for package in sorted(p for p in ROUTER.iterdir() if (p / "__init__.py").exists()):
-        row = rows.get(package.name)
-        if row is None:
-            missing.append(f"router/{package.name}/: no row")
+        section = sections.get(package.name)
+        if section is None:
+            missing.append(f"router/{package.name}/: no section")
             continue
-        named = set(row.split("`")[1::2])
+        named = set(section.split("`")[1::2])
         for part in sorted(package.iterdir()):
             if part.name.startswith(("_", ".")) or "_pb2" in part.name:
                 continue
@@ -85,3 +96,61 @@ def _unnamed_in_the_architecture() -> list[str]:
 
 def test_the_architecture_names_every_module_where_it_belongs() -> None:
     assert _unnamed_in_the_architecture() == []
+
+
+def _cycles(prefix: str) -> list[list[str]]:
+    """Circles of imports among the modules under `prefix` (TYPE_CHECKING imports count: a
+    name needed only for a type still ties the two modules), each as its modules."""
+    graph = grimp.build_graph("router", exclude_type_checking_imports=False)
+    nodes = sorted(m for m in graph.modules if m.startswith(prefix))
+    edges = {m: [d for d in graph.find_modules_directly_imported_by(m) if d.startswith(prefix)] for m in nodes}
+    # Tarjan's strongly connected components, iteratively.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, iter(edges[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(edges[child])))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+@pytest.mark.parametrize("package", ["router.core."])
+def test_no_modules_of_the_core_or_the_http_layer_import_each_other_in_a_circle(package: str) -> None:
+    assert _cycles(package) == []
+
+
+def test_the_core_is_its_three_domains_and_the_two_modules_they_share() -> None:
+    """The HTTP layer's contract (pyproject.toml) allows it the core's top-level modules by forbidding
+    its domains: a module added at the top, or a domain added, must be weighed there."""
+    parts = {p.name for p in (ROUTER / "core").iterdir() if not p.name.startswith("__")}
+    assert parts == {"config", "pool", "usage", "errors.py", "clock.py"}

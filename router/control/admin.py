@@ -23,8 +23,8 @@ from router.control.fleet import Fleet, FleetUnavailable
 from router.control.openapi import DOCUMENT
 from router.control.sinks.latest import LatestSink
 from router.control.sinks.rates import RateSink
-from router.core.status import fleet_status
-from router.core.usage import UsageSnapshot
+from router.control.status import fleet_status
+from router.core.usage.snapshots import UsageSnapshot
 
 log = logging.getLogger("router.control.admin")
 

@@ -18,7 +18,7 @@ polled.
 What a replica answers is bounded: CARD_BYTES of body (an endless answer
 is a failed read), no redirect followed (the router would fetch what a
 replica names and serve its fields to clients), fields bounded in
-router.core.cards.
+router.core.config.cards.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import logging
 import aiohttp
 import orjson
 
-from router.core.cards import Cards, read_card
-from router.core.pool import Pool
-from router.core.replicas import Replica, ReplicaState
+from router.core.config.cards import Cards, read_card
+from router.core.pool.pool import Pool
+from router.core.pool.replicas import Replica, ReplicaState
 
 log = logging.getLogger("router.control.cards")
 

@@ -30,7 +30,7 @@ from typing import cast
 
 import orjson
 
-from router.core.config import ReplicaConfig, parse_replica, parse_replicas, replicas_where
+from router.core.config.settings import ReplicaConfig, parse_replica, parse_replicas, replicas_where
 from router.core.errors import ConfigError
 
 # `{"replicas": [` ... `]}`: JSON's own whitespace only (orjson refuses any other).

@@ -15,10 +15,10 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
-from router.core.config import ReplicaConfig
-from router.core.pool import Pool
-from router.core.replicas import SetDiff
-from router.core.usage import UsageSnapshot
+from router.core.config.settings import ReplicaConfig
+from router.core.pool.pool import Pool
+from router.core.pool.replicas import SetDiff
+from router.core.usage.snapshots import UsageSnapshot
 
 
 class FleetUnavailable(Exception):

@@ -17,8 +17,8 @@ import logging
 
 import aiohttp
 
-from router.core.pool import Pool
-from router.core.replicas import Replica, ReplicaState
+from router.core.pool.pool import Pool
+from router.core.pool.replicas import Replica, ReplicaState
 
 log = logging.getLogger("router.control.health")
 
@@ -50,11 +50,11 @@ class HealthChecker:
             self.checks += 1
             if healthy:
                 if replica.state is ReplicaState.EJECTED:
-                    self.pool.readmit(replica, "health check passed")
+                    self.pool.ejections.readmit(replica, "health check passed")
                 self.pool.record_success(replica)
             else:
                 self.failures += 1
-                self.pool.try_eject(replica, f"health check GET {self.path} failed")
+                self.pool.ejections.try_eject(replica, f"health check GET {self.path} failed")
 
     async def run(self) -> None:
         while True:

@@ -22,7 +22,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry
 
 from router.control.fleet import Fleet, FleetUnavailable
-from router.core.config import Config, ReplicaConfig, load_config
+from router.core.config.settings import Config, ReplicaConfig, load_config
 from router.core.errors import ConfigError
 
 log = logging.getLogger("router.control.sources")

@@ -39,7 +39,7 @@ class Entry:
         "bytes_out",
         "client",
         "held_seconds",
-        "hold",
+        "hold_outcome",
         "id",
         "method",
         "model",
@@ -77,7 +77,7 @@ class Entry:
         self.queued_seconds: float | None = None
         # How a hold for a cold model ended (served, timeout, overflow, client_gone,
         # shutdown: router_hold_outcomes_total's outcomes); None if never held.
-        self.hold: str | None = None
+        self.hold_outcome: str | None = None
         self.ttfb_seconds: float | None = None
         # ok, client_gone, upstream_reset, stalled, timeout, error; overflow, shutdown (a hold's)
         self.outcome = "ok"
@@ -101,7 +101,7 @@ class Entry:
                 "tenant": self.tenant,
                 "priority": self.priority,
                 "queued_seconds": None if self.queued_seconds is None else round(self.queued_seconds, 4),
-                "hold": self.hold,
+                "hold": self.hold_outcome,
                 "ttfb_seconds": None if self.ttfb_seconds is None else round(self.ttfb_seconds, 4),
                 "duration_seconds": round(now - self.started, 4),
                 "outcome": self.outcome,

@@ -1,6 +1,6 @@
 """A request's affinity key, for the models routed by session or by prompt prefix.
 
-The key decides which replica a request prefers (router.core.picking's
+The key decides which replica a request prefers (router.core.pool.picking's
 BoundedHashRing): requests with the same key meet on one replica, whose
 engine then finds their shared prefix in its KV cache. Only models with
 `routing = "session"` or `"prefix"` pay for the key; least-loaded ones never
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from router.core.config import ModelConfig
-from router.core.picking import affinity_key
+from router.core.config.settings import ModelConfig
+from router.core.pool.picking import affinity_key
 from router.http.messages import Request
 
 

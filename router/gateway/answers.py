@@ -3,7 +3,7 @@
 Every error a client can get from the router is `{"error": {"message",
 "type", "param", "code"}}`, made here and nowhere else; a replica's error
 that lacks that shape gets it, keeping the replica's status and words. Its
-words are read under its Content-Encoding (router.http.codings): an error the
+words are read under its Content-Encoding (router.gateway.codings): an error the
 router cannot read is passed on as it came, never reshaped as if it were
 text, and a reshaped one no longer names the replica's coding.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import orjson
 
 from router.core.errors import ClientFacingError
-from router.http.codings import decoded
+from router.gateway.codings import decoded
 from router.http.messages import Reply
 
 JSON = (b"Content-Type", b"application/json")

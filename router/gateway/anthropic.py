@@ -3,7 +3,7 @@
 An Anthropic client (the official SDK, Claude-style agents) reads an error as
 `{"type": "error", "error": {"type", "message"}}` and a stream's failure as an
 `event: error`. The router's errors are made OpenAI-shaped in one place
-(answers.py); on the Anthropic paths (router.core.engines.ANTHROPIC_PATHS) the
+(answers.py); on the Anthropic paths (router.core.config.engines.ANTHROPIC_PATHS) the
 request's Writer is wrapped in `AnthropicWriter`, which gives every error answer
 that Anthropic's shape as it is written: the router's own, and a replica's that
 lacks it (vLLM's already has it and passes untouched). Nothing else changes, and

@@ -6,10 +6,10 @@ from typing import Any
 
 import orjson
 
-from router.core.cards import Cards
-from router.core.config import Config
+from router.core.config.cards import Cards
+from router.core.config.settings import Config
 from router.core.errors import BadRequest, ClientFacingError, ModelNotFound, quoted
-from router.core.pool import Pool
+from router.core.pool.pool import Pool
 from router.gateway.answers import JSON, error_response
 from router.gateway.keys import ApiKeys
 from router.http.messages import Reply, Request

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import time
 
-from router.core.config import Config
+from router.core.config.settings import Config
+from router.core.config.tenants import ANYONE, Caller, PriorityClass, lowered
 from router.core.errors import NoReplicaAvailable, Overloaded, quoted
-from router.core.pool import Pool
-from router.core.replicas import Replica
-from router.core.tenants import ANYONE, Caller, PriorityClass, lowered
+from router.core.pool.pool import Pool
+from router.core.pool.replicas import Replica
 from router.gateway.access_log import current_entry
 from router.gateway.affinity import Affinity
 from router.gateway.answers import error_response
 from router.gateway.bodies import with_model
 from router.gateway.catalog import Routes
 from router.gateway.forward import Failed, Forwarder, answer_failed
-from router.gateway.hold import Holding
+from router.gateway.hold import HeldRequests
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.responses import ResponsesMemory, lost
 from router.http.messages import Reply, Request
@@ -36,14 +36,14 @@ class Chain:
         forwarder: Forwarder,
         routes: Routes,
         responses: ResponsesMemory,
-        holding: Holding,
+        held_requests: HeldRequests,
         metrics: DataPathMetrics,
     ) -> None:
         self.pool = pool
         self.forwarder = forwarder
         self.routes = routes
         self.responses = responses
-        self.holding = holding
+        self.held_requests = held_requests
         self.metrics = metrics
         self._max_attempts = config.max_attempts
         self._classes = config.priority_classes
@@ -75,7 +75,7 @@ class Chain:
         # that continue it must reach the replica that keeps it.
         remembering = request.path == "/v1/responses"
         chain = (model, *self.routes.fallbacks.get(model, ()))
-        cold_start = self.holding.cold_start.get(model)
+        cold_start = self.held_requests.seconds.get(model)
         last: Failed | None = None
         only_connect_failures = True
         only_loading = True
@@ -85,7 +85,7 @@ class Chain:
         try:
             for target in chain:
                 probing = cold_start is not None and target == model
-                if probing and pool.is_cold(model):
+                if probing and pool.cold_start.is_cold(model):
                     # Its held requests probe its replicas one at a time: this one
                     # waits its turn behind them (after the fallbacks), rather than
                     # try a loading engine out of turn.
@@ -145,7 +145,7 @@ class Chain:
                     for probe in probes:
                         pool.tallies.hold_probed(model, "refused" if probe.connect_failure else "loading")
                     probes = None
-                await self.holding.hold(request, writer, obj, requested, model, stream, headers, cold_start)
+                await self.held_requests.serve(request, writer, obj, requested, model, stream, headers, cold_start)
                 return
             writer.answer(self._unserved(chain, last, only_connect_failures))
         finally:
@@ -215,7 +215,7 @@ class Chain:
         """Every replica of `model` is at its limit: wait in its queue for one (503 after the class's timeout)."""
         klass = self._classes[rank]
         started = time.perf_counter()
-        replica, timed_out = await self.pool.acquire_or_wait(
+        replica, timed_out = await self.pool.queues.acquire_or_wait(
             model, avoid, refused, wait_seconds=klass.queue_timeout_seconds, key=key, caller=caller, priority=rank
         )
         self._waited(model, klass, started)
@@ -247,7 +247,7 @@ class Chain:
             return error_response(
                 NoReplicaAvailable(
                     f"No replica of {names} can serve the request now{detail}.",
-                    retry_after=self.pool.retry_after(chain),
+                    retry_after=self.pool.ejections.retry_after(chain),
                 )
             )
         return last.reply()

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from router.core.config import Config
-from router.core.engines import ANTHROPIC_PATHS
+from router.core.config.engines import ANTHROPIC_PATHS
+from router.core.config.settings import Config
+from router.core.config.tenants import ANYONE
 from router.core.errors import BadRequest, ClientFacingError, ModelNotFound, quoted
-from router.core.pool import Pool
-from router.core.tenants import ANYONE
+from router.core.pool.pool import Pool
 from router.gateway.access_log import AccessLog, Entry, current_entry
 from router.gateway.answers import JSON, error_body, error_response
 from router.gateway.anthropic import AnthropicWriter, reshaped
@@ -24,7 +24,7 @@ from router.gateway.bodies import parse_form, parse_request
 from router.gateway.catalog import Catalog, Routes
 from router.gateway.chain import Chain
 from router.gateway.forward import Forwarder, answer_failed
-from router.gateway.hold import Holding
+from router.gateway.hold import HeldRequests
 from router.gateway.keys import ApiKeys
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.responses import ResponsesMemory
@@ -64,8 +64,8 @@ class Proxy:
         )
         self.forwarder = forwarder
         self.responses = ResponsesMemory(config.remembered_responses)
-        self.holding = Holding(config, pool, forwarder, metrics)
-        self.chain = Chain(config, pool, forwarder, routes, self.responses, self.holding, metrics)
+        self.held_requests = HeldRequests(config, pool, forwarder, metrics)
+        self.chain = Chain(config, pool, forwarder, routes, self.responses, self.held_requests, metrics)
         # The POST paths routed by the model they name (config routed_paths).
         self.routed = frozenset(config.routed_paths)
         # Headers never passed to a replica as the client sent them: its key,
@@ -79,11 +79,11 @@ class Proxy:
     @property
     def waker(self) -> Waker | None:
         """The wake calls made when a request is held (config wake_url)."""
-        return self.holding.waker
+        return self.held_requests.waker
 
     @waker.setter
     def waker(self, waker: Waker | None) -> None:
-        self.holding.waker = waker
+        self.held_requests.waker = waker
 
     async def dispatch(self, request: Request, writer: Writer) -> None:
         """The client port's one handler: every answer goes through `writer`."""

@@ -30,15 +30,16 @@ from router.core.errors import (
     UpstreamResetError,
     UpstreamTimeout,
 )
-from router.core.pool import Pool
-from router.core.replicas import Replica
+from router.core.pool.pool import Pool
+from router.core.pool.replicas import Replica
 from router.gateway.access_log import Entry, current_entry
 from router.gateway.answers import error_body, error_response, replica_answer
+from router.gateway.codings import StreamDecoder, decoded
 from router.gateway.metrics import DataPathMetrics
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
-from router.http.codings import StreamDecoder, decoded
 from router.http.headers import RESPONSE_HEADERS
 from router.http.messages import Reply, Request
+from router.http.origin import origin_of
 from router.http.writer import Writer, WriteStalled
 
 log = logging.getLogger("router.gateway.forward")
@@ -192,7 +193,7 @@ class Forwarder:
         caller to count, as a probe (Failed.replica set) or as an attempt (count_tried).
         """
         entry = current_entry.get()
-        origin = replica.origin
+        origin = origin_of(replica.base_url)
         method = request.method
         head = b"".join(
             (

@@ -9,10 +9,10 @@ count; this module asks it for replicas and says what each answered.
 
 from __future__ import annotations
 
-from router.core.coldstart import HoldEnded
-from router.core.config import Config
+from router.core.config.settings import Config
 from router.core.errors import ModelCold
-from router.core.pool import Pool
+from router.core.pool.coldstart import ShuttingDown
+from router.core.pool.pool import Pool
 from router.gateway.access_log import current_entry
 from router.gateway.bodies import with_model
 from router.gateway.forward import Forwarder, answer_failed
@@ -22,7 +22,7 @@ from router.http.messages import Request
 from router.http.writer import Writer
 
 
-class Holding:
+class HeldRequests:
     """The models that hold requests (`cold_start_seconds`), and each model's bound (`max_held`)."""
 
     def __init__(self, config: Config, pool: Pool, forwarder: Forwarder, metrics: DataPathMetrics) -> None:
@@ -30,11 +30,11 @@ class Holding:
         self.forwarder = forwarder
         self.metrics = metrics
         # How long a request for the model may be held, and how many at once.
-        self.cold_start = {name: m.cold_start_seconds for name, m in config.models.items() if m.cold_start_seconds}
+        self.seconds = {name: m.cold_start_seconds for name, m in config.models.items() if m.cold_start_seconds}
         self.max_held = {name: m.max_held for name, m in config.models.items()}
         self.waker: Waker | None = None
 
-    async def hold(
+    async def serve(
         self,
         request: Request,
         writer: Writer,
@@ -54,10 +54,10 @@ class Holding:
         entry = current_entry.get()
         retry_after = max(1, min(30, round(cold_start / 4)))
         max_held = self.max_held[model]
-        if pool.held(model) >= max_held:
+        if pool.cold_start.held(model) >= max_held:
             pool.tallies.hold_ended(model, "overflow")
             if entry is not None:
-                entry.hold = entry.outcome = "overflow"
+                entry.hold_outcome = entry.outcome = "overflow"
                 entry.held_seconds = 0.0
             raise ModelCold(
                 f"The model '{model}' is starting, and {max_held} "
@@ -67,7 +67,7 @@ class Holding:
         if self.waker is not None:
             self.waker.held(model)
         body = request.body if model == requested else with_model(request.body, obj, model)
-        hold = pool.hold(model, cold_start)
+        hold = pool.cold_start.begin(model, cold_start)
         # How long it waited for the replica that answered; else, at the end, the whole wait.
         held: float | None = None
         try:
@@ -76,7 +76,7 @@ class Holding:
                 while True:
                     try:
                         replica = await hold.replica()
-                    except HoldEnded:
+                    except ShuttingDown:
                         raise ModelCold(
                             f"The router is shutting down; the model '{model}' was still starting.", retry_after=1
                         ) from None
@@ -113,7 +113,7 @@ class Holding:
         finally:
             # The access log says how the hold ended, as router_hold_outcomes_total does.
             if entry is not None:
-                entry.hold = hold.outcome
+                entry.hold_outcome = hold.outcome
                 entry.held_seconds = held if held is not None and hold.outcome == "served" else hold.held_seconds()
                 if hold.outcome in ("timeout", "shutdown"):
                     entry.outcome = hold.outcome

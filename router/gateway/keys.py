@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+from router.core.config.tenants import ANYONE, Caller, ClientKey, PriorityClass, callers
 from router.core.errors import Unauthorized
-from router.core.tenants import ANYONE, Caller, ClientKey, PriorityClass, callers
 from router.gateway.answers import error_response
 from router.http.messages import Reply, Request
 

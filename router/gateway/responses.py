@@ -16,8 +16,8 @@ from collections.abc import Callable
 import orjson
 
 from router.core.errors import ResponseNotFound, quoted
-from router.core.replicas import Replica
-from router.core.tallies import MAX_NAME_BYTES
+from router.core.pool.replicas import Replica
+from router.core.pool.tallies import MAX_NAME_BYTES
 
 
 def response_id(first_bytes: bytes) -> str | None:

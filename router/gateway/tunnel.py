@@ -18,7 +18,7 @@ import logging
 import time
 from urllib.parse import parse_qsl, quote, unquote_to_bytes
 
-from router.core.config import Config
+from router.core.config.settings import Config
 from router.core.errors import (
     BadRequest,
     ClientFacingError,
@@ -29,8 +29,8 @@ from router.core.errors import (
     UpstreamTimeout,
     quoted,
 )
-from router.core.pool import Pool
-from router.core.replicas import Replica
+from router.core.pool.pool import Pool
+from router.core.pool.replicas import Replica
 from router.gateway.access_log import current_entry
 from router.gateway.answers import JSON, error_body, error_response, replica_answer
 from router.gateway.catalog import Routes
@@ -39,6 +39,7 @@ from router.http.client import ConnectFailed, ConnectionBroken, HeadTimeout
 from router.http.client.upgrade import Answer, Streamed, names_protocol, upgrade
 from router.http.headers import RESPONSE_HEADERS, HeaderFilter
 from router.http.messages import Reply, Request
+from router.http.origin import origin_of
 from router.http.pipe import Pipe
 from router.http.writer import Writer
 
@@ -111,7 +112,7 @@ class Tunnels:
             raise NoReplicaAvailable(
                 f"No replica of {quoted(model)} can take the session now"
                 + (f" (last failure: {last})." if last else "."),
-                retry_after=self.pool.retry_after((model,)),
+                retry_after=self.pool.ejections.retry_after((model,)),
             )
         except ClientFacingError as exc:
             # Every refusal of the router's own, a missing or wrong key's 401 included.
@@ -136,7 +137,7 @@ class Tunnels:
         if requested != model and query:
             # The engine must see the name it serves, as a body's model is rewritten.
             target = with_model(target, model)
-        origin = replica.origin
+        origin = origin_of(replica.base_url)
         head = b"".join(
             (
                 b"GET ",

@@ -36,15 +36,15 @@ from router.control.sources import (
     sources_ready,
 )
 from router.core.clock import Clock, LoopClock
-from router.core.config import Config
-from router.core.ejection import EjectionPolicy
+from router.core.config.settings import Config
+from router.core.config.tenants import Queueing, unit_weight
 from router.core.errors import CannotListen
-from router.core.merging import report_json
-from router.core.picking import Routing
-from router.core.pool import Limits, Pool
-from router.core.tallies import WORKER_UNSERVED_NAMES
-from router.core.tenants import Queueing, unit_weight
-from router.core.usage import Ticker
+from router.core.pool.ejection import EjectionPolicy
+from router.core.pool.picking import Routing
+from router.core.pool.pool import Limits, Pool
+from router.core.pool.tallies import WORKER_UNSERVED_NAMES
+from router.core.usage.merging import report_json
+from router.core.usage.snapshots import Ticker
 from router.gateway.access_log import AccessLog
 from router.gateway.answers import server_error
 from router.gateway.dispatch import Proxy
@@ -171,8 +171,8 @@ class RouterServer(Listening):
             pool, wall, mono = self.pool, self._wall, self._mono
 
             def held_now(model: str) -> tuple[int, float | None]:
-                oldest = pool.oldest_held(model)
-                return pool.held(model), None if oldest is None else wall() - (mono() - oldest)
+                oldest = pool.cold_start.oldest_held(model)
+                return pool.cold_start.held(model), None if oldest is None else wall() - (mono() - oldest)
 
             proxy.waker = Waker(
                 session,
@@ -295,7 +295,7 @@ class RouterServer(Listening):
         self.ready = False
         # Held requests would wait for a replica this router will never send
         # them to: they get their 503 now, not at the end of the grace.
-        ended = self.pool.end_holds()
+        ended = self.pool.cold_start.end_holds()
         if ended:
             said = "1 held request" if ended == 1 else f"{ended} held requests"
             log.info("shutting down: %s answered 503 model_cold", said)

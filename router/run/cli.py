@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from router.core.config import Config
+    from router.core.config.settings import Config
 
 DEMO_MODELS = {
     "llama-3.1-8b": {"aliases": ["llama", "default"], "fallbacks": ["qwen2.5-7b"]},
@@ -45,7 +45,7 @@ def _run(coro: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from router.core.config import check_files, load_config
+    from router.core.config.settings import check_files, load_config
     from router.core.errors import ConfigError
     from router.run.app import serve
 
@@ -80,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def demo_config(listen: str, admin_listen: str, urls: dict[str, str], tick_seconds: float = 5.0) -> Config:
-    from router.core.config import parse_config
+    from router.core.config.settings import parse_config
 
     raw = {
         "listen": listen,
@@ -165,7 +165,7 @@ Ctrl-C stops it."""
 
 
 async def _demo(args: argparse.Namespace) -> None:
-    from router.core.config import Config
+    from router.core.config.settings import Config
     from router.run.app import serve
     from router.tools.fake import Behaviour, FakeReplica
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from router.core.config import Config
+from router.core.config.settings import Config
 
 
 def make_session(config: Config) -> aiohttp.ClientSession:

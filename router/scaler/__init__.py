@@ -3,7 +3,7 @@
 KEDA scales a Deployment between 0 and N on the answers of an external
 scaler, a gRPC server (externalscaler.proto beside this file). This one
 polls every router's admin API, merges the maps with the rules of `router ctl
-idle` (router.core.usage.merge_reports: the proven quiet bound; a router that does
+idle` (router.core.usage.snapshots.merge_reports: the proven quiet bound; a router that does
 not answer makes the merge incomplete) and answers per model:
 
 - `settings.py`  the `[scaler]` table and the command line, validated once

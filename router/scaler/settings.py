@@ -27,13 +27,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from router.core import config_checks as check
-from router.core.config import Address, parse_address, replicas_where
+from router.core.config import checks as check
+from router.core.config.settings import Address, parse_address, replicas_where
 from router.core.errors import ConfigError
 
 if TYPE_CHECKING:
     # The `file: key: problem` builder of the router's config, reused so that both read alike.
-    from router.core.config_checks import Where
+    from router.core.config.checks import Where
 
 SECTION = "scaler"
 

@@ -1,7 +1,7 @@
 """One poll round's facts per model, and what KEDA is told from them.
 
 No I/O and no clock here (times are passed in), so that each rule can be
-tested on its own. The quiet bounds are `router.core.usage.merge_reports`'s, the
+tested on its own. The quiet bounds are `router.core.usage.snapshots.merge_reports`'s, the
 merge of `router ctl idle`, never a second one: a router that did not answer
 makes the round incomplete, and a replica that some router does not watch
 is unknown.
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from router.core.usage import RouterReport, merge_reports
+from router.core.usage.snapshots import RouterReport, merge_reports
 
 DEFAULT_IDLE_AFTER = 300.0
 DEFAULT_TARGET_IN_FLIGHT = 8.0

@@ -17,7 +17,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from router.core.usage import RouterReport, merge_reports
+from router.core.usage.snapshots import RouterReport, merge_reports
 
 DEFAULT_SERVER = "127.0.0.1:9090"
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.control.endpoints import BadPush, PushedSets, _whole
-from router.core.config import ReplicaConfig
+from router.core.config.settings import ReplicaConfig
 
 # Label values that hold what a cut looks for: separators, braces, quotes, a backslash.
 TRICKY = ["plain", "}, {", "},{", '"}, {"id": "x"', "{", "}", 'a"b', "a\\b", "é"]

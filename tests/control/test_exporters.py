@@ -20,11 +20,11 @@ from router.control.sinks.latest import LatestSink
 from router.control.sinks.prometheus import STATES, PrometheusSink
 from router.control.sinks.push import PushSink
 from router.control.sinks.rates import RateSink, requests_by_model
-from router.core.config import ReplicaConfig
-from router.core.pool import Pool
-from router.core.replicas import Replica
-from router.core.usage import Ticker, UsageSnapshot
-from router.core.usage_maps import UsageMaps
+from router.control.sinks.usage_maps import UsageMaps
+from router.core.config.settings import ReplicaConfig
+from router.core.pool.pool import Pool
+from router.core.pool.replicas import Replica
+from router.core.usage.snapshots import Ticker, UsageSnapshot
 from tests.fake_clock import FakeClock
 
 WALL = 1_764_000_000.0
@@ -124,9 +124,9 @@ def churn(pool: Pool, clock: FakeClock, held: list[Replica], rng: random.Random)
     elif op == 5 and replicas:
         replica = rng.choice(replicas)
         if replica.ejected_until is None and not replica.removed:
-            pool.eject(replica, 10.0)
+            pool.ejections.eject(replica, 10.0)
         else:
-            pool.readmit(replica)
+            pool.ejections.readmit(replica)
     elif op == 6 and replicas:
         replica = rng.choice(replicas)
         if not replica.removed:

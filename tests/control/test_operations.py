@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from router.control.fleet import Fleet
-from router.core.config import ReplicaConfig
+from router.core.config.settings import ReplicaConfig
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
@@ -311,9 +311,9 @@ async def test_status_says_how_many_requests_wait_for_a_slot_per_model(
     url = server.client_url + "/v1/chat/completions"
     body = orjson.dumps({**CHAT, "max_tokens": 10, "stream": True})
     first = asyncio.create_task(post(url, body))
-    await wait_for(lambda: server.pool.waiting("m") == 0 and fake.active == 1)
+    await wait_for(lambda: server.pool.queues.waiting("m") == 0 and fake.active == 1)
     second = asyncio.create_task(post(url, body))
-    await wait_for(lambda: server.pool.waiting("m") == 1)
+    await wait_for(lambda: server.pool.queues.waiting("m") == 1)
     status = await get_json(server.admin_url + "/api/v1/status")
     assert [(m["model"], m["queued"], m["in_flight"]) for m in status["models"]] == [("m", 1, 1)]
     assert (await first)[0] == 200 and (await second)[0] == 200
@@ -382,7 +382,7 @@ class _WatchedSource:
 async def test_a_source_that_owns_the_set_drives_the_pool_and_pushes_get_409(start_fake: StartFake) -> None:
     from prometheus_client import CollectorRegistry
 
-    from router.core.config import parse_config
+    from router.core.config.settings import parse_config
 
     fake = await start_fake("m")
     source = _WatchedSource(replica_entry("a", fake), replica_entry("b", fake))

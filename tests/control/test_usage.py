@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.core.pool import Pool
-from router.core.usage import Ticker, UsageSnapshot
+from router.core.pool.pool import Pool
+from router.core.usage.snapshots import Ticker, UsageSnapshot
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
@@ -178,7 +178,7 @@ def test_a_failing_sink_is_counted_and_never_starves_the_others(caplog: pytest.L
 
 
 def test_stamps_become_unix_seconds_at_the_tick() -> None:
-    from router.core.config import ReplicaConfig
+    from router.core.config.settings import ReplicaConfig
 
     clock = FakeClock(100.0)
     pool = Pool([ReplicaConfig("r", "m", "http://127.0.0.1:1")], clock=clock)

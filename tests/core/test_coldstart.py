@@ -13,10 +13,11 @@ import contextlib
 
 import pytest
 
-from router.core.coldstart import PROBE_CAP_SECONDS, PROBE_FIRST_SECONDS, Hold, HoldEnded
-from router.core.config import ReplicaConfig
-from router.core.pool import Limits, Pool
-from router.core.replicas import Replica
+from router.core.config.settings import ReplicaConfig
+from router.core.pool.coldstart import Hold, ShuttingDown
+from router.core.pool.pool import Limits, Pool
+from router.core.pool.replicas import Replica
+from router.core.pool.waiters import PROBE_CAP_SECONDS, PROBE_FIRST_SECONDS
 from tests.fake_clock import FakeClock
 
 
@@ -40,18 +41,18 @@ async def test_a_held_request_gets_none_at_its_deadline_and_not_before() -> None
     pool = Pool(clock=clock)
 
     async def held() -> Replica | None:
-        async with pool.hold("m", 0.8) as hold:
+        async with pool.cold_start.begin("m", 0.8) as hold:
             return await hold.replica()
 
     task = asyncio.create_task(held())
     await turns()
-    assert pool.held("m") == 1
+    assert pool.cold_start.held("m") == 1
     clock.advance(0.79)
     await turns()
     assert not task.done()
     clock.advance(0.01)
     assert await task is None
-    assert pool.held("m") == 0 and pool.waiting("m") == 0
+    assert pool.cold_start.held("m") == 0 and pool.queues.waiting("m") == 0
     assert outcomes(pool) == {"timeout": 1}
 
 
@@ -59,7 +60,7 @@ async def test_the_first_probe_goes_at_once_then_each_after_a_pause_that_doubles
     clock = FakeClock()
     pool = cold_pool(clock)
     pauses: list[float] = []
-    async with pool.hold("m", 60) as hold:
+    async with pool.cold_start.begin("m", 60) as hold:
         first = await hold.replica()
         assert first is not None and clock.now() == 1000.0  # at once: no time passed
         for _ in range(4):
@@ -85,18 +86,18 @@ async def test_the_first_probe_goes_at_once_then_each_after_a_pause_that_doubles
 async def test_a_refused_probe_keeps_its_place_at_the_head_of_the_line_and_its_age() -> None:
     clock = FakeClock()
     pool = cold_pool(clock)
-    async with pool.hold("m", 60) as first:
+    async with pool.cold_start.begin("m", 60) as first:
         clock.advance(1.0)
-        async with pool.hold("m", 60) as second:
+        async with pool.cold_start.begin("m", 60) as second:
             behind = asyncio.create_task(second.replica())
             replica = await first.replica()
             assert replica is not None
-            assert pool.held("m") == 2  # one trying, one waiting: both held, as max_held counts them
+            assert pool.cold_start.held("m") == 2  # one trying, one waiting: both held, as max_held counts them
             first.still_loading()
             again = asyncio.create_task(first.replica())
             await turns()
-            assert pool.held("m") == 2
-            assert pool.oldest_held("m") == first.since == 1000.0
+            assert pool.cold_start.held("m") == 2
+            assert pool.cold_start.oldest_held("m") == first.since == 1000.0
             clock.advance(PROBE_FIRST_SECONDS)
             assert await again is replica  # the probe went to the first again, not to the one behind it
             assert not behind.done()
@@ -111,7 +112,7 @@ async def test_once_a_probe_answers_the_held_requests_go_in_arrival_order_under_
     release = {name: asyncio.Event() for name in ("a", "b", "c")}
 
     async def request(name: str) -> None:
-        async with pool.hold("m", 60) as hold:
+        async with pool.cold_start.begin("m", 60) as hold:
             replica = await hold.replica()
             assert replica is not None
             order.append(name)
@@ -142,7 +143,7 @@ async def test_without_limits_every_held_request_goes_as_soon_as_the_probe_answe
     answer = asyncio.Event()
 
     async def request(name: str) -> None:
-        async with pool.hold("m", 60) as hold:
+        async with pool.cold_start.begin("m", 60) as hold:
             assert await hold.replica() is not None
             handed.append(name)
             if name == "probe":
@@ -163,14 +164,14 @@ async def test_a_probe_whose_client_leaves_mid_try_frees_the_next_probe_after_th
     trying = asyncio.Event()
 
     async def leaving() -> None:
-        async with pool.hold("m", 60) as hold:
+        async with pool.cold_start.begin("m", 60) as hold:
             assert await hold.replica() is not None
             trying.set()
             await asyncio.Event().wait()  # the client goes while the replica is tried
 
     first = asyncio.create_task(leaving())
     await trying.wait()
-    async with pool.hold("m", 60) as second:
+    async with pool.cold_start.begin("m", 60) as second:
         waiting = asyncio.create_task(second.replica())
         await turns()
         first.cancel()
@@ -188,15 +189,15 @@ async def test_a_client_that_leaves_while_held_leaves_the_line_and_is_counted() 
     pool = Pool(clock=clock)
 
     async def held() -> None:
-        async with pool.hold("m", 60) as hold:
+        async with pool.cold_start.begin("m", 60) as hold:
             await hold.replica()
 
     task = asyncio.create_task(held())
     await turns()
-    assert pool.held("m") == 1 and pool.oldest_held("m") == 1000.0
+    assert pool.cold_start.held("m") == 1 and pool.cold_start.oldest_held("m") == 1000.0
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    assert pool.held("m") == 0 and pool.waiting("m") == 0 and pool.oldest_held("m") is None
+    assert pool.cold_start.held("m") == 0 and pool.queues.waiting("m") == 0 and pool.cold_start.oldest_held("m") is None
     assert outcomes(pool) == {"client_gone": 1}
 
 
@@ -205,14 +206,14 @@ async def test_shutdown_ends_every_hold_at_once_with_hold_ended() -> None:
     pool = Pool(clock=clock)
 
     async def held() -> None:
-        async with pool.hold("m", 60) as hold:
+        async with pool.cold_start.begin("m", 60) as hold:
             await hold.replica()
 
     tasks = [asyncio.create_task(held()) for _ in range(3)]
     await turns()
-    assert pool.end_holds() == 3
+    assert pool.cold_start.end_holds() == 3
     results = await asyncio.gather(*tasks, return_exceptions=True)
-    assert all(isinstance(result, HoldEnded) for result in results)
+    assert all(isinstance(result, ShuttingDown) for result in results)
     assert clock.next_call() is None  # no deadline or probe left to fire
     assert outcomes(pool) == {"shutdown": 3}
 
@@ -232,7 +233,7 @@ async def test_every_way_out_of_a_hold_gives_its_replica_back() -> None:
 
     for leave in (answered, said_nothing, raised):
         with pytest.raises(RuntimeError) if leave is raised else contextlib.nullcontext():
-            async with pool.hold("m", 60) as hold:
+            async with pool.cold_start.begin("m", 60) as hold:
                 replica = await hold.replica()
                 assert replica is not None and replica.in_flight == 1
                 await leave(hold)
@@ -249,7 +250,7 @@ async def test_a_request_handed_its_replica_while_warm_ends_no_probe_of_a_later_
     handed: list[str] = []
 
     async def request(name: str) -> None:
-        async with pool.hold("m", 60) as hold:
+        async with pool.cold_start.begin("m", 60) as hold:
             while await hold.replica() is not None:
                 handed.append(name)
                 if name == "refusing" and handed.count(name) == 1:
@@ -270,7 +271,7 @@ async def test_a_request_handed_its_replica_while_warm_ends_no_probe_of_a_later_
     clock.advance(PROBE_FIRST_SECONDS)
     await turns()
     assert handed == ["probe", "early", "refusing", "refusing"]
-    async with pool.hold("m", 60) as later:
+    async with pool.cold_start.begin("m", 60) as later:
         behind = asyncio.create_task(later.replica())
         await turns()
         steps["early"].set()  # its try ends with nothing said: it was no probe of this spell
@@ -289,7 +290,7 @@ async def test_a_hold_hands_out_no_replica_outside_async_with() -> None:
     """Only the exit of `async with` gives a try's replica back, so no try may begin outside one."""
     clock = FakeClock()
     pool = cold_pool(clock)
-    hold = pool.hold("m", 60)
+    hold = pool.cold_start.begin("m", 60)
     with pytest.raises(RuntimeError, match="async with"):
         await hold.replica()
-    assert pool.in_flight == 0 and pool.held("m") == 0
+    assert pool.in_flight == 0 and pool.cold_start.held("m") == 0

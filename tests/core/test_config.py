@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from router.core.config import load_config, parse_config
-from router.core.config_checks import Where
+from router.core.config.checks import Where
+from router.core.config.settings import load_config, parse_config
 from router.core.errors import ConfigError
 
 GOOD = """
@@ -151,7 +151,7 @@ def test_the_configuration_reference_says_what_the_code_declares() -> None:
     import tomllib
     from pathlib import Path
 
-    from router.core.config import Address, settings
+    from router.core.config.settings import Address, settings
 
     readme = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     section = readme.split("## Configuration", 1)[1]
@@ -170,14 +170,20 @@ def test_the_configuration_reference_says_what_the_code_declares() -> None:
             assert shown == (list(expected) if isinstance(expected, tuple) else expected), key
         assert (comments.get(key) or "") == setting.help, key
     # The tables' keys too.
-    from router.core.config import _MODEL_KEYS
+    from router.core.config.settings import _MODEL_KEYS
 
     assert set(documented["models"]["llama-3.1-8b"]) == _MODEL_KEYS
-    from router.core.config import _KUBERNETES_KEYS
+    from router.core.config.settings import _KUBERNETES_KEYS
 
     assert set(documented["discovery"]["kubernetes"]) == _KUBERNETES_KEYS
     # The classes shown are the ones the router has when none is declared, every key shown.
-    from router.core.tenants import _CLASS_KEYS, _KEY_KEYS, DEFAULT_CLASSES, parse_api_keys, parse_priority_classes
+    from router.core.config.tenants import (
+        _CLASS_KEYS,
+        _KEY_KEYS,
+        DEFAULT_CLASSES,
+        parse_api_keys,
+        parse_priority_classes,
+    )
 
     shown = documented["priority_classes"]
     assert set().union(*shown) == _CLASS_KEYS

@@ -7,11 +7,11 @@ from collections import Counter
 
 import pytest
 
-from router.core.config import ReplicaConfig
+from router.core.config.settings import ReplicaConfig
+from router.core.config.tenants import Caller, PriorityClass, Queueing, lowered
 from router.core.errors import RateLimited
-from router.core.pool import Limits, Pool
-from router.core.replicas import Replica
-from router.core.tenants import Caller, PriorityClass, Queueing, lowered
+from router.core.pool.pool import Limits, Pool
+from router.core.pool.replicas import Replica
 from tests.fake_clock import FakeClock
 
 CLASSES = (PriorityClass("interactive", 60.0), PriorityClass("batch", 600.0, 30.0))
@@ -42,7 +42,9 @@ class Served:
 
     def ask(self, name: str, caller: Caller, priority: int | None = None) -> None:
         async def wait() -> None:
-            replica, _ = await self.pool.acquire_or_wait("m", wait_seconds=1000, caller=caller, priority=priority)
+            replica, _ = await self.pool.queues.acquire_or_wait(
+                "m", wait_seconds=1000, caller=caller, priority=priority
+            )
             assert replica is not None
             self.order.append(name)
 
@@ -50,7 +52,7 @@ class Served:
 
     async def queued(self) -> None:
         await asyncio.sleep(0)
-        assert self.pool.waiting("m") == len(self.tasks) - len(self.order)
+        assert self.pool.queues.waiting("m") == len(self.tasks) - len(self.order)
 
     async def serve(self, replica: Replica, count: int) -> list[str]:
         """Free the slot `count` times, each time handed to the next request in turn; their names in that order."""
@@ -154,7 +156,7 @@ async def test_a_tenant_at_its_bound_is_refused_and_the_others_still_queue() -> 
     served.ask("a1", Caller("a", priority=1))
     await served.queued()
     with pytest.raises(RateLimited) as refused:
-        await pool.acquire_or_wait("m", wait_seconds=60, caller=Caller("a"))
+        await pool.queues.acquire_or_wait("m", wait_seconds=60, caller=Caller("a"))
     assert refused.value.status == 429 and refused.value.code == "rate_limit_exceeded"
     assert refused.value.retry_after == 1 and "'a'" in refused.value.message
     served.ask("b0", Caller("b"))
@@ -170,21 +172,21 @@ async def test_a_request_that_leaves_takes_its_place_in_the_round_with_it() -> N
     pool, replica = busy_pool()
     served = Served(pool)
     served.ask("a0", Caller("a"))
-    leaving = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=60, caller=Caller("b")))
+    leaving = asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=60, caller=Caller("b")))
     served.ask("c0", Caller("c"))
     await asyncio.sleep(0)
-    assert pool.waiting("m") == 3
+    assert pool.queues.waiting("m") == 3
     leaving.cancel()
     await asyncio.gather(leaving, return_exceptions=True)
-    assert pool.waiting("m") == 2
+    assert pool.queues.waiting("m") == 2
     assert await served.serve(replica, 2) == ["a0", "c0"]
-    assert pool.waiting("m") == 0 and pool.queued() == {}
+    assert pool.queues.waiting("m") == 0 and pool.queued() == {}
 
 
 async def test_a_timed_out_request_leaves_its_tenant_and_class() -> None:
     clock = FakeClock()
     pool, replica = busy_pool(clock=clock)
-    timing_out = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=1.0, caller=Caller("a")))
+    timing_out = asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=1.0, caller=Caller("a")))
     served = Served(pool)
     served.ask("b0", Caller("b"))
     await asyncio.sleep(0)
@@ -203,10 +205,10 @@ async def test_queue_figures_count_by_model_class_and_tenant_and_stay_at_zero_on
     served.ask("a1", Caller("a"))
     served.ask("b0", Caller("b", priority=1))
     await served.queued()
-    figures = pool.queue_figures()
+    figures = pool.queues.figures()
     assert figures == {("m", "interactive", "a"): (2, 100.0), ("m", "batch", "b"): (1, 101.0)}
     await served.serve(replica, 3)
-    assert pool.queue_figures() == {("m", "interactive", "a"): (0, None), ("m", "batch", "b"): (0, None)}
+    assert pool.queues.figures() == {("m", "interactive", "a"): (0, None), ("m", "batch", "b"): (0, None)}
 
 
 async def test_a_held_request_goes_before_every_queued_one_once_its_model_is_up() -> None:
@@ -217,7 +219,7 @@ async def test_a_held_request_goes_before_every_queued_one_once_its_model_is_up(
     order: list[str] = []
 
     async def held() -> None:
-        async with pool.hold("m", 60.0) as hold:
+        async with pool.cold_start.begin("m", 60.0) as hold:
             got = await hold.replica()
             assert got is not None
             order.append("held")
@@ -225,7 +227,7 @@ async def test_a_held_request_goes_before_every_queued_one_once_its_model_is_up(
 
     task = asyncio.create_task(held())
     await asyncio.sleep(0)
-    assert pool.waiting("m") == 2
+    assert pool.queues.waiting("m") == 2
     pool.release(replica)
     await task
     await asyncio.gather(*served.tasks)

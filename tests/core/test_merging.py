@@ -9,12 +9,12 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.core.config import ReplicaConfig
-from router.core.merging import Combiner, Memory, WorkerReport, combine, report_json
-from router.core.pool import Pool
-from router.core.replicas import Replica
-from router.core.tallies import MAX_UNSERVED_NAMES, OTHER_MODELS, WORKER_UNSERVED_NAMES, Tallies
-from router.core.usage import Queued, RouterReport, Ticker, UsageSnapshot, merge_reports
+from router.core.config.settings import ReplicaConfig
+from router.core.pool.pool import Pool
+from router.core.pool.replicas import Replica
+from router.core.pool.tallies import MAX_UNSERVED_NAMES, OTHER_MODELS, WORKER_UNSERVED_NAMES, Tallies
+from router.core.usage.merging import Combiner, Memory, WorkerReport, combine, report_json
+from router.core.usage.snapshots import Queued, RouterReport, Ticker, UsageSnapshot, merge_reports
 from tests.fake_clock import FakeClock
 
 WALL = 1_764_000_000.0

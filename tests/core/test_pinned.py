@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from router.core.config import ReplicaConfig
-from router.core.pool import Limits, Pool
+from router.core.config.settings import ReplicaConfig
+from router.core.pool.pool import Limits, Pool
 from tests.fake_clock import FakeClock
 
 
@@ -18,7 +18,7 @@ async def test_a_freed_slot_goes_to_the_request_pinned_to_that_replica_before_th
     pool = two_replicas(Limits(per_replica=1))
     r0, r1 = pool.acquire_this("r0"), pool.acquire_this("r1")
     assert r0 is not None and r1 is not None
-    anyone = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
+    anyone = asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
     pinned = asyncio.create_task(pool.pinned.wait("r0", wait_seconds=5))
     await asyncio.sleep(0)

@@ -8,11 +8,11 @@ from collections import Counter
 
 import pytest
 
-from router.core.config import ReplicaConfig
-from router.core.ejection import EjectionPolicy
-from router.core.picking import LeastLoaded
-from router.core.pool import Limits, Pool
-from router.core.replicas import ReplicaState
+from router.core.config.settings import ReplicaConfig
+from router.core.pool.ejection import EjectionPolicy
+from router.core.pool.picking import LeastLoaded
+from router.core.pool.pool import Limits, Pool
+from router.core.pool.replicas import ReplicaState
 from tests.fake_clock import FakeClock
 
 
@@ -204,16 +204,16 @@ async def test_limits_refuse_beyond_capacity_and_release_wakes_a_waiter() -> Non
     assert all(r is not None for r in held)
     assert pool.acquire("m") is None
     assert pool.saturated("m")
-    waiter = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
+    waiter = asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
-    assert pool.waiting("m") == 1
+    assert pool.queues.waiting("m") == 1
     first = held[0]
     assert first is not None
     pool.release(first)
     # The freed slot went straight to the waiter: nobody else can take it first.
     replica, timed_out = await waiter
     assert replica is not None and not timed_out
-    assert pool.waiting("m") == 0
+    assert pool.queues.waiting("m") == 0
     assert pool.in_flight == 3
     pool.release(replica)
     assert not pool.saturated("m")
@@ -227,7 +227,7 @@ async def test_waiters_are_served_first_in_first_out_per_model() -> None:
     order: list[str] = []
 
     async def wait(model: str, name: str) -> None:
-        replica, _ = await pool.acquire_or_wait(model, wait_seconds=5)
+        replica, _ = await pool.queues.acquire_or_wait(model, wait_seconds=5)
         assert replica is not None
         order.append(name)
         await asyncio.sleep(0)
@@ -235,12 +235,12 @@ async def test_waiters_are_served_first_in_first_out_per_model() -> None:
 
     tasks = [asyncio.create_task(wait(m, f"{m}{i}")) for i in range(3) for m in ("a", "b")]
     await asyncio.sleep(0)
-    assert pool.waiting("a") == 3 and pool.waiting("b") == 3
+    assert pool.queues.waiting("a") == 3 and pool.queues.waiting("b") == 3
     # b frees first: only b's waiters move, in arrival order; a's stay queued.
     pool.release(busy_b)
     await asyncio.sleep(0.01)
     assert order == ["b0", "b1", "b2"]
-    assert pool.waiting("a") == 3
+    assert pool.queues.waiting("a") == 3
     pool.release(busy_a)
     await asyncio.gather(*tasks)
     assert order == ["b0", "b1", "b2", "a0", "a1", "a2"]
@@ -251,25 +251,25 @@ async def test_a_waiter_that_leaves_is_removed_at_once_and_its_slot_goes_on() ->
     pool = Pool(configs("m", 1), limits=Limits(per_replica=1))
     busy = pool.acquire("m")
     assert busy is not None
-    leaving = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
-    staying = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
+    leaving = asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=5))
+    staying = asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
-    assert pool.waiting("m") == 2
+    assert pool.queues.waiting("m") == 2
     leaving.cancel()
     await asyncio.gather(leaving, return_exceptions=True)
-    assert pool.waiting("m") == 1
+    assert pool.queues.waiting("m") == 1
     pool.release(busy)
     replica, _ = await staying
     assert replica is busy
-    assert pool.waiting("m") == 0
+    assert pool.queues.waiting("m") == 0
 
 
 async def test_a_slot_handed_to_a_waiter_that_just_left_goes_to_the_next() -> None:
     pool = Pool(configs("m", 1), limits=Limits(per_replica=1))
     busy = pool.acquire("m")
     assert busy is not None
-    first = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
-    second = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
+    first = asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=5))
+    second = asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
     # Handed to the first, which is cancelled before it runs: nothing may leak.
     pool.release(busy)
@@ -286,24 +286,24 @@ async def test_a_waiter_times_out_and_a_new_replica_or_an_undrain_serves_the_res
     pool = Pool(configs("m", 1), clock=clock, limits=Limits(per_replica=1))
     busy = pool.acquire("m")
     assert busy is not None
-    timing_out = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=0.05))
+    timing_out = asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=0.05))
     await asyncio.sleep(0)
     clock.advance(0.049)
     await asyncio.sleep(0)
     assert not timing_out.done()  # not before its deadline
     clock.advance(0.001)
     assert await timing_out == (None, True)
-    assert pool.waiting("m") == 0
-    waiter = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
+    assert pool.queues.waiting("m") == 0
+    waiter = asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
     pool.set_replicas(configs("m", 2))  # r1 arrives
     replica, timed_out = await waiter
     assert replica is not None and replica.id == "r1" and not timed_out
     pool.set_draining("r1", True)
     pool.release(replica)
-    waiter = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
+    waiter = asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
-    assert pool.waiting("m") == 1
+    assert pool.queues.waiting("m") == 1
     pool.set_draining("r1", False)
     replica, _ = await waiter
     assert replica is not None and replica.id == "r1"
@@ -313,7 +313,7 @@ async def test_waiters_are_told_at_once_when_their_model_loses_every_replica() -
     pool = Pool(configs("m", 1), limits=Limits(per_replica=1))
     busy = pool.acquire("m")
     assert busy is not None
-    waiter = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
+    waiter = asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
     pool.set_draining("r0", True)
     assert await asyncio.wait_for(waiter, 1) == (None, False)
@@ -323,7 +323,7 @@ async def test_under_the_router_wide_limit_a_release_serves_another_models_waite
     pool = Pool(configs("a", 1, "a") + configs("b", 1, "b"), limits=Limits(total=1))
     busy = pool.acquire("a")
     assert busy is not None
-    waiter = asyncio.create_task(pool.acquire_or_wait("b", wait_seconds=5))
+    waiter = asyncio.create_task(pool.queues.acquire_or_wait("b", wait_seconds=5))
     await asyncio.sleep(0)
     pool.release(busy)
     replica, _ = await waiter

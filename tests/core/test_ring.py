@@ -8,10 +8,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.core.config import ReplicaConfig
-from router.core.picking import BoundedHashRing, PolicySettings, Routing
-from router.core.pool import Limits, Pool
-from router.core.ring import affinity_key
+from router.core.config.settings import ReplicaConfig
+from router.core.pool.picking import BoundedHashRing, PolicySettings, Routing
+from router.core.pool.pool import Limits, Pool
+from router.core.pool.ring import affinity_key
 
 KEYS = [affinity_key(f"key-{i}".encode()) for i in range(400)]
 NAMES = [f"replica-{i}" for i in range(24)]
@@ -62,11 +62,11 @@ def test_taking_a_replica_out_and_back_lays_out_nothing() -> None:
     victim = pool.get("s3")
     assert victim is not None
     homes = [ring.home(key) for key in KEYS]
-    pool.eject(victim, 10.0)
+    pool.ejections.eject(victim, 10.0)
     assert victim not in ring
     # Its keys went on to the next replica along, as if its points were gone.
     assert all(home is not victim for home in (ring.home(key) for key in KEYS))
-    pool.readmit(victim)
+    pool.ejections.readmit(victim)
     pool.set_draining("s4", True)
     pool.set_draining("s4", False)
     assert ring.builds == 1
@@ -119,7 +119,7 @@ async def test_waiters_are_told_once_the_whole_set_is_in() -> None:
     pool = session_pool(1, Limits(per_replica=1))
     busy = pool.acquire("m")
     assert busy is not None
-    waiter = asyncio.create_task(pool.acquire_or_wait("m", wait_seconds=5))
+    waiter = asyncio.create_task(pool.queues.acquire_or_wait("m", wait_seconds=5))
     await asyncio.sleep(0)
     pool.set_replicas([ReplicaConfig("s0", "m", "http://127.0.0.1:9500")])
     replica, timed_out = await asyncio.wait_for(waiter, 1)

@@ -8,11 +8,11 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.core.config import ReplicaConfig
-from router.core.pool import Pool
-from router.core.quiet import RouterReport, merge_reports, quiet_bounds
-from router.core.replicas import Replica
-from router.core.usage import ReplicaUsage, Ticker, UsageSnapshot
+from router.core.config.settings import ReplicaConfig
+from router.core.pool.pool import Pool
+from router.core.pool.replicas import Replica
+from router.core.usage.quiet import RouterReport, merge_reports, quiet_bounds
+from router.core.usage.snapshots import ReplicaUsage, Ticker, UsageSnapshot
 from tests.fake_clock import FakeClock
 
 WALL = 1_764_000_000.0
@@ -143,9 +143,9 @@ def test_a_snapshot_made_from_what_changed_equals_one_read_whole(ops: list[Op]) 
                 held[n % len(held)].connects_failed += 1
             pool.count_failure(held[n % len(held)], reason)
         elif op == "eject" and replica is not None and not replica.removed:
-            pool.eject(replica, 5.0)
+            pool.ejections.eject(replica, 5.0)
         elif op == "readmit" and replica is not None:
-            pool.readmit(replica)
+            pool.ejections.readmit(replica)
         elif op in ("drain", "undrain") and replica is not None and not replica.removed:
             pool.set_draining(replica.id, op == "drain")
         elif op == "push":

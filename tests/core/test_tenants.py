@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from router.core.config import parse_config
+from router.core.config.settings import parse_config
+from router.core.config.tenants import DEFAULT_CLASSES, Caller, ClientKey, PriorityClass, callers, unit_weight
 from router.core.errors import ConfigError
-from router.core.tenants import DEFAULT_CLASSES, Caller, ClientKey, PriorityClass, callers, unit_weight
 
 
 def config(**raw: Any) -> Any:

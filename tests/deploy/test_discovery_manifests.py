@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from router.core.config import load_config
+from router.core.config.settings import load_config
 from router.run.cli import build_parser
 from tests.control.discovery.kube_api import matches
 from tests.deploy.manifests import container_of, named, of_kind, pod_of, pods_mode_overlay, render, router_toml

@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.core.config import Config, load_config
+from router.core.config.settings import Config, load_config
 from router.run.cli import build_parser
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.deploy.manifests import (

@@ -13,10 +13,10 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.core.config import ReplicaConfig
-from router.core.picking import BoundedHashRing, PolicySettings, Routing, affinity_key
-from router.core.pool import Pool
-from router.core.replicas import ReplicaState
+from router.core.config.settings import ReplicaConfig
+from router.core.pool.picking import BoundedHashRing, PolicySettings, Routing, affinity_key
+from router.core.pool.pool import Pool
+from router.core.pool.replicas import ReplicaState
 from router.gateway.affinity import prompt_text
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
@@ -112,7 +112,7 @@ def test_every_key_maps_to_a_ready_replica_when_one_exists(states: list[str], wh
         elif state == "ejected":
             got = pool.get(replica.id)
             assert got is not None
-            pool.eject(got, 60.0)
+            pool.ejections.eject(got, 60.0)
     chosen = pool.acquire("m", key=KEYS[which])
     if "ready" in states:
         assert chosen is not None and chosen.state is ReplicaState.READY

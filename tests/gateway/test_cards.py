@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from router.control.cards import CARD_BYTES
-from router.core.cards import MAX_ROOT_CHARS, Cards
+from router.core.config.cards import MAX_ROOT_CHARS, Cards
 from router.run.app import RouterServer
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.helpers import get_json, wait_for
@@ -64,8 +64,8 @@ async def test_a_readmitted_replicas_card_is_read_again(start_fake: StartFake, s
     await wait_for(lambda: card_read(server, "llama"))
     fake.card = other.card = {"max_model_len": 32768}
     replica = server.pool.get("r0")
-    assert replica is not None and server.pool.try_eject(replica, "a test")
-    server.pool.readmit(replica, "a test")
+    assert replica is not None and server.pool.ejections.try_eject(replica, "a test")
+    server.pool.ejections.readmit(replica, "a test")
     await wait_for(lambda: (card := cards(server).get("llama")) is not None and card.max_model_len == 32768)
     doc = await get_json(server.client_url + "/v1/models/llama")
     assert doc["max_model_len"] == 32768

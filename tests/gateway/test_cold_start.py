@@ -25,7 +25,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from router.core.coldstart import PROBE_CAP_SECONDS
+from router.core.pool.waiters import PROBE_CAP_SECONDS
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import StartFake, StartRouter, replica_entry
@@ -74,7 +74,7 @@ async def scrape(server: RouterServer) -> str:
 
 
 def held(server: RouterServer, model: str = "m") -> int:
-    return server.pool.held(model)
+    return server.pool.cold_start.held(model)
 
 
 async def refused_tries(server: RouterServer, clock: FakeClock, count: int) -> None:

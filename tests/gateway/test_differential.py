@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from prometheus_client import CollectorRegistry
 
-from router.core.config import parse_config
+from router.core.config.settings import parse_config
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica, Seen
 from tests.conftest import replica_entry

@@ -66,7 +66,7 @@ class Busy:
         self.tasks.append(asyncio.create_task(one()))
 
     async def queued(self, count: int) -> None:
-        await wait_for(lambda: self.server.pool.waiting("m") == count)
+        await wait_for(lambda: self.server.pool.queues.waiting("m") == count)
 
     async def free(self) -> list[str]:
         """Let the busy one go and every queued one be served: their prompts, in the order they reached the replica."""

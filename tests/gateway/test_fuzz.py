@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.core.config import parse_config
+from router.core.config.settings import parse_config
 from router.run.app import RouterServer
 from router.tools.fake import FakeReplica
 
@@ -94,7 +94,7 @@ toml_values = st.recursive(
 
 @given(raw=st.dictionaries(toml_keys, toml_values, max_size=5))
 def test_the_config_loader_raises_only_config_errors(raw: dict[str, object]) -> None:
-    from router.core.config import parse_config
+    from router.core.config.settings import parse_config
     from router.core.errors import ConfigError
 
     try:
@@ -109,7 +109,7 @@ def test_the_config_loader_raises_only_config_errors(raw: dict[str, object]) -> 
 
 @given(text=st.text(max_size=200))
 def test_arbitrary_toml_text_is_a_config_error_or_a_config(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
-    from router.core.config import load_config
+    from router.core.config.settings import load_config
     from router.core.errors import ConfigError
 
     path = tmp_path_factory.mktemp("toml") / "router.toml"

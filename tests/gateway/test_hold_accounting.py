@@ -20,7 +20,7 @@ import aiohttp
 import openai
 import pytest
 
-from router.core.coldstart import PROBE_CAP_SECONDS
+from router.core.pool.waiters import PROBE_CAP_SECONDS
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
@@ -131,7 +131,7 @@ async def test_a_client_that_leaves_while_held_logs_client_gone_and_its_wait(
 async def test_a_request_held_at_shutdown_logs_the_shutdown(tmp_path: Path) -> None:
     from prometheus_client import CollectorRegistry
 
-    from router.core.config import parse_config
+    from router.core.config.settings import parse_config
 
     log = tmp_path / "access.log"
     clock = FakeClock()

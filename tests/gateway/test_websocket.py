@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 import pytest
 
-from router.core.replicas import Replica
+from router.core.pool.replicas import Replica
 from router.run.app import RouterServer
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
 from tests.helpers import StartRaw, access_log_lines, fixed, get_json, wait_for

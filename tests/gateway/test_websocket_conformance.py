@@ -19,7 +19,7 @@ import socket
 
 import pytest
 
-from router.core.replicas import Replica
+from router.core.pool.replicas import Replica
 from router.run.app import RouterServer
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.helpers import StartRaw, fixed, get_json, wait_for

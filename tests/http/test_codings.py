@@ -1,4 +1,4 @@
-"""router.http.codings: a replica's content codings undone for the router's own reading, never past a bound."""
+"""router.gateway.codings: a replica's content codings undone for the router's own reading, never past a bound."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from router.http.codings import MAX_MEMBERS, StreamDecoder, decoded
+from router.gateway.codings import MAX_MEMBERS, StreamDecoder, decoded
 
 TEXT = b'{"detail": "the prompt is too long"}'
 

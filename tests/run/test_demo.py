@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from router.core.config import Config
+from router.core.config.settings import Config
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from router.core.config import parse_config
+from router.core.config.settings import parse_config
 from router.core.errors import ConfigError
 from tests.helpers import free_port
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from grpc import aio
 
-from router.core.config import Address
+from router.core.config.settings import Address
 from router.scaler.externalscaler_pb2_grpc import ExternalScalerStub
 from router.scaler.main import Scaler
 from router.scaler.settings import ScalerSettings

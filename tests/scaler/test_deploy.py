@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.core.config import load_config, parse_config
+from router.core.config.settings import load_config, parse_config
 from router.scaler.main import build_parser, settings_from
 from router.scaler.view import parse_metadata
 from tests.control.discovery.kube_api import matches

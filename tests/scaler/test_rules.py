@@ -25,7 +25,7 @@ import grpc
 import orjson
 import pytest
 
-from router.core.config import Address, load_config
+from router.core.config.settings import Address, load_config
 from router.core.errors import ConfigError
 from router.scaler.board import Board
 from router.scaler.main import build_parser, settings_from

@@ -286,7 +286,7 @@ async def test_top_under_tmux_shows_the_fleet_live_sorts_on_keys_and_quits_on_q(
     held = asyncio.create_task(
         post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "cold"}))
     )
-    await wait_for(lambda: server.pool.held("cold") == 1)
+    await wait_for(lambda: server.pool.cold_start.held("cold") == 1)
     # The shell writes top's exit status down: tmux's own record of it
     # (pane_dead_status) is sometimes missing once the pane is dead.
     status = tmp_path / "top.status"

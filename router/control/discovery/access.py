@@ -18,7 +18,7 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.config.config_exception import ConfigException
 
-from router.core.config import KubernetesDiscovery
+from router.core.config.settings import KubernetesDiscovery
 from router.core.errors import ConfigError
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")

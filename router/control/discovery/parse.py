@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from router.core.config import KubernetesDiscovery, ReplicaConfig
+from router.core.config.settings import KubernetesDiscovery, ReplicaConfig
 
 # An address as it may stand in a URL's host unbracketed: an IPv4 address
 # (leading zeros and all, as old clusters hold them) or a DNS name (the

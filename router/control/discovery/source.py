@@ -46,7 +46,7 @@ from router.control.discovery.parse import (
 )
 from router.control.discovery.watch import RELIST_REASONS, Hooks, Pacing, Watch
 from router.control.fleet import Fleet
-from router.core.config import KubernetesDiscovery, ReplicaConfig
+from router.core.config.settings import KubernetesDiscovery, ReplicaConfig
 
 log = logging.getLogger("router.control.discovery")
 

@@ -19,9 +19,9 @@ from router.control.sinks.latest import LatestSink
 from router.control.sinks.prometheus import PrometheusSink, UsageCollector
 from router.control.sinks.push import PushSink
 from router.control.sinks.rates import RateSink
-from router.core.config import Config
-from router.core.usage import UsageSink
-from router.core.usage_maps import UsageMaps
+from router.control.sinks.usage_maps import UsageMaps
+from router.core.config.settings import Config
+from router.core.usage.snapshots import UsageSink
 
 
 class Sinks:

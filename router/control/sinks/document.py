@@ -2,7 +2,7 @@
 
 The latest copy and the push share one `UsageDocument`: whichever publishes
 a snapshot first builds its body, the other gets the same bytes. Built from
-what changed: the maps (router.core.usage_maps) follow the changed records,
+what changed: the maps (router.control.sinks.usage_maps) follow the changed records,
 and each map is serialized again (by orjson, in C) only when one of its
 values moved, so that a tick over a quiet fleet joins bytes it already has;
 only the header (the snapshot's time) and the demand are new each tick.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import orjson
 
-from router.core.usage import UsageSnapshot, demand_json
-from router.core.usage_maps import UsageMaps
+from router.control.sinks.usage_maps import UsageMaps
+from router.core.usage.snapshots import UsageSnapshot, demand_json
 
 _MAPS = ("last_used", "watching_since", "model")
 

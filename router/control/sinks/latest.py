@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from router.control.sinks.document import UsageDocument
-from router.core.usage import UsageSnapshot
+from router.core.usage.snapshots import UsageSnapshot
 
 
 class LatestSink:

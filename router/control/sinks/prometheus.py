@@ -25,9 +25,9 @@ from prometheus_client import utils
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from router.core.replicas import ReplicaState
-from router.core.usage import ReplicaUsage, UsageSnapshot
-from router.core.usage_maps import UsageMaps
+from router.control.sinks.usage_maps import UsageMaps
+from router.core.pool.replicas import ReplicaState
+from router.core.usage.snapshots import ReplicaUsage, UsageSnapshot
 
 STATES = tuple(state.value for state in ReplicaState)
 # Go's float format, as prometheus_client writes every sample (untyped there).

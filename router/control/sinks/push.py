@@ -16,7 +16,7 @@ from collections.abc import Callable
 import aiohttp
 
 from router.control.sinks.document import UsageDocument
-from router.core.usage import UsageSnapshot
+from router.core.usage.snapshots import UsageSnapshot
 
 log = logging.getLogger("router.push")
 

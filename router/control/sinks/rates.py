@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from router.core.usage import UsageSnapshot
-from router.core.usage_maps import UsageMaps
+from router.control.sinks.usage_maps import UsageMaps
+from router.core.usage.snapshots import UsageSnapshot
 
 WINDOW_SECONDS = 60.0
 

@@ -12,10 +12,10 @@ import asyncio
 import select
 from typing import TYPE_CHECKING, cast
 
-from router.core.origin import Origin
 from router.http.client.errors import ConnectionBroken, HeadTimeout, UpstreamIdle
 from router.http.client.reader import _ACTIVE, _BODY, _CLOSED, _DONE, _IDLE, Reader
 from router.http.client.response import Response
+from router.http.origin import Origin
 
 if TYPE_CHECKING:
     from router.http.client.pool import Client

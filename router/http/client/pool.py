@@ -17,11 +17,11 @@ import logging
 import ssl
 import time
 
-from router.core.origin import Origin
 from router.http.client.connection import Connection
 from router.http.client.errors import ConnectFailed, ConnectionBroken
 from router.http.client.reader import _ACTIVE, _BODY, _IDLE
 from router.http.client.response import Response
+from router.http.origin import Origin
 from router.http.protocol_errors import ProtocolErrors
 
 

@@ -19,9 +19,9 @@ from typing import cast
 
 import httptools
 
-from router.core.origin import Origin
 from router.http.client.errors import ConnectFailed, ConnectionBroken, HeadTimeout
 from router.http.client.reader import MAX_HEAD_BYTES, chunked_alone, status_line_problem
+from router.http.origin import Origin
 from router.http.pipe import Pipe
 
 

@@ -8,7 +8,7 @@ proxy: it owns the admin port and makes the workers look like one router to
 the control plane and to Prometheus.
 
 - Usage: once a tick the supervisor asks every worker for its snapshot over
-  the worker's private Unix socket and combines them (router/core/merging.py):
+  the worker's private Unix socket and combines them (router/core/usage/merging.py):
   newest stamp wins, counts and in-flight add up. It, not the workers, feeds
   the sinks (the usage endpoint, /metrics, the push).
 - Changes (PUT /api/v1/endpoints, drain): validated once, written to a state

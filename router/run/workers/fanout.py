@@ -18,9 +18,9 @@ from typing import Any
 import orjson
 
 from router.control.fleet import FleetUnavailable
-from router.core.config import ReplicaConfig
-from router.core.merging import merged_state
-from router.core.usage import UsageSnapshot
+from router.core.config.settings import ReplicaConfig
+from router.core.usage.merging import merged_state
+from router.core.usage.snapshots import UsageSnapshot
 from router.run.workers.processes import WorkerProcesses
 from router.run.workers.state import set_json, write_state
 

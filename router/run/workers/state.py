@@ -14,7 +14,7 @@ from pathlib import Path
 
 import orjson
 
-from router.core.config import parse_replicas, replicas_where
+from router.core.config.settings import parse_replicas, replicas_where
 from router.core.errors import ConfigError
 from router.run.app import RouterServer
 

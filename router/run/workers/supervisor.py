@@ -31,10 +31,10 @@ from prometheus_client.registry import Collector
 from router.control.admin import Admin
 from router.control.sinks import build_sinks
 from router.control.sources import build_sources, exclusive_source, initial_set, reload_all, sources_ready
-from router.core.config import Config
+from router.core.config.settings import Config
 from router.core.errors import CannotListen
-from router.core.merging import Combiner, Memory, WorkerReport
-from router.core.usage import UsageSnapshot, publish
+from router.core.usage.merging import Combiner, Memory, WorkerReport
+from router.core.usage.snapshots import UsageSnapshot, publish
 from router.run.app import SNAPSHOT_PATH, Listening, freeze_start_up, run_until_signalled
 from router.run.session import make_session
 from router.run.worker_metrics import METRICS_PATH, MergedCollector, Report, SampleKey, merge, retire
@@ -71,7 +71,7 @@ class Supervisor(Listening):
             self.processes, initial_set(self.sources), collect=self.collect, metrics=self.metrics
         )
         self.memory = Memory()
-        # The workers' reports, combined as they come (router/core/merging.py).
+        # The workers' reports, combined as they come (router/core/usage/merging.py).
         self.combiner = Combiner(self.memory)
         # The seq of the last snapshot published: the next carries what changed since.
         self._published: int | None = None

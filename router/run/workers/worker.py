@@ -16,7 +16,7 @@ from types import MappingProxyType
 import orjson
 import uvloop
 
-from router.core.config import Config, load_config
+from router.core.config.settings import Config, load_config
 from router.core.errors import ConfigError
 from router.run.app import RouterServer, freeze_start_up
 from router.run.logs import install as install_request_ids

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import orjson
 from aiohttp import web
 
-from router.core.engines import ROUTED_PATHS
+from router.core.config.engines import ROUTED_PATHS
 
 if TYPE_CHECKING:
     from router.tools.fake.replica import FakeReplica
@@ -34,7 +34,7 @@ _ANSWERED = frozenset(
         *TRANSCRIBED,
     }
 )
-# Every other path an engine serves (router.core.engines) is answered with an echo of what arrived (JSON bodies).
+# Every other path an engine serves (router.core.config.engines) is answered with an echo of what arrived (JSON bodies).
 ECHOED = tuple(path for path in ROUTED_PATHS if path not in _ANSWERED)
 
 

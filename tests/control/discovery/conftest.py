@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from router.control.discovery.access import resolve_access
 from router.control.discovery.source import KubernetesSource
-from router.core.config import parse_config
+from router.core.config.settings import parse_config
 from router.run.app import RouterServer
 from tests.control.discovery.harness import Pods, StartDiscovery
 from tests.control.discovery.kube_api import FakeKubernetesApi

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from router.core.config import KubernetesDiscovery
+from router.core.config.settings import KubernetesDiscovery
 
 RECORDED = Path(__file__).resolve().parent / "kubernetes"
 SELECTOR = "app.kubernetes.io/part-of=llm-fleet"

@@ -22,7 +22,7 @@ from router.control.discovery.parse import (
     read_pod,
     read_slice,
 )
-from router.core.config import KubernetesDiscovery, ReplicaConfig
+from router.core.config.settings import KubernetesDiscovery, ReplicaConfig
 from tests.control.discovery.recorded import (
     ON_PODS,
     SELECTOR,

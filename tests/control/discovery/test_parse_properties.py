@@ -27,8 +27,8 @@ from router.control.discovery.parse import (
     read_pod,
     slice_members,
 )
-from router.core.config import DEFAULT_MODEL_LABEL, KubernetesDiscovery, ReplicaConfig, parse_config
-from router.core.origin import Origin
+from router.core.config.settings import DEFAULT_MODEL_LABEL, KubernetesDiscovery, ReplicaConfig, parse_config
+from router.http.origin import Origin
 from tests.control.discovery.recorded import NS, SELECTOR
 
 JSON = st.recursive(

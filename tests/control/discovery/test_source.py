@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from router.control.discovery.source import KubernetesSource
-from router.core.replicas import ReplicaState
+from router.core.pool.replicas import ReplicaState
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour
 from tests.control.discovery.harness import (

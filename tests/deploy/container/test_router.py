@@ -102,7 +102,7 @@ def test_the_image_runs_the_compiled_build(fleet: Fleet) -> None:
     assert said.stdout.strip().endswith("(compiled)"), said.stdout
     loaded = fleet.podman(
         *("run", "--rm", "--pull", "never", "--entrypoint", "/opt/router/bin/python", fleet.image),
-        *("-c", "import router.http.server.reader as m, router.core.pool as p; print(m.__file__, p.__file__)"),
+        *("-c", "import router.http.server.reader as m, router.core.pool.pool as p; print(m.__file__, p.__file__)"),
     )
     assert all(path.endswith(".so") for path in loaded.stdout.split()), loaded.stdout
 

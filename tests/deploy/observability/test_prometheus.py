@@ -41,7 +41,7 @@ import pytest
 import yaml
 from grpc import aio
 
-from router.core.config import Address
+from router.core.config.settings import Address
 from router.scaler.externalscaler_pb2 import ScaledObjectRef
 from router.scaler.externalscaler_pb2_grpc import ExternalScalerStub
 from router.scaler.main import Scaler

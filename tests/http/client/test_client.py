@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from router.core.origin import Origin
 from router.http.client import BodyTooLarge, Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response
+from router.http.origin import Origin
 from tests.helpers import HEAD, OK, StartRaw, fixed, wait_for
 from tests.wire import ending_quietly
 

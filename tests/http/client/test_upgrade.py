@@ -14,9 +14,9 @@ import asyncio
 
 import pytest
 
-from router.core.origin import Origin
 from router.http.client import MAX_HEAD_BYTES, ConnectFailed, ConnectionBroken, HeadTimeout
 from router.http.client.upgrade import Answer, upgrade
+from router.http.origin import Origin
 from tests.conftest import RefusedUrl
 from tests.helpers import RawServer, StartRaw, fixed
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 
-from router.core.origin import Origin
 from router.http.client import (
     MAX_HEAD_BYTES,
     Client,
@@ -33,6 +32,7 @@ from router.http.client import (
     Response,
     UpstreamIdle,
 )
+from router.http.origin import Origin
 from tests.helpers import HEAD, OK, RawServer, StartRaw, fixed, wait_for
 from tests.wire import ending_quietly
 

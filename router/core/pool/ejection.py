@@ -16,9 +16,9 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from router.core.replicas import Replica, ReplicaSet
+from router.core.pool.replicas import Replica, ReplicaSet
 
-log = logging.getLogger("router.core.ejection")
+log = logging.getLogger("router.core.pool.ejection")
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 A replica changes set only here: added, changed, removed (it drains: no new
 request, and it is forgotten once its last one ends), drained by hand. Per
-model the set keeps the picking policy (router.core.picking) told of every
+model the set keeps the picking policy (router.core.pool.picking) told of every
 ready replica, so that the pool's acquire() finds its candidates in one
 lookup. The pool owns the counts in flight and the waiters; it is told when
 a model's candidates change in a way its waiters care about.
@@ -15,9 +15,8 @@ import random
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from router.core.config import ReplicaConfig
-from router.core.origin import Origin
-from router.core.picking import POLICIES, Policy, PolicySettings, Routing
+from router.core.config.settings import ReplicaConfig
+from router.core.pool.picking import POLICIES, Policy, PolicySettings, Routing
 
 
 class ReplicaState(enum.Enum):
@@ -35,7 +34,6 @@ class Replica:
         "id",
         "model",
         "base_url",
-        "origin",
         "in_flight",
         "requests",
         "connects_failed",
@@ -57,7 +55,6 @@ class Replica:
         self.id = config.id
         self.model = config.model
         self.base_url = config.url
-        self.origin = Origin.parse(config.url)
         self.in_flight = 0
         # Requests that reached the replica (counted once connected), and connections to it that failed.
         self.requests = 0

@@ -8,11 +8,11 @@ usage tick. Everything else (views, snapshots, pushes) reads from here and
 runs per tick or per admin call, never per request.
 
 The pool is the one door to its parts, each in its own module: the replica
-set and draining (router.core.replicas), ejection (router.core.ejection),
-the cold-start holds (router.core.coldstart), the queue at the limits
-(router.core.queues, in the order of router.core.fairness), the requests
-pinned to one replica (router.core.pinned) and the tallies
-(router.core.tallies). It keeps its own reference to each collection that
+set and draining (router.core.pool.replicas), ejection (router.core.pool.ejection),
+the cold-start holds (router.core.pool.coldstart), the queue at the limits
+(router.core.pool.queues, in the order of router.core.pool.fairness), the requests
+pinned to one replica (router.core.pool.pinned) and the tallies
+(router.core.pool.tallies). It keeps its own reference to each collection that
 acquire() and release() read, so the hot path reads no more attributes than
 it would if the parts were one class. All of them read one injected clock
 (router.core.clock).
@@ -26,16 +26,16 @@ from collections.abc import Container, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from router.core.clock import Clock, LoopClock
-from router.core.coldstart import ColdStart
-from router.core.config import ReplicaConfig
-from router.core.ejection import EjectionPolicy, Ejections
-from router.core.fairness import Lines
-from router.core.picking import Routing
-from router.core.pinned import PinnedLines
-from router.core.queues import Queues
-from router.core.replicas import Replica, ReplicaSet, ReplicaState, SetDiff
-from router.core.tallies import Tallies
-from router.core.tenants import Queueing
+from router.core.config.settings import ReplicaConfig
+from router.core.config.tenants import Queueing
+from router.core.pool.coldstart import ColdStart
+from router.core.pool.ejection import EjectionPolicy, Ejections
+from router.core.pool.fairness import Lines
+from router.core.pool.picking import Routing
+from router.core.pool.pinned import PinnedLines
+from router.core.pool.queues import Queues
+from router.core.pool.replicas import Replica, ReplicaSet, ReplicaState, SetDiff
+from router.core.pool.tallies import Tallies
 
 _NO_ROUTING: Mapping[str, Routing] = {}
 _LOOP_CLOCK = LoopClock()
@@ -72,14 +72,14 @@ class Pool:
         self.tallies = Tallies()
         self.limits = limits
         self.in_flight = 0
-        # Requests waiting for a replica, per model (router.core.fairness). A
+        # Requests waiting for a replica, per model (router.core.pool.fairness). A
         # slot that frees is handed straight to the waiter whose turn it is (no
         # wake-up to lose, no newcomer to overtake it); a waiter that leaves
         # is removed in O(1). Held requests wait in the same lines.
         self._waiting = Lines(queueing)
         self._seq = itertools.count()
         # Replicas whose usage may have changed since the usage tick last looked
-        # (router.core.usage): marked where they change, in the critical
+        # (router.core.usage.snapshots): marked where they change, in the critical
         # sections that change them, so that a tick looks at these alone.
         self.touched: dict[Replica, None] = {}
         self._set = ReplicaSet(
@@ -98,9 +98,9 @@ class Pool:
         # Every model that had a replica since start: known, so never 404.
         self.ever_served = self._set.ever_served
         self.ejection = ejection
-        self._ejections = Ejections(ejection, now=self._now, replicas=self._set)
-        self._ejected = self._ejections.ejected
-        self._queues = Queues(
+        self.ejections = Ejections(ejection, now=self._now, replicas=self._set)
+        self._ejected = self.ejections.ejected
+        self.queues = Queues(
             clock,
             self._waiting,
             seq=self._seq.__next__,
@@ -108,7 +108,7 @@ class Pool:
             release=self.release,
             saturated=self.saturated,
         )
-        self._cold_start = ColdStart(
+        self.cold_start = ColdStart(
             clock,
             self.tallies,
             lines=self._waiting,
@@ -118,25 +118,9 @@ class Pool:
             hand_off=self._hand_off,
         )
         # Models whose held requests wait for a replica that answers.
-        self._cold = self._cold_start.spells
+        self._cold = self.cold_start.cold
         self.pinned = PinnedLines(clock, self._by_id, self._seq.__next__, self.acquire_this, self.release)
         self._pinned = self.pinned.lines
-        # The parts' own doors, as the pool's: a caller reaches them with no call in between.
-        self.hold = self._cold_start.hold
-        self.end_holds = self._cold_start.end_holds
-        self.held = self._cold_start.held
-        self.oldest_held = self._cold_start.oldest_held
-        self.held_models = self._cold_start.held_models
-        self.acquire_or_wait = self._queues.acquire_or_wait
-        self.waiting = self._queues.waiting
-        self.queue_figures = self._queues.figures
-        self.is_cold = self._cold.__contains__  # its held requests probe its replicas one at a time now
-        self.try_eject = self._ejections.try_eject
-        self.eject = self._ejections.eject
-        self.readmit = self._ejections.readmit
-        self.retry_after = self._ejections.retry_after
-        self.set_draining = self._set.set_draining
-        self.configs = self._set.configs
         self.set_replicas(replicas)
 
     # The hot path -----------------------------------------------------------
@@ -154,8 +138,8 @@ class Pool:
         second try). `exclude` are replicas that this request must not reach
         again (they refused the connection or answered 503).
         """
-        if self._ejected and self._now() >= self._ejections.next_readmit:
-            self._ejections.readmit_expired()
+        if self._ejected and self._now() >= self.ejections.next_readmit:
+            self.ejections.readmit_expired()
         candidates = self._candidates.get(model)
         if candidates is None:
             return None
@@ -208,26 +192,26 @@ class Pool:
             self._hand_off(replica.model)
             if self.limits.total:
                 # A slot under the router-wide limit frees for every model.
-                for model in sorted(self._waiting, key=self._queues.oldest_seq):
+                for model in sorted(self._waiting, key=self.queues.oldest_seq):
                     self._hand_off(model)
 
-    # Waiting (router.core.queues) ------------------------------------------------
+    # Waiting (router.core.pool.queues) ------------------------------------------------
 
     def queued(self) -> dict[str, int]:
         """Requests waiting now, by model: in the queue at the limits and for a pinned replica."""
-        counts = self._queues.queued()
+        counts = self.queues.queued()
         self.pinned.count_into(counts)
         return counts
 
     def _hand_off(self, model: str) -> None:
         """Give what `model` can serve now to its waiters, in their order."""
-        spell = self._cold.get(model)
-        if spell is not None:
+        probing = self._cold.get(model)
+        if probing is not None:
             # A cold model's waiters go one probe at a time, never all at once.
             if self._waiting.get(model):
-                self._cold_start.probe_soon(model, spell, 0.0)
+                self.cold_start.probe_soon(model, probing, 0.0)
             return
-        self._queues.serve(model)
+        self.queues.serve(model)
 
     def _candidates_changed(self, model: str) -> None:
         if self._waiting:
@@ -258,7 +242,7 @@ class Pool:
 
     def record_success(self, replica: Replica) -> None:
         if self._cold and replica.model in self._cold:
-            self._cold_start.warm(replica.model)
+            self.cold_start.warm(replica.model)
         replica.failures_in_row = 0
         if replica.ejected_until is None:
             replica.ejections_in_row = 0
@@ -268,14 +252,14 @@ class Pool:
         replica.failures_in_row += 1
         if replica.failures_in_row < self.ejection.consecutive_failures:
             return False
-        return self._ejections.try_eject(replica, f"{replica.failures_in_row} failures in a row")
+        return self.ejections.try_eject(replica, f"{replica.failures_in_row} failures in a row")
 
-    # The desired set (router.core.replicas) -------------------------------------
+    # The desired set (router.core.pool.replicas) -------------------------------------
 
     def set_replicas(self, configs: Iterable[ReplicaConfig]) -> SetDiff:
         """Make `configs` the desired set, atomically (no await in here); removed replicas drain."""
         diff = self._set.set_replicas(configs)
-        self._ejections.forget_removed()
+        self.ejections.forget_removed()
         return diff
 
     def watch_joins(self) -> dict[Replica, None]:
@@ -289,6 +273,14 @@ class Pool:
         if joined is None:
             joined = self._set.joined = {r: None for r in self._by_id.values() if r.state is ReplicaState.READY}
         return joined
+
+    def set_draining(self, replica_id: str, draining: bool) -> Replica | None:
+        """Drain a replica by hand (no new requests; those in flight finish), or make it ready again."""
+        return self._set.set_draining(replica_id, draining)
+
+    def configs(self) -> list[ReplicaConfig]:
+        """The desired set, as configured."""
+        return self._set.configs()
 
     def get(self, replica_id: str) -> Replica | None:
         return self._by_id.get(replica_id)

@@ -3,7 +3,7 @@
 Each check takes where the value comes from (a `Where`: the file, or the
 admin API's push), the key as the operator wrote it, and the raw value; it
 returns the value, or raises the ConfigError that names all three. The
-router's config (router.core.config) and the scaler's table
+router's config (router.core.config.settings) and the scaler's table
 (router.scaler.settings) are read with them, so both say a mistake alike.
 """
 

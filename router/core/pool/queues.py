@@ -1,7 +1,7 @@
 """The pool's queue: requests that wait while every replica of their model is at its limits.
 
 A slot that frees is handed straight to the request whose turn it is
-(router.core.fairness: by class, aged, then the tenants in proportion to
+(router.core.pool.fairness: by class, aged, then the tenants in proportion to
 their weights), so there is no wake-up to lose and no newcomer to overtake
 it. A request leaves at its class's deadline (the caller answers 503
 server_overloaded), or when its client goes. A tenant with
@@ -16,11 +16,11 @@ from collections.abc import Callable, Container, Hashable
 from typing import NamedTuple
 
 from router.core.clock import Clock
+from router.core.config.tenants import ANYONE, Caller
 from router.core.errors import RateLimited
-from router.core.fairness import Lines
-from router.core.replicas import Replica
-from router.core.tenants import ANYONE, Caller
-from router.core.waiters import Waiter
+from router.core.pool.fairness import Lines
+from router.core.pool.replicas import Replica
+from router.core.pool.waiters import Waiter, handed
 
 
 class QueueFigures(NamedTuple):
@@ -111,12 +111,7 @@ class Queues:
         line.add(waiter)
         timer = self._clock.call_at(deadline, lambda: _expire(waiter))
         try:
-            replica = await future
-        except asyncio.CancelledError:
-            # The client left; a replica handed over meanwhile goes to the next.
-            if future.done() and not future.cancelled() and (handed := future.result()) is not None:
-                self._release(handed)
-            raise
+            replica = await handed(future, self._release)
         finally:
             timer.cancel()
             line.discard(waiter)

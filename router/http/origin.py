@@ -1,7 +1,13 @@
-"""Where a replica listens, parsed once from its base URL: a plain value, shared by the core and the client."""
+"""Where a replica listens, parsed once from its base URL: what the upstream client connects to and sends as Host.
+
+The core knows a replica by its base URL alone; the gateway asks `origin_of`
+for the Origin of that URL on each attempt, parsed once and kept (a bounded
+cache: a fleet that changes over months never grows it without end).
+"""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -31,3 +37,8 @@ class Origin:
         header = shown if port == default else f"{shown}:{port}"
         key = f"{'https' if tls else 'http'}://{shown}:{port}"
         return cls(host, port, tls, parts.path.rstrip("/").encode(), header.encode("idna"), key)
+
+
+# Far above any fleet's size: replicas are parsed once each, and a churning
+# fleet's old URLs fall out least recently used first.
+origin_of = functools.lru_cache(maxsize=1 << 16)(Origin.parse)

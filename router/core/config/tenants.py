@@ -3,7 +3,7 @@
 A client key (`api_keys`) names a tenant, the priority class of its requests
 and the tenant's weight; without keys every request is tenant `default`, of
 the first class. While a model's replicas are all at their limits its
-requests wait (router.core.fairness): a higher class first, a lower one aged
+requests wait (router.core.pool.fairness): a higher class first, a lower one aged
 past its `max_queue_seconds`, and within a class the tenants in proportion
 to their weights. A request may lower its own class, never raise it
 (`lowered`).
@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from router.core import config_checks as check
+from router.core.config import checks as check
 
 DEFAULT_TENANT = "default"
 # A tenant's and a class's name is a label value, an access-log field and a

@@ -8,7 +8,7 @@ latest of its workers' watches, since any worker may have sent it a request
 before it started watching.
 
 A worker answers with what changed since the report the supervisor last
-took from it (router.core.records), or with everything when that cannot be
+took from it (router.core.usage.records), or with everything when that cannot be
 told (a new worker, one restarted); `Combiner` keeps each worker's records
 and combines again only the replicas some worker reported changed. So the
 supervisor's tick costs what the workers did, not the fleet's size.
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from router.core.records import Changes, Follower, RecordBook
-from router.core.replicas import ReplicaState
-from router.core.tallies import bounded_unserved
-from router.core.usage import Demand, Queued, ReplicaUsage, UsageSnapshot, record_from_json, record_json
+from router.core.pool.replicas import ReplicaState
+from router.core.pool.tallies import bounded_unserved
+from router.core.usage.records import Changes, Follower, RecordBook
+from router.core.usage.snapshots import Demand, Queued, ReplicaUsage, UsageSnapshot, record_from_json, record_json
 
 Key = tuple[str, str, str]  # (id, url, model): one replica; an id whose URL changed is another
 

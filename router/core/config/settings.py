@@ -6,7 +6,7 @@ The replica-set validation is shared with the admin API's endpoint pushes,
 which must reject exactly what the config file would reject.
 
 Here: the settings and tables, each key declared once, and how a file
-becomes a Config. Each single value is checked in router.core.config_checks.
+becomes a Config. Each single value is checked in router.core.config.checks.
 """
 
 from __future__ import annotations
@@ -23,11 +23,9 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
-from router.core import config_checks as check
-from router.core.engines import ROUTED_PATHS, UPGRADE_PATHS
-from router.core.errors import ConfigError
-from router.core.picking import DEFAULT_POLICY, POLICIES
-from router.core.tenants import (
+from router.core.config import checks as check
+from router.core.config.engines import ROUTED_PATHS, UPGRADE_PATHS
+from router.core.config.tenants import (
     DEFAULT_CLASSES,
     ClientKey,
     PriorityClass,
@@ -35,8 +33,15 @@ from router.core.tenants import (
     parse_api_keys,
     parse_priority_classes,
 )
+from router.core.errors import ConfigError
 
 LabelValue = str | int | float | bool
+
+# The picking policies a model may be routed by (each one of
+# router.core.pool.picking.POLICIES, a test holds the two the same): named
+# here, so that the settings do not depend on the pool that reads them.
+ROUTINGS = ("least_loaded", "session", "prefix")
+DEFAULT_ROUTING = "least_loaded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +119,8 @@ class ModelConfig:
     name: str
     aliases: tuple[str, ...] = ()
     fallbacks: tuple[str, ...] = ()
-    # The picking policy (router.core.picking.POLICIES) for this model's replicas.
-    routing: str = DEFAULT_POLICY
+    # The picking policy (one of ROUTINGS: router.core.pool.picking.POLICIES) for this model's replicas.
+    routing: str = DEFAULT_ROUTING
     # routing = "session": the header that names the session (then the body's
     # `user`, then `previous_response_id`); "prefix": how much of the prompt
     # makes the key. Both: no replica above ceil(balance_factor x mean in flight).
@@ -175,7 +180,7 @@ class Config:
         "or env ROUTER_ADMIN_TOKEN; required on mutating admin calls when set",
         fallback=lambda env: env.get("ROUTER_ADMIN_TOKEN", ""),
     )
-    # Only each key's SHA-256 is kept (router.core.tenants): never the key.
+    # Only each key's SHA-256 is kept (router.core.config.tenants): never the key.
     api_keys: tuple[ClientKey, ...] = _setting(
         (), parse_api_keys, "client keys (Authorization: Bearer ...), or [api_keys.NAME] tables; empty = no client auth"
     )
@@ -259,7 +264,7 @@ class Config:
     wake_cooldown_seconds: float = _seconds(10.0, "at most one wake call per model this often while requests stay held")
     replicas: tuple[ReplicaConfig, ...] = ()
     models: Mapping[str, ModelConfig] = field(default_factory=lambda: MappingProxyType({}))
-    # [[priority_classes]], highest first (router.core.tenants): interactive and batch unless declared.
+    # [[priority_classes]], highest first (router.core.config.tenants): interactive and batch unless declared.
     priority_classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
     # [discovery.kubernetes]: the replica set comes from the Kubernetes API instead of [[replicas]].
     discovery: KubernetesDiscovery | None = None
@@ -374,11 +379,11 @@ def _models(where: check.Where, value: object, replicas: tuple[ReplicaConfig, ..
         check.table(where, key, raw, _MODEL_KEYS)
         aliases = check.string_list(where, f"{key}.aliases", raw.get("aliases", []))
         fallbacks = check.string_list(where, f"{key}.fallbacks", raw.get("fallbacks", []))
-        routing = check.string(where, f"{key}.routing", raw.get("routing", DEFAULT_POLICY))
+        routing = check.string(where, f"{key}.routing", raw.get("routing", DEFAULT_ROUTING))
         cold_start = check.number(where, f"{key}.cold_start_seconds", raw.get("cold_start_seconds", 0.0), minimum=0.0)
         max_held = int(check.number(where, f"{key}.max_held", raw.get("max_held", 100), minimum=1, integer=True))
-        if routing not in POLICIES:
-            known = ", ".join(repr(name) for name in POLICIES)
+        if routing not in ROUTINGS:
+            known = ", ".join(repr(name) for name in ROUTINGS)
             raise where.error(f"{key}.routing", f"unknown policy {routing!r} (known: {known})")
         session_header = check.string(where, f"{key}.session_header", raw.get("session_header", "X-Session-Id"))
         if not _TOKEN.fullmatch(session_header):

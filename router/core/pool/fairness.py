@@ -3,7 +3,7 @@
 A model's `Line` keeps its waiting requests in the shape the choice needs:
 
     Line
-    ├── held        requests held for the cold model (router.core.coldstart), oldest first
+    ├── held        requests held for the cold model (router.core.pool.coldstart), oldest first
     └── bands       one per priority class, highest first
         ├── arrivals   the class's requests, oldest first: what aging looks at
         └── flows      one per tenant with requests in the class, FIFO, in the
@@ -33,23 +33,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from router.core.tenants import Queueing
-from router.core.waiters import Waiter
-
-
-class Flow:
-    """One tenant's requests in one class, oldest first, and what is left of its turn."""
-
-    __slots__ = ("band", "deficit", "quantum", "tenant", "waiters")
-
-    def __init__(self, band: int, tenant: str, quantum: float) -> None:
-        self.band = band
-        self.tenant = tenant
-        # Requests served per turn (at least one): the tenant's weight over the smallest.
-        self.quantum = quantum
-        # Requests it may still be served in this turn; below 1, its turn is over.
-        self.deficit = 0.0
-        self.waiters: OrderedDict[Waiter, None] = OrderedDict()
+from router.core.config.tenants import Queueing
+from router.core.pool.waiters import Flow, Waiter
 
 
 class _Band:

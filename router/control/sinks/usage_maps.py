@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 
-from router.core.records import Follower
-from router.core.usage import ReplicaUsage, UsageSnapshot
+from router.core.usage.records import Follower
+from router.core.usage.snapshots import ReplicaUsage, UsageSnapshot
 
 Key = Hashable
 # A record that changed: its key, what it was (None: new) and what it is (None: gone).

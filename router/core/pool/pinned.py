@@ -17,8 +17,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 from router.core.clock import Clock
-from router.core.replicas import Replica, ReplicaState
-from router.core.waiters import Waiter
+from router.core.pool.replicas import Replica, ReplicaState
+from router.core.pool.waiters import Waiter, handed
 
 
 class PinnedLines:
@@ -64,12 +64,7 @@ class PinnedLines:
         queue[waiter] = None
         timer = self._clock.call_at(self._clock.now() + wait_seconds, lambda: _expire(waiter))
         try:
-            replica = await future
-        except asyncio.CancelledError:
-            # The client left; a slot handed over meanwhile goes back, to the next.
-            if future.done() and not future.cancelled() and (handed := future.result()) is not None:
-                self._release(handed)
-            raise
+            replica = await handed(future, self._release)
         finally:
             timer.cancel()
             queue.pop(waiter, None)

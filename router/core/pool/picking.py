@@ -26,10 +26,10 @@ from collections.abc import Callable, Container, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast
 
-from router.core import ring
-from router.core.ring import POINTS_PER_MEMBER, Layout
+from router.core.pool import ring
+from router.core.pool.ring import POINTS_PER_MEMBER, Layout
 
-# A request's key as a point of the ring (router.core.ring), found here beside the policies that read it.
+# A request's key as a point of the ring (router.core.pool.ring), found here beside the policies that read it.
 affinity_key = ring.affinity_key
 
 T = TypeVar("T", bound=Hashable)
@@ -231,7 +231,7 @@ class LeastLoaded(Generic[T]):
         """As hold()."""
 
 
-# Points per candidate on the ring (router.core.ring).
+# Points per candidate on the ring (router.core.pool.ring).
 POINTS_PER_CANDIDATE = POINTS_PER_MEMBER
 
 
@@ -273,7 +273,7 @@ class BoundedHashRing(LeastLoaded[T]):
         self._outcomes = settings.outcomes
         # balance_factor / the number of candidates: capacity is ceil(_scale x (in flight + 1)).
         self._scale = 0.0
-        # The ring (router.core.ring): sorted points, and the member of each,
+        # The ring (router.core.pool.ring): sorted points, and the member of each,
         # read here as the layout last made them. A member that is not a
         # candidate (it rests there, ejected or gone) is passed over.
         self._layout: Layout[T] = Layout(settings.name_of)
@@ -451,4 +451,3 @@ POLICIES: dict[str, Callable[[random.Random, PolicySettings], Policy[Any]]] = {
     "session": BoundedHashRing,
     "prefix": BoundedHashRing,
 }
-DEFAULT_POLICY = "least_loaded"

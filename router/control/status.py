@@ -14,7 +14,7 @@ from collections.abc import Container, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from router.core.usage import ReplicaUsage, UsageSnapshot
+from router.core.usage.snapshots import ReplicaUsage, UsageSnapshot
 
 BAR_WIDTH = 20
 

@@ -6,12 +6,12 @@ turns the stamps of the replicas marked since (and of those still in flight)
 into Unix seconds and freezes them with everything an exporter may want;
 sinks read only the snapshot. A tick costs what changed since the last one,
 not what the fleet holds: each snapshot carries what changed since the one
-published before it (router.core.records), and the sinks update from that.
+published before it (router.core.usage.records), and the sinks update from that.
 
 Unknown is not idle: a replica that no request has reached since this router
 started (or since the replica was added) has `last_used is None`, and every
 function here that answers "how long quiet" returns None for it, never 0.
-The merge of several routers' maps is router.core.quiet's, named here too.
+The merge of several routers' maps is router.core.usage.quiet's, named here too.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
-from router.core.config import LabelValue
-from router.core.picking import AFFINITY_OUTCOMES
-from router.core.pool import Pool
-from router.core.quiet import Candidate, MergedUsage, RouterReport, merge_reports, quiet_bounds
-from router.core.records import Changes, RecordBook
-from router.core.replicas import Replica, ReplicaState
+from router.core.config.settings import LabelValue
+from router.core.pool.picking import AFFINITY_OUTCOMES
+from router.core.pool.pool import Pool
+from router.core.pool.replicas import Replica, ReplicaState
+from router.core.usage.quiet import Candidate, MergedUsage, RouterReport, merge_reports, quiet_bounds
+from router.core.usage.records import Changes, RecordBook
 
 __all__ = [
     "REPLICA_MAPPINGS",
@@ -49,7 +49,7 @@ __all__ = [
     "publish",
 ]
 
-log = logging.getLogger("router.core.usage")
+log = logging.getLogger("router.core.usage.snapshots")
 
 
 class ReplicaUsage(NamedTuple):
@@ -131,7 +131,7 @@ class UsageSnapshot:
     queued: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     # The same by (model, priority class, tenant): each that ever queued, at 0 once empty.
     queues: Mapping[tuple[str, str, str], Queued] = field(default_factory=lambda: MappingProxyType({}))
-    # The record book behind the replicas (router.core.records): its number,
+    # The record book behind the replicas (router.core.usage.records): its number,
     # this snapshot's seq in it, each record's key (beside `replicas`), and
     # what changed since the seq the taker asked about (None: not asked, or
     # not known). A snapshot made by hand has none: its readers compare whole.
@@ -402,11 +402,11 @@ class Snapshotter:
         for model, asked in tallies.last_asked.items():
             if asked >= since:
                 demand[model] = Demand(0, None, asked + offset)
-        for model in pool.held_models():
-            oldest = pool.oldest_held(model)
+        for model in pool.cold_start.held_models():
+            oldest = pool.cold_start.oldest_held(model)
             asked_before = demand.get(model)
             demand[model] = Demand(
-                pool.held(model),
+                pool.cold_start.held(model),
                 None if oldest is None else oldest + offset,
                 asked_before.last_asked if asked_before is not None else None,
             )
@@ -437,7 +437,7 @@ class Snapshotter:
             queues=MappingProxyType(
                 {
                     key: Queued(n, None if since is None else since + offset)
-                    for key, (n, since) in pool.queue_figures().items()
+                    for key, (n, since) in pool.queues.figures().items()
                 }
             ),
             book=self.book.number,

@@ -3,7 +3,7 @@
 A request for a model with `cold_start_seconds` that nothing can serve now
 is held, in one object for the whole of its wait:
 
-    async with pool.hold(model, seconds) as hold:
+    async with pool.cold_start.begin(model, seconds) as hold:
         while (replica := await hold.replica()) is not None:
             ...try it; hold.answered() or hold.still_loading()...
 
@@ -28,32 +28,14 @@ from collections.abc import Callable
 from types import TracebackType
 
 from router.core.clock import Clock, Timer
-from router.core.fairness import Lines
-from router.core.replicas import Replica
-from router.core.tallies import Tallies
-from router.core.waiters import Waiter
-
-# While a model is cold, one held request at a time is tried on its replicas,
-# this long after the last try failed, doubling up to the cap: an engine that
-# starts to answer is found within the cap, and is not flooded while it loads.
-PROBE_FIRST_SECONDS = 0.05
-PROBE_CAP_SECONDS = 0.2
+from router.core.pool.fairness import Lines
+from router.core.pool.replicas import Replica
+from router.core.pool.tallies import Tallies
+from router.core.pool.waiters import PROBE_CAP_SECONDS, Probing, Waiter, handed
 
 
-class HoldEnded(Exception):
+class ShuttingDown(Exception):
     """A held request's wait ended without a replica: the router is shutting down."""
-
-
-class ColdSpell:
-    """A model whose replicas do not answer yet (none, or all refusing): its held requests probe one at a time."""
-
-    __slots__ = ("backoff", "probing", "timer")
-
-    def __init__(self) -> None:
-        self.backoff = PROBE_FIRST_SECONDS
-        self.probing = False
-        # The next probe.
-        self.timer: Timer | None = None
 
 
 class _Seen(enum.Enum):
@@ -64,14 +46,14 @@ class _Seen(enum.Enum):
 
 
 class ColdStart:
-    """The held requests of every model: their cold spells, their count, and the timers of their deadlines.
+    """The held requests of every model: their cold cold, their count, and the timers of their deadlines.
 
     The waiters sit in the pool's lines (`lines`), beside those queued at
-    the limits and ahead of them; `spells` is read by the pool too.
+    the limits and ahead of them; `cold` is read by the pool too.
     """
 
     __slots__ = (
-        "spells",
+        "cold",
         "tallies",
         "_acquire",
         "_clock",
@@ -103,13 +85,17 @@ class ColdStart:
         self._release = release
         self._hand_off = hand_off
         # Models whose held requests wait for a replica that answers.
-        self.spells: dict[str, ColdSpell] = {}
+        self.cold: dict[str, Probing] = {}
         # Held requests waiting now, per model.
         self._holds: dict[str, int] = {}
         # Per model with held requests: the one timer for the oldest one's deadline, and that deadline.
         self._expiries: dict[str, tuple[float, Timer]] = {}
 
-    def hold(self, model: str, seconds: float) -> Hold:
+    def is_cold(self, model: str) -> bool:
+        """Whether `model`'s held requests probe its replicas one at a time now (none answered yet)."""
+        return model in self.cold
+
+    def begin(self, model: str, seconds: float) -> Hold:
         """A request for the cold `model`, held up to `seconds` for a replica that answers: `async with` it."""
         now = self._clock.now()
         return Hold(self, model, seq=self._seq(), since=now, deadline=now + seconds)
@@ -117,17 +103,17 @@ class ColdStart:
     def now(self) -> float:
         return self._clock.now()
 
-    async def wait(self, hold: Hold, again: bool) -> tuple[Replica | None, ColdSpell | None]:
+    async def wait(self, hold: Hold, again: bool) -> tuple[Replica | None, Probing | None]:
         """Wait in the line of `hold`'s model for a replica that may answer, or None at its deadline.
 
-        Returns the replica and the cold spell it is the probe of (None: handed
+        Returns the replica and the probing it is the probe of (None: handed
         over once the model was warm). `again`: a try that was refused goes
-        back where it was, first in line and first due. Raises HoldEnded when
+        back where it was, first in line and first due. Raises ShuttingDown when
         the router shuts down.
         """
         model = hold.model
-        if model not in self.spells:
-            self.spells[model] = ColdSpell()
+        if model not in self.cold:
+            self.cold[model] = Probing()
         future: asyncio.Future[Replica | None] = asyncio.get_running_loop().create_future()
         waiter = Waiter(future, model, None, (), hold.seq, hold=True, since=hold.since, deadline=hold.deadline)
         queue = self._lines.open(model)
@@ -143,14 +129,8 @@ class ColdStart:
         self._expire_soon(model)
         self._hand_off(model)
         try:
-            return await future, waiter.probe
-        except asyncio.CancelledError:
-            # The client left; a replica handed over meanwhile goes to the next.
-            if future.done() and not future.cancelled() and future.exception() is None:
-                handed = future.result()
-                if handed is not None:
-                    self.end_try(model, handed, waiter.probe, None)
-            raise
+            # A client gone after the hand-off ends the try it was handed: the next may probe.
+            return await handed(future, lambda replica: self.end_try(model, replica, waiter.probe, None)), waiter.probe
         finally:
             queue.discard(waiter)
             self._lines.close(model, queue)
@@ -166,37 +146,37 @@ class ColdStart:
         else:
             del self._holds[model]
 
-    def end_try(self, model: str, replica: Replica, probe: ColdSpell | None, seen: _Seen | None) -> None:
+    def end_try(self, model: str, replica: Replica, probe: Probing | None, seen: _Seen | None) -> None:
         """A try is over: its replica back to the pool, and the model warm, still cold, or free to probe again."""
         self._release(replica)
         if seen is _Seen.LOADING:
             self.still_cold(model)
-        elif probe is not None and self.spells.get(model) is probe:
-            # Only the probe of the spell still on decides it: a request handed
+        elif probe is not None and self.cold.get(model) is probe:
+            # Only the probe of the probing still on decides it: a request handed
             # its replica before the model went cold again ends no one's probe.
             if seen is _Seen.ANSWERED:
                 self.warm(model)
-            elif probe.probing:
-                probe.probing = False
+            elif probe.under_way:
+                probe.under_way = False
                 self.probe_soon(model, probe, probe.backoff)
 
     def warm(self, model: str) -> None:
         """A replica of `model` answered: its held requests go, oldest first, under the limits."""
-        spell = self.spells.pop(model, None)
-        if spell is None:
+        probing = self.cold.pop(model, None)
+        if probing is None:
             return
-        if spell.timer is not None:
-            spell.timer.cancel()
+        if probing.timer is not None:
+            probing.timer.cancel()
         self._hand_off(model)
 
     def still_cold(self, model: str) -> None:
         """A try was refused (connection refused, 503 while loading): the next probe after a pause."""
-        spell = self.spells.get(model)
-        if spell is None:
-            spell = self.spells[model] = ColdSpell()
-        spell.probing = False
-        self.probe_soon(model, spell, spell.backoff)
-        spell.backoff = min(spell.backoff * 2, PROBE_CAP_SECONDS)
+        probing = self.cold.get(model)
+        if probing is None:
+            probing = self.cold[model] = Probing()
+        probing.under_way = False
+        self.probe_soon(model, probing, probing.backoff)
+        probing.backoff = min(probing.backoff * 2, PROBE_CAP_SECONDS)
 
     def end_holds(self) -> int:
         """Shutting down: every held request's wait ends now. How many there were."""
@@ -204,12 +184,12 @@ class ColdStart:
         for queue in list(self._lines.values()):
             for waiter in list(queue.held):
                 if not waiter.future.done():
-                    waiter.future.set_exception(HoldEnded("the router is shutting down"))
+                    waiter.future.set_exception(ShuttingDown("the router is shutting down"))
                     ended += 1
-        for spell in self.spells.values():
-            if spell.timer is not None:
-                spell.timer.cancel()
-                spell.timer = None
+        for probing in self.cold.values():
+            if probing.timer is not None:
+                probing.timer.cancel()
+                probing.timer = None
         for _, expiry in self._expiries.values():
             expiry.cancel()
         self._expiries.clear()
@@ -234,18 +214,18 @@ class ColdStart:
     def held_models(self) -> list[str]:
         return list(self._holds)
 
-    def probe_soon(self, model: str, spell: ColdSpell, delay: float) -> None:
+    def probe_soon(self, model: str, probing: Probing, delay: float) -> None:
         """Hand a replica of the cold `model` to its oldest held request after `delay`, unless one is on its way."""
-        if spell.probing or spell.timer is not None:
+        if probing.under_way or probing.timer is not None:
             return
-        spell.timer = self._clock.call_at(self._clock.now() + delay, lambda: self._probe(model))
+        probing.timer = self._clock.call_at(self._clock.now() + delay, lambda: self._probe(model))
 
     def _probe(self, model: str) -> None:
         """Hand one replica of a cold model to its oldest held request, to try."""
-        spell = self.spells.get(model)
-        if spell is None:
+        probing = self.cold.get(model)
+        if probing is None:
             return
-        spell.timer = None
+        probing.timer = None
         queue = self._lines.get(model)
         # The oldest held request (a queued one only when none is held).
         waiter = queue.next(self._clock.now) if queue else None
@@ -257,8 +237,8 @@ class ColdStart:
             # None ready, or all at a limit: an arrival or a release calls again.
             return
         queue.take(waiter, served=True)
-        spell.probing = True
-        waiter.probe = spell
+        probing.under_way = True
+        waiter.probe = probing
         waiter.future.set_result(replica)
 
     def _expire_soon(self, model: str) -> None:
@@ -285,11 +265,11 @@ class ColdStart:
 
 
 class Hold:
-    """One held request, from the moment it is held to its end: `async with pool.hold(model, seconds) as hold`.
+    """One held request, from the moment it is held to its end: `async with pool.cold_start.begin(model, s) as hold`.
 
     `await hold.replica()` waits in the model's line for a replica that may
     answer (the probe while the model is cold, its turn once warm); None once
-    `seconds` have passed; HoldEnded when the router shuts down. The caller
+    `seconds` have passed; ShuttingDown when the router shuts down. The caller
     tries the replica and says what it saw: `answered()` (the engine is up)
     or `still_loading()` (refused as a loading engine refuses), then asks
     again or leaves. A try ends at the next replica() or at the exit, and
@@ -323,7 +303,7 @@ class Hold:
         self.since = since
         self.deadline = deadline
         self._replica: Replica | None = None
-        self._probe: ColdSpell | None = None
+        self._probe: Probing | None = None
         self._seen: _Seen | None = None
         self._tried = False
         # Tries are handed out only inside `async with`, whose exit ends the last one.
@@ -347,7 +327,7 @@ class Hold:
         self._end_try()
         try:
             replica, probe = await self._cold_start.wait(self, again=self._tried)
-        except HoldEnded:
+        except ShuttingDown:
             self._ended = "shutdown"
             raise
         if replica is None:
