@@ -106,7 +106,14 @@ _HIT, _SPILL, _NONE = range(3)
 
 
 class LeastLoaded(Generic[T]):
-    __slots__ = ("_buckets", "_slots", "_lowest", "_rng")
+    """Picks the candidate with the fewest requests in flight (a random one among equals), in O(1).
+
+    Candidates sit in buckets by their load; a pick reads the lowest
+    non-empty bucket, and a request's start or end moves its candidate one
+    bucket over. The bookkeeping of loads that the hashing policies share.
+    """
+
+    __slots__ = ("_buckets", "_slots", "_lowest", "_rng", "_total")
 
     def __init__(self, rng: random.Random | None = None, settings: PolicySettings | None = None) -> None:
         # _buckets[n] holds the candidates with n requests in flight.
@@ -116,6 +123,8 @@ class LeastLoaded(Generic[T]):
         self._slots: dict[T, list[int]] = {}
         self._lowest = 0
         self._rng = rng or random.Random()
+        # Requests in flight over all candidates (the bounded loads' average reads it).
+        self._total = 0
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -131,6 +140,7 @@ class LeastLoaded(Generic[T]):
             raise ValueError(f"{item!r} is already a candidate")
         slot = self._slots[item] = [load, 0]
         self._place(item, slot, load)
+        self._total += load
         if load < self._lowest or len(self._slots) == 1:
             self._lowest = load
 
@@ -139,6 +149,7 @@ class LeastLoaded(Generic[T]):
         if slot is None:
             return
         load = slot[0]
+        self._total -= load
         self._unplace(slot)
         if load == self._lowest:
             self._settle_lowest()
@@ -176,6 +187,7 @@ class LeastLoaded(Generic[T]):
         slot = self._slots.get(item)
         if slot is None:
             return
+        self._total += 1
         load = slot[0]
         self._unplace(slot)
         self._place(item, slot, load + 1)
@@ -189,6 +201,7 @@ class LeastLoaded(Generic[T]):
         load = slot[0]
         if load == 0:
             return True
+        self._total -= 1
         self._unplace(slot)
         self._place(item, slot, load - 1)
         self._lowest = min(self._lowest, load - 1)
@@ -248,8 +261,8 @@ class BoundedHashRing(LeastLoaded[T]):
     always has room (the least loaded is below the average). Adding or
     removing a candidate moves only the keys of the ring's arcs it gains or
     loses, about 1/N of them. A request without a key goes to the least
-    loaded candidate, as with least_loaded, whose bookkeeping of loads this
-    shares.
+    loaded candidate, as with least_loaded, whose bookkeeping of loads (and
+    of the total in flight) this reuses whole.
     """
 
     __slots__ = (
@@ -262,7 +275,6 @@ class BoundedHashRing(LeastLoaded[T]):
         "_per_replica",
         "_points",
         "_scale",
-        "_total",
     )
 
     def __init__(self, rng: random.Random | None = None, settings: PolicySettings | None = None) -> None:
@@ -279,8 +291,6 @@ class BoundedHashRing(LeastLoaded[T]):
         self._layout: Layout[T] = Layout(settings.name_of)
         self._points: list[bytes] = []
         self._owners: list[T] = []
-        # Requests in flight over all candidates.
-        self._total = 0
         # Between hold() and settle(): the candidates still to put on the ring.
         self._held = False
         self._joining: dict[T, None] = {}
@@ -292,17 +302,14 @@ class BoundedHashRing(LeastLoaded[T]):
 
     def add(self, item: T, load: int) -> None:
         super().add(item, load)
-        self._total += load
         self._scale = self._factor / len(self._slots)
         self._joining[item] = None
         if not self._held:
             self.settle()
 
     def discard(self, item: T) -> None:
-        slot = self._slots.get(item)
-        if slot is None:
+        if item not in self._slots:
             return
-        self._total -= slot[0]
         super().discard(item)
         self._scale = self._factor / len(self._slots) if self._slots else 0.0
         # Its points rest on the ring: nothing to lay out, unless resting ones grow too many.
@@ -322,33 +329,6 @@ class BoundedHashRing(LeastLoaded[T]):
         self._joining.clear()
         self._points = layout.points
         self._owners = layout.owners
-
-    # increment() and decrement() are least-loaded's with the total kept as
-    # well, written out rather than through super(): they run on every request.
-
-    def increment(self, item: T) -> None:
-        slot = self._slots.get(item)
-        if slot is None:
-            return
-        self._total += 1
-        load = slot[0]
-        self._unplace(slot)
-        self._place(item, slot, load + 1)
-        if load == self._lowest and not self._buckets[load]:
-            self._lowest = load + 1
-
-    def decrement(self, item: T) -> bool:
-        slot = self._slots.get(item)
-        if slot is None:
-            return False
-        load = slot[0]
-        if load == 0:
-            return True
-        self._total -= 1
-        self._unplace(slot)
-        self._place(item, slot, load - 1)
-        self._lowest = min(self._lowest, load - 1)
-        return True
 
     def home(self, key: bytes) -> T | None:
         """The candidate `key` belongs to, whatever the loads."""
