@@ -9,6 +9,7 @@ once, the client port stops accepting, requests in flight get up to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
@@ -16,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -80,6 +82,13 @@ class Listening:
 
 
 class RouterServer(Listening):
+    """One router: its pool, the proxy on the client port, the admin API, the tick and its exporters.
+
+    Made from a Config; start() listens, stop() drains and closes. The same
+    class is a whole router (`router serve`) or one worker of `--workers`
+    (its supervisor then ticks, exports and answers the admin port).
+    """
+
     def __init__(
         self,
         config: Config,
@@ -128,21 +137,46 @@ class RouterServer(Listening):
         self._admin_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._client_listener: asyncio.Server | None = None
+        # What start() opened, closed in reverse by stop().
+        self._resources = contextlib.AsyncExitStack()
         self.health: HealthChecker | None = None
         self.cards: CardReader | None = None
         self.client_address: tuple[str, int] | None = None
         self.admin_address: tuple[str, int] | None = None
 
     async def start(self, before_clients: Callable[[], None] | None = None) -> None:
-        """Listen on both ports; `before_clients` runs once the admin API is up."""
+        """Listen on both ports; `before_clients` runs once the admin API is up.
+
+        Two assemblies share the parts (`_parts`): a router alone (`_alone`)
+        ticks, exports and runs its sources, with the admin API on TCP; a
+        worker of `--workers` (`_worker`) leaves those to its supervisor, and
+        answers it on a Unix socket. Everything opened is on one exit stack,
+        closed in reverse by stop(), or at once if starting fails.
+        """
+        async with contextlib.AsyncExitStack() as stack:
+            admin_app, client = self._parts(stack)
+            if self.worker_socket is None:
+                await self._alone(stack, admin_app, client, before_clients)
+            else:
+                await self._worker(stack, self.worker_socket, admin_app, client, before_clients)
+            self._start_readers()
+            self._resources = stack.pop_all()
+        self.ready = True
+
+    def _parts(self, stack: contextlib.AsyncExitStack) -> tuple[web.Application, ClientServer]:
+        """What a router and a worker both have: the session, the upstream client, the proxy and its
+        server, the ticker, the fleet and the admin API; each thing that must be closed on `stack`."""
         config = self.config
-        worker_socket = self.worker_socket
+        worker = self.worker_socket is not None
         # Opened first: a file that cannot be opened leaves nothing else to close.
         access_log = AccessLog(config.access_log) if config.access_log else None
+        if access_log is not None:
+            stack.callback(access_log.close)
         session = make_session(config)
+        stack.push_async_callback(session.close)
         self._session = session
         # A worker's usage is ticked, exported and pushed by its supervisor.
-        self.sinks = sinks = build_sinks(config, session if worker_socket is None else None)
+        self.sinks = sinks = build_sinks(config, None if worker else session)
         self.ticker = ticker = Ticker(
             self.pool,
             sinks.all,
@@ -152,39 +186,16 @@ class RouterServer(Listening):
             wall=self._wall,
             mono=self._mono,
         )
-        if worker_socket is None:
-            sinks.register(
-                self.registry,
-                sink_failures=lambda: ticker.sink_failures,
-                tick_seconds=lambda: ticker.last_tick_seconds,
-            )
-            for source in self.sources:
-                source.register(self.registry)
         metrics = DataPathMetrics(self.registry)
         self.upstream = Client(
             connect_timeout=config.connect_timeout_seconds,
             keepalive_seconds=config.upstream_keepalive_seconds,
             idle_timeout=config.upstream_idle_timeout_seconds,
         )
+        stack.push_async_callback(self.upstream.close)
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
         if config.wake_url:
-            pool, wall, mono = self.pool, self._wall, self._mono
-
-            def held_now(model: str) -> tuple[int, float | None]:
-                oldest = pool.cold_start.oldest_held(model)
-                return pool.cold_start.held(model), None if oldest is None else wall() - (mono() - oldest)
-
-            proxy.waker = Waker(
-                session,
-                config.wake_url,
-                router=config.router_name,
-                cooldown=config.wake_cooldown_seconds,
-                token=config.admin_token,
-                registry=self.registry,
-                held_now=held_now,
-                clock=self.clock,
-            )
-
+            proxy.waker = self._waker(session)
         # The client port's own HTTP/1.1 server (router/http/server/): the request
         # path stays in one protocol object, with no framework per request.
         proxy.access_log = access_log
@@ -206,92 +217,133 @@ class RouterServer(Listening):
             log_exception=log.exception,
         )
         self.registry.register(ProtocolErrorCollector(client.protocol_errors, self.upstream.protocol_errors))
-
         self.fleet = fleet = LocalFleet(
             self.pool,
             self.registry,
             ticker.snapshot,
             # A worker's series are its supervisor's to export.
-            exposition=sinks.exposition if worker_socket is None else bytes,
+            exposition=bytes if worker else sinks.exposition,
         )
         admin = Admin(
             fleet,
             sinks.latest,
             admin_token=config.admin_token,
             # The sources run here unless a supervisor runs them: the first set must be in before ready.
-            is_ready=(lambda: self.ready and sources_ready(self.sources))
-            if worker_socket is None
-            else lambda: self.ready,
+            is_ready=(lambda: self.ready) if worker else (lambda: self.ready and sources_ready(self.sources)),
             rates=sinks.rates,
             wall=self._wall,
-            exclusive_source=exclusive_source(self.sources) if worker_socket is None else None,
+            exclusive_source=None if worker else exclusive_source(self.sources),
         )
         # The first snapshot exists before anyone can ask for it.
         ticker.tick()
-        admin_app = admin.app()
-        if worker_socket is not None:
-            admin_app.router.add_get(SNAPSHOT_PATH, self._snapshot_json)
-            admin_app.router.add_get(METRICS_PATH, self._metrics_json)
-        self._admin_runner = web.AppRunner(admin_app, access_log=None, shutdown_timeout=1.0)
-        await self._admin_runner.setup()
+        return admin.app(), client
+
+    def _waker(self, session: aiohttp.ClientSession) -> Waker:
+        """The wake calls made for held requests (config wake_url)."""
+        config, pool, wall, mono = self.config, self.pool, self._wall, self._mono
+
+        def held_now(model: str) -> tuple[int, float | None]:
+            oldest = pool.cold_start.oldest_held(model)
+            return pool.cold_start.held(model), None if oldest is None else wall() - (mono() - oldest)
+
+        return Waker(
+            session,
+            config.wake_url,
+            router=config.router_name,
+            cooldown=config.wake_cooldown_seconds,
+            token=config.admin_token,
+            registry=self.registry,
+            held_now=held_now,
+            clock=self.clock,
+        )
+
+    async def _alone(
+        self,
+        stack: contextlib.AsyncExitStack,
+        admin_app: web.Application,
+        client: ClientServer,
+        before_clients: Callable[[], None] | None,
+    ) -> None:
+        """A router on its own: it exports its usage, runs its sources, and listens on both TCP ports."""
+        config, ticker = self.config, self.ticker
+        assert ticker is not None
+        self.sinks.register(
+            self.registry, sink_failures=lambda: ticker.sink_failures, tick_seconds=lambda: ticker.last_tick_seconds
+        )
+        for source in self.sources:
+            source.register(self.registry)
         key, address = "admin_listen", config.admin_listen
         try:
-            admin_site: web.BaseSite
-            if worker_socket is not None:
-                admin_site = web.UnixSite(self._admin_runner, worker_socket)
-            else:
-                admin_site = web.TCPSite(self._admin_runner, address.host, address.port)
-            # The admin API first: a worker takes the supervisor's pushes from
-            # here on, so its pool is current before the first client arrives.
-            await admin_site.start()
+            runner = await self._admin_runner_for(stack, admin_app)
+            await web.TCPSite(runner, address.host, address.port).start()
             if before_clients is not None:
                 before_clients()
             key, address = "listen", config.listen
-            self._client_listener = await asyncio.get_running_loop().create_server(
-                client,
-                config.listen.host,
-                config.listen.port,
-                reuse_address=True,
-                reuse_port=worker_socket is not None,
-                backlog=1024,
-            )
+            await self._listen(stack, client, reuse_port=False)
         except OSError as exc:
-            if self._client_listener is not None:
-                self._client_listener.close()
-            await self._admin_runner.cleanup()
-            await session.close()
-            await self.upstream.close()
-            if access_log is not None:
-                access_log.close()
-            if worker_socket is not None:
-                raise
             raise CannotListen(config.source, key, str(address), exc) from exc
-        assert self._client_listener is not None
-        host, port = self._client_listener.sockets[0].getsockname()[:2]
-        self.client_address = (str(host), int(port))
-        self.admin_address = _bound(self._admin_runner) if worker_socket is None else ("", 0)
+        self.admin_address = _bound(runner)
         loop = asyncio.get_running_loop()
-        self._tasks = []
-        if worker_socket is None:
-            self._tasks.append(loop.create_task(ticker.run()))
-            self._tasks += [loop.create_task(source.run(fleet)) for source in self.sources]
+        self._tasks.append(loop.create_task(ticker.run()))
+        assert self.fleet is not None
+        self._tasks += [loop.create_task(source.run(self.fleet)) for source in self.sources]
+
+    async def _worker(
+        self,
+        stack: contextlib.AsyncExitStack,
+        socket_path: str,
+        admin_app: web.Application,
+        client: ClientServer,
+        before_clients: Callable[[], None] | None,
+    ) -> None:
+        """One worker of `--workers`: the admin API on its supervisor's Unix socket, the client port shared."""
+        admin_app.router.add_get(SNAPSHOT_PATH, self._snapshot_json)
+        admin_app.router.add_get(METRICS_PATH, self._metrics_json)
+        runner = await self._admin_runner_for(stack, admin_app)
+        # The admin API first: the worker takes the supervisor's pushes from
+        # here on, so its pool is current before the first client arrives.
+        await web.UnixSite(runner, socket_path).start()
+        if before_clients is not None:
+            before_clients()
+        await self._listen(stack, client, reuse_port=True)
+        self.admin_address = ("", 0)
+
+    async def _admin_runner_for(self, stack: contextlib.AsyncExitStack, app: web.Application) -> web.AppRunner:
+        runner = self._admin_runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        return runner
+
+    async def _listen(self, stack: contextlib.AsyncExitStack, client: ClientServer, *, reuse_port: bool) -> None:
+        listen = self.config.listen
+        listener = await asyncio.get_running_loop().create_server(
+            client, listen.host, listen.port, reuse_address=True, reuse_port=reuse_port, backlog=1024
+        )
+        self._client_listener = listener
+        stack.callback(listener.close)
+        host, port = listener.sockets[0].getsockname()[:2]
+        self.client_address = (str(host), int(port))
+
+    def _start_readers(self) -> None:
+        """The background readers of the replicas, a router's and a worker's alike."""
+        config, loop = self.config, asyncio.get_running_loop()
+        assert self.proxy is not None
         if config.model_cards:
-            # Each replica's /v1/models when it joins or comes back: the catalog's model cards.
-            self.cards = CardReader(self.pool, session, self.proxy.catalog.cards)
+            # Each replica's /v1/models when it joins or shows life: the catalog's model cards.
+            self.cards = CardReader(self.pool, self._session, self.proxy.catalog.cards)
             self._tasks.append(loop.create_task(self.cards.run()))
         if config.health_check_interval_seconds > 0:
             self.health = HealthChecker(
                 self.pool,
-                session,
+                self._session,
                 path=config.health_check_path,
                 interval=config.health_check_interval_seconds,
                 timeout=config.health_check_timeout_seconds,
             )
             self._tasks.append(loop.create_task(self.health.run()))
-        self.ready = True
 
     async def stop(self) -> None:
-        """Graceful: not ready, stop accepting, let requests finish, final push."""
+        """Graceful: not ready, stop accepting, let requests finish, final push; then close what start() opened."""
         self.ready = False
         # Held requests would wait for a replica this router will never send
         # them to: they get their 503 now, not at the end of the grace.
@@ -313,18 +365,14 @@ class RouterServer(Listening):
         self._tasks = []
         if self.proxy is not None and self.proxy.waker is not None:
             await self.proxy.waker.close()
-        if self.proxy is not None and self.proxy.access_log is not None:
-            self.proxy.access_log.close()
         if self.ticker is not None:
             final = self.ticker.tick()
             if self.sinks.push is not None:
                 await self.sinks.push.flush(final)
                 await self.sinks.push.close()
-        if self._admin_runner is not None:
-            await self._admin_runner.cleanup()
-            self._admin_runner = None
-        await self._session.close()
-        await self.upstream.close()
+        self._admin_runner = None
+        # The admin API, the upstream client, the session and the access log, last opened first closed.
+        await self._resources.aclose()
 
     async def _snapshot_json(self, request: web.Request) -> web.Response:
         """The supervisor's collection: what changed since its last report taken (`?since=BOOK.SEQ`), else all."""
