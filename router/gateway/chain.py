@@ -11,29 +11,32 @@ from __future__ import annotations
 import time
 
 from router.core.config.settings import Config
-from router.core.config.tenants import ANYONE, Caller, PriorityClass, lowered
+from router.core.config.tenants import Caller, PriorityClass, lowered
 from router.core.errors import NoReplicaAvailable, Overloaded, quoted
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica
-from router.gateway.access_log import current_entry
+from router.gateway.access_log import Entry
 from router.gateway.affinity import Affinity
 from router.gateway.answers import error_response
-from router.gateway.bodies import with_model
+from router.gateway.call import Call
 from router.gateway.catalog import Routes
-from router.gateway.forward import Failed, Forwarder, answer_failed
+from router.gateway.forward import Forwarder, answer_failed
 from router.gateway.hold import HeldRequests
 from router.gateway.metrics import DataPathMetrics
+from router.gateway.outcomes import Failed
 from router.gateway.responses import ResponsesMemory, lost
 from router.http.messages import Reply, Request
-from router.http.writer import Writer
 
 
 class Chain:
+    """The retry and fallback policy: which replica each attempt of a request goes to, and when to stop."""
+
     def __init__(
         self,
         config: Config,
         pool: Pool,
         forwarder: Forwarder,
+        *,
         routes: Routes,
         responses: ResponsesMemory,
         held_requests: HeldRequests,
@@ -54,23 +57,14 @@ class Chain:
             name: Affinity(model) for name, model in config.models.items() if model.routing in ("session", "prefix")
         }
 
-    async def serve(
-        self,
-        request: Request,
-        writer: Writer,
-        obj: dict[str, object],
-        requested: str,
-        model: str,
-        stream: bool,
-        headers: bytes,
-        caller: Caller = ANYONE,
-    ) -> None:
+    async def serve(self, call: Call) -> None:
         """Each model of the chain in turn, each up to max_attempts replicas, until one answers.
 
-        `caller`: whose request it is (its key's tenant and class), which decides
-        its place in the queue when every replica is at its limit.
+        The call's `caller` (its key's tenant and class) decides its place in
+        the queue when every replica is at its limit.
         """
         pool = self.pool
+        request, model = call.request, call.model
         # A /v1/responses answer's id is remembered with its replica: requests
         # that continue it must reach the replica that keeps it.
         remembering = request.path == "/v1/responses"
@@ -90,20 +84,20 @@ class Chain:
                     # waits its turn behind them (after the fallbacks), rather than
                     # try a loading engine out of turn.
                     continue
-                # The replica must see the name it serves (vLLM refuses an alias or
-                # another model's name); only then is the body re-encoded.
-                body = request.body if target == requested else with_model(request.body, obj, target)
+                # The body under the target's name, made now: a body that cannot be
+                # renamed is refused (400) before any replica is taken for it.
+                call.body_for(target)
                 avoid: Replica | None = None
                 refused: set[Replica] = set()
                 key = None
                 if self._affinity and (affinity := self._affinity.get(target)) is not None:
-                    key = affinity.key(request, obj)
+                    key = affinity.key(request, call.parsed)
                 for attempt in range(self._max_attempts):
                     replica = pool.acquire(target, avoid, refused, key)
                     if replica is None:
                         if not pool.saturated(target):
                             break
-                        replica = await self._wait(target, avoid, refused, key, self.rank(request, obj, caller), caller)
+                        replica = await self._wait(call, target, avoid, refused, key)
                         if replica is None:
                             break
                     if attempt:
@@ -112,16 +106,11 @@ class Chain:
                         pool.tallies.fell_back(model, target)
                     try:
                         failed = await self.forwarder.attempt(
-                            request,
-                            writer,
+                            call,
                             replica,
-                            body,
-                            headers,
                             target,
-                            stream,
-                            None,
-                            self.responses.remember(replica) if remembering else None,
-                            probing,
+                            remember=self.responses.remember(replica) if remembering else None,
+                            probe=probing,
                         )
                     finally:
                         pool.release(replica)
@@ -135,7 +124,7 @@ class Chain:
                     only_connect_failures = only_connect_failures and failed.connect_failure
                     only_loading = only_loading and failed.loading
                     if not failed.retryable:
-                        answer_failed(writer, failed)
+                        answer_failed(call, failed)
                         return
                     avoid = replica
                     refused.add(replica)
@@ -145,39 +134,27 @@ class Chain:
                     for probe in probes:
                         pool.tallies.hold_probed(model, "refused" if probe.connect_failure else "loading")
                     probes = None
-                await self.held_requests.serve(request, writer, obj, requested, model, stream, headers, cold_start)
+                await self.held_requests.serve(call, cold_start)
                 return
-            writer.answer(self._unserved(chain, last, only_connect_failures))
+            call.writer.answer(self._unserved(chain, last, only_connect_failures))
         finally:
             if probes is not None:
-                self.forwarder.count_tried(probes, model)
+                self.forwarder.ledgers.count_tried(call.entry, probes, model)
 
-    async def serve_pinned(
-        self,
-        request: Request,
-        writer: Writer,
-        obj: dict[str, object],
-        requested: str,
-        stream: bool,
-        headers: bytes,
-        pinned: Replica,
-    ) -> None:
+    async def serve_pinned(self, call: Call, pinned: Replica) -> None:
         """A request that continues a response: to the replica that made it (already acquired), and no other."""
-        body = request.body if pinned.model == requested else with_model(request.body, obj, pinned.model)
         try:
-            failed = await self.forwarder.attempt(
-                request, writer, pinned, body, headers, pinned.model, stream, None, self.responses.remember(pinned)
-            )
+            failed = await self.forwarder.attempt(call, pinned, pinned.model, remember=self.responses.remember(pinned))
         finally:
             self.pool.release(pinned)
         if failed is not None:
-            answer_failed(writer, failed)
+            answer_failed(call, failed)
 
     def rank(self, request: Request, obj: dict[str, object], caller: Caller) -> int:
         """The request's class: its key's, lowered by X-Priority or the body's `priority` (read only to wait)."""
         return lowered(caller.priority, request.header(b"x-priority"), obj.get("priority"), self._ranks)
 
-    async def pinned(self, response_id: object, rank: int = 0) -> Replica:
+    async def pinned(self, response_id: object, rank: int = 0, entry: Entry | None = None) -> Replica:
         """The replica that keeps `response_id`, acquired: waiting in its queue while it is busy, as any request.
 
         404 when this router never saw the response, or its replica is gone
@@ -199,7 +176,7 @@ class Chain:
         if replica is None and not timed_out:
             # Gone, draining or ejected (at once or while it waited): not a wait of the limits.
             raise lost(response_id, replica_id)
-        self._waited(keeper.model, klass, started)
+        self._waited(entry, keeper.model, klass, started)
         if replica is None:
             self.pool.tallies.refused_overloaded(keeper.model)
             raise Overloaded(
@@ -210,15 +187,22 @@ class Chain:
         return replica
 
     async def _wait(
-        self, model: str, avoid: Replica | None, refused: set[Replica], key: bytes | None, rank: int, caller: Caller
+        self, call: Call, model: str, avoid: Replica | None, refused: set[Replica], key: bytes | None
     ) -> Replica | None:
         """Every replica of `model` is at its limit: wait in its queue for one (503 after the class's timeout)."""
+        rank = self.rank(call.request, call.parsed, call.caller)
         klass = self._classes[rank]
         started = time.perf_counter()
         replica, timed_out = await self.pool.queues.acquire_or_wait(
-            model, avoid, refused, wait_seconds=klass.queue_timeout_seconds, key=key, caller=caller, priority=rank
+            model,
+            avoid,
+            refused,
+            wait_seconds=klass.queue_timeout_seconds,
+            key=key,
+            caller=call.caller,
+            priority=rank,
         )
-        self._waited(model, klass, started)
+        self._waited(call.entry, model, klass, started)
         if timed_out:
             self.pool.tallies.refused_overloaded(model)
             raise Overloaded(
@@ -228,12 +212,12 @@ class Chain:
             )
         return replica
 
-    def _waited(self, model: str, klass: PriorityClass, started: float) -> None:
+    def _waited(self, entry: Entry | None, model: str, klass: PriorityClass, started: float) -> None:
         """A wait for a slot ended, served or not: a wait that ended in a 503 counts too, it is the one
         the client saw. The access log sums a request's waits, one per attempt that waited."""
         waited = time.perf_counter() - started
         self.metrics.observe_queue_wait(model, klass.name, waited)
-        if (entry := current_entry.get()) is not None:
+        if entry is not None:
             entry.priority = klass.name
             entry.queued_seconds = waited + (entry.queued_seconds or 0.0)
 

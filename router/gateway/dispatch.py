@@ -21,6 +21,7 @@ from router.gateway.access_log import AccessLog, Entry, current_entry
 from router.gateway.answers import JSON, error_body, error_response
 from router.gateway.anthropic import AnthropicWriter, reshaped
 from router.gateway.bodies import parse_form, parse_request
+from router.gateway.call import Call
 from router.gateway.catalog import Catalog, Routes
 from router.gateway.chain import Chain
 from router.gateway.forward import Forwarder, answer_failed
@@ -40,6 +41,8 @@ _STORED = {"": ("GET", "DELETE"), "cancel": ("POST",), "input_items": ("GET",)}
 
 
 class Proxy:
+    """The client port's handler: who may ask, for what, and which part of the gateway answers each request."""
+
     def __init__(
         self,
         config: Config,
@@ -65,7 +68,15 @@ class Proxy:
         self.forwarder = forwarder
         self.responses = ResponsesMemory(config.remembered_responses)
         self.held_requests = HeldRequests(config, pool, forwarder, metrics)
-        self.chain = Chain(config, pool, forwarder, routes, self.responses, self.held_requests, metrics)
+        self.chain = Chain(
+            config,
+            pool,
+            forwarder,
+            routes=routes,
+            responses=self.responses,
+            held_requests=self.held_requests,
+            metrics=metrics,
+        )
         # The POST paths routed by the model they name (config routed_paths).
         self.routed = frozenset(config.routed_paths)
         # Headers never passed to a replica as the client sent them: its key,
@@ -179,14 +190,24 @@ class Proxy:
                     f"The model {quoted(requested)} does not exist or no replica serves it.", param="model"
                 )
             # Framed once for every attempt; only Host and the length differ.
-            headers = self._forwarded.framed(request.raw_headers)
+            call = Call(
+                request,
+                writer,
+                obj,
+                requested,
+                model,
+                stream,
+                self._forwarded.framed(request.raw_headers),
+                entry,
+                caller,
+            )
             if request.path == "/v1/responses" and (previous := obj.get("previous_response_id")) is not None:
                 if not isinstance(previous, str):
                     raise BadRequest("'previous_response_id' must be a string.", param="previous_response_id")
-                pinned = await self.chain.pinned(previous, self.chain.rank(request, obj, caller))
-                await self.chain.serve_pinned(request, writer, obj, requested, stream, headers, pinned)
+                pinned = await self.chain.pinned(previous, self.chain.rank(request, obj, caller), entry)
+                await self.chain.serve_pinned(call, pinned)
             else:
-                await self.chain.serve(request, writer, obj, requested, model, stream, headers, caller)
+                await self.chain.serve(call)
         except ClientFacingError as exc:
             writer.answer(error_response(exc))
             return
@@ -205,18 +226,18 @@ class Proxy:
             if request.method not in allowed:
                 writer.answer(_not_allowed(request, ", ".join(allowed).encode()))
                 return
-            replica = await self.chain.pinned(ident)
-            if (entry := current_entry.get()) is not None:
+            entry = current_entry.get()
+            replica = await self.chain.pinned(ident, entry=entry)
+            if entry is not None:
                 entry.model = replica.model
             headers = self._forwarded.framed(request.raw_headers)
+            call = Call(request, writer, {}, replica.model, replica.model, False, headers, entry)
             try:
-                failed = await self.forwarder.attempt(
-                    request, writer, replica, request.body, headers, replica.model, False
-                )
+                failed = await self.forwarder.attempt(call, replica, replica.model)
             finally:
                 self.pool.release(replica)
             if failed is not None:
-                answer_failed(writer, failed)
+                answer_failed(call, failed)
         except ClientFacingError as exc:
             writer.answer(error_response(exc))
 

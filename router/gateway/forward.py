@@ -5,9 +5,9 @@ either answers the client through its Writer (a whole answer, or a stream
 passed through as it arrives) and returns None, or returns a `Failed`: what
 went wrong, whether another attempt may follow (nothing reached the client
 and the replica did not take the request), and the replica's own answer to
-give if none does. Every replica counter it touches changes through the pool,
-but the counts of requests that reached the replica and of connections that
-failed, which only this module sees.
+give if none does. What it came to is written to every ledger in one step
+(router.gateway.outcomes: `Ledgers.record`), as soon as it is known: at the
+head, and again if the answer breaks off after it.
 
 A try of a cold model's replica that finds it still loading (no connection,
 a 503) is a probe when the request is held: not one of the request's
@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from urllib.parse import quote
 
 from router.core.errors import (
@@ -32,25 +31,23 @@ from router.core.errors import (
 )
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica
-from router.gateway.access_log import Entry, current_entry
-from router.gateway.answers import error_body, error_response, replica_answer
+from router.gateway.access_log import Entry
+from router.gateway.answers import error_body, replica_answer
+from router.gateway.call import Call
 from router.gateway.codings import StreamDecoder, decoded
 from router.gateway.metrics import DataPathMetrics
+from router.gateway.outcomes import Failed, Ledgers, Outcome
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
 from router.http.headers import RESPONSE_HEADERS
-from router.http.messages import Reply, Request
+from router.http.messages import Reply
 from router.http.origin import origin_of
-from router.http.writer import Writer, WriteStalled
+from router.http.writer import WriteStalled
 
 log = logging.getLogger("router.gateway.forward")
 
 # A replica answering these is busy or broken, not saying no to the request:
 # another replica may well serve it.
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
-# These say the replica is unwell. A 500 is left out on purpose: engines answer
-# some invalid requests with 500 (llama.cpp, an unknown role), and one client's
-# bad requests must not eject healthy replicas.
-UNHEALTHY_STATUSES = frozenset({502, 503, 504})
 # Answers that never have a body, whatever the request asked for.
 _NO_BODY = frozenset({204, 304})
 # A small answer is read whole and written in one piece (and an error answer
@@ -63,32 +60,6 @@ WHOLE_ANSWER_BYTES = 1 << 20
 # larger bound (a compressed 1 MiB may well be a few MiB of JSON).
 FIRST_BYTES = 65536
 ID_READ_BYTES = 4 << 20
-
-
-@dataclass(slots=True)
-class Failed:
-    """An attempt that sent nothing to the client: what the client would get."""
-
-    error: UpstreamError
-    # Another replica may be tried: nothing reached the client, and the
-    # replica did not take the request (or said it was busy).
-    retryable: bool
-    # The replica's own answer (status, headers, body) when it gave one.
-    answer: Reply | None = None
-    # The replica of a probe that found it loading, which the caller counts (Forwarder.count_tried).
-    replica: Replica | None = None
-
-    @property
-    def connect_failure(self) -> bool:
-        return isinstance(self.error, UpstreamConnectError)
-
-    @property
-    def loading(self) -> bool:
-        """What an engine still loading its model answers: a refused connection, or 503."""
-        return isinstance(self.error, UpstreamConnectError) or (self.answer is not None and self.answer.status == 503)
-
-    def reply(self) -> Reply:
-        return self.answer or error_response(self.error)
 
 
 class _Remembering:
@@ -130,22 +101,10 @@ class _Remembering:
             self._remember(bytes(self._first))
 
 
-def answer_failed(writer: Writer, failed: Failed) -> None:
+def answer_failed(call: Call, failed: Failed) -> None:
     """The client gets what failed (the replica's own answer, or the router's error); the access log, how."""
-    if (entry := current_entry.get()) is not None:
-        if isinstance(failed.error, UpstreamTimeout):
-            entry.outcome = "timeout"
-        elif isinstance(failed.error, UpstreamResetError):
-            entry.outcome = "upstream_reset"
-    writer.answer(failed.reply())
-
-
-def _tried(entry: Entry | None, replica: Replica, model: str) -> None:
-    """The access log's line: the request tried `replica` (one more attempt, and the last so far)."""
-    if entry is not None:
-        entry.attempts += 1
-        entry.served_model = model
-        entry.replica = replica.id
+    failed.outcome_in(call.entry)
+    call.writer.answer(failed.reply())
 
 
 def _is_sse(resp: Response) -> bool:
@@ -153,6 +112,8 @@ def _is_sse(resp: Response) -> bool:
 
 
 class Forwarder:
+    """One attempt at a time: a request sent to one replica, its answer classified and passed to the client."""
+
     def __init__(
         self,
         pool: Pool,
@@ -166,6 +127,7 @@ class Forwarder:
         self.pool = pool
         self.client = client
         self.metrics = metrics
+        self.ledgers = Ledgers(pool, metrics)
         self._first_byte_timeout = first_byte_timeout
         self._write_stall_timeout = write_stall_timeout
         # X-Router-Replica on the answers replicas give (config expose_replica_header).
@@ -173,18 +135,15 @@ class Forwarder:
 
     async def attempt(
         self,
-        request: Request,
-        writer: Writer,
+        call: Call,
         replica: Replica,
-        body: bytes,
-        headers: bytes,
         model: str,
-        stream: bool,
+        *,
         extra: list[tuple[bytes, bytes]] | None = None,
         remember: Callable[[bytes], None] | None = None,
         probe: bool = False,
     ) -> Failed | None:
-        """Send to `replica`; None once the client was answered, else what failed.
+        """Send `call` to `replica`, as a request for `model`; None once the client was answered, else what failed.
 
         `extra`: headers of the router's own added to the answer (X-Router-Held-Seconds).
         `remember`: given the answer's first bytes (a /v1/responses answer: its id).
@@ -192,7 +151,9 @@ class Forwarder:
         that says the replica is still loading (no connection, a 503) is left for the
         caller to count, as a probe (Failed.replica set) or as an attempt (count_tried).
         """
-        entry = current_entry.get()
+        entry = call.entry
+        request = call.request
+        body = call.body_for(model)
         origin = origin_of(replica.base_url)
         method = request.method
         head = b"".join(
@@ -205,7 +166,7 @@ class Forwarder:
                 b"\r\nX-Request-Id: ",
                 request.request_id,
                 b"\r\n",
-                headers,
+                call.headers,
                 b"Content-Length: %d\r\n\r\n" % len(body) if body or method == "POST" else b"\r\n",
             )
         )
@@ -215,53 +176,30 @@ class Forwarder:
             # runs from the request going out.
             resp = await self.client.request(origin, head, body, self._first_byte_timeout)
         except HeadTimeout:
-            replica.requests += 1
-            _tried(entry, replica, model)
+            self.ledgers.record(entry, replica, model, Outcome.SILENT)
             timeout = self._first_byte_timeout
-            return self._failed(
-                replica, UpstreamTimeout(f"Replica {replica.id} sent no response within {timeout:g} s."), False
-            )
+            return Failed(UpstreamTimeout(f"Replica {replica.id} sent no response within {timeout:g} s."), False)
         except ConnectFailed as not_connected:
             # Nothing reached the replica: not one of its requests. A probe's is
             # an engine still loading, as the hold expects: not an attempt nor an error.
-            replica.connects_failed += 1
-            self.pool.record_failure(replica)
+            self.ledgers.record(entry, replica, model, Outcome.UNREACHABLE, probe=probe)
             refused = UpstreamConnectError(f"Cannot connect to replica {replica.id}: {not_connected}")
-            if probe:
-                return Failed(refused, True, replica=replica)
-            _tried(entry, replica, model)
-            self.pool.count_failure(replica, "connect")
-            return Failed(refused, True)
+            return Failed(refused, True, replica=replica if probe else None)
         except ConnectionBroken as exc:
-            replica.requests += 1
-            _tried(entry, replica, model)
             # The replica took the request and ended the connection, or answered
             # part of it: it may have acted on it (a paid generation, a prompt
             # that crashes it), so it is never sent again, here or elsewhere.
             # (A reused connection that the replica closed before the request
             # went out whole is the one case the client itself tries again,
             # once; a refusal of that second connect is a ConnectFailed.)
-            reset = UpstreamResetError(f"Replica {replica.id} failed before its answer: {exc}")
-            return self._failed(replica, reset, False)
+            self.ledgers.record(entry, replica, model, Outcome.BROKEN)
+            return Failed(UpstreamResetError(f"Replica {replica.id} failed before its answer: {exc}"), False)
         try:
             ttfb = time.perf_counter() - began
-            self.metrics.observe_first_byte(model, ttfb)
-            # Counted here, not in acquire(): a refused connection reached nothing.
-            replica.requests += 1
             status = resp.status
-            self.pool.count_response(replica, status)
             if status in RETRY_STATUSES:
-                return await self._refused(replica, resp, entry, model, ttfb, probe)
-            # The access log's line says how many replicas the request tried, and the last.
-            if entry is not None:
-                entry.attempts += 1
-                entry.served_model = model
-                entry.replica = replica.id
-                entry.ttfb_seconds = ttfb
-            if status in UNHEALTHY_STATUSES:
-                self.pool.record_failure(replica)
-            else:
-                self.pool.record_success(replica)
+                return await self._refused(entry, replica, resp, model, ttfb=ttfb, probe=probe)
+            self.ledgers.record(entry, replica, model, Outcome.ANSWERED, status=status, ttfb=ttfb)
             out_headers = RESPONSE_HEADERS.kept(resp.headers)
             if extra:
                 out_headers += extra
@@ -274,26 +212,26 @@ class Forwarder:
             if (
                 status < 400
                 and status not in _NO_BODY
-                and (stream or length is None or length > WHOLE_ANSWER_BYTES or _is_sse(resp))
+                and (call.stream or length is None or length > WHOLE_ANSWER_BYTES or _is_sse(resp))
             ):
-                await self._stream(writer, replica, resp, out_headers, remember)
+                await self._stream(call, replica, resp, out_headers, remember)
                 return None
             try:
                 data = await resp.read(WHOLE_ANSWER_BYTES)
             except UpstreamIdle as idle:
-                error: UpstreamError = UpstreamTimeout(f"Replica {replica.id} stopped sending its answer: {idle}")
-                return self._failed(replica, error, False)
+                self.ledgers.record(entry, replica, model, Outcome.CUT_OFF, reason="timeout")
+                return Failed(UpstreamTimeout(f"Replica {replica.id} stopped sending its answer: {idle}"), False)
             except ConnectionBroken as exc:
-                error = UpstreamResetError(f"Replica {replica.id} broke off its answer: {exc}")
-                return self._failed(replica, error, False)
+                self.ledgers.record(entry, replica, model, Outcome.CUT_OFF, reason="reset")
+                return Failed(UpstreamResetError(f"Replica {replica.id} broke off its answer: {exc}"), False)
             if status < 400:
                 if remember is not None:
                     text = decoded(data, resp.header(b"content-encoding"), ID_READ_BYTES)
                     if text is not None:
                         remember(text)
-                writer.answer(Reply(status, data, out_headers, resp.reason_bytes))
+                call.writer.answer(Reply(status, data, out_headers, resp.reason_bytes))
             else:
-                writer.answer(replica_answer(status, resp.reason_bytes, data, out_headers))
+                call.writer.answer(replica_answer(status, resp.reason_bytes, data, out_headers))
             return None
         finally:
             # Back to the pool after a complete answer; closed if the answer
@@ -301,29 +239,24 @@ class Forwarder:
             resp.release()
 
     async def _refused(
-        self, replica: Replica, resp: Response, entry: Entry | None, model: str, ttfb: float, probe: bool
+        self, entry: Entry | None, replica: Replica, resp: Response, model: str, *, ttfb: float, probe: bool
     ) -> Failed:
         """A 429/502/503/504: keep the answer for the client in case no one else serves."""
         status = resp.status
-        if status in UNHEALTHY_STATUSES:
-            self.pool.record_failure(replica)
+        # A held request's try that finds the engine loading (503) is a probe, not an attempt.
+        loading = probe and status == 503
+        self.ledgers.record(entry, replica, model, Outcome.REFUSED, status=status, ttfb=ttfb, probe=loading)
         try:
             data = await resp.read(WHOLE_ANSWER_BYTES)
         except ConnectionBroken:
             data = b""
         answer = replica_answer(status, resp.reason_bytes, data, RESPONSE_HEADERS.kept(resp.headers))
         error = UpstreamError(f"Replica {replica.id} answered {status}.")
-        if probe and status == 503:
-            return Failed(error, retryable=True, answer=answer, replica=replica)
-        _tried(entry, replica, model)
-        if entry is not None:
-            entry.ttfb_seconds = ttfb
-        self.pool.count_failure(replica, "status")
-        return Failed(error, retryable=True, answer=answer)
+        return Failed(error, retryable=True, answer=answer, replica=replica if loading else None)
 
     async def _stream(
         self,
-        writer: Writer,
+        call: Call,
         replica: Replica,
         resp: Response,
         headers: list[tuple[bytes, bytes]],
@@ -337,6 +270,8 @@ class Forwarder:
         which the server cuts off after write_stall_timeout_seconds.
         """
         last = b"\n\n"
+        writer = call.writer
+        entry = call.entry
         write: Callable[[bytes], bool] = writer.write
 
         def sink(chunk: bytes) -> bool:
@@ -363,10 +298,9 @@ class Forwarder:
                 # must look broken, never complete: an SSE stream gets an
                 # error event the SDKs raise, then the connection closes
                 # without the last-chunk; any other body just closes.
-                self.pool.count_failure(replica, "reset")
-                self.pool.record_failure(replica)
+                self.ledgers.record(entry, replica, replica.model, Outcome.CUT_OFF, reason="reset")
                 log.warning("replica %s broke off an answer: %s", replica.id, exc)
-                if (entry := current_entry.get()) is not None:
+                if entry is not None:
                     entry.outcome = "timeout" if isinstance(exc, UpstreamIdle) else "upstream_reset"
                 # A stream under a content coding (gzip) gets no event: plain
                 # text inside the coded bytes would only be garbage to the
@@ -385,7 +319,7 @@ class Forwarder:
                 remembering.end()
             writer.end()
         except WriteStalled:
-            if (entry := current_entry.get()) is not None:
+            if entry is not None:
                 entry.outcome = "stalled"
             self.pool.tallies.client_stalled(replica.model)
             log.warning(
@@ -394,23 +328,6 @@ class Forwarder:
         except ConnectionError:
             # The client went away. Nothing more to send; release() in the
             # caller closes the half-read upstream connection at once.
-            if (entry := current_entry.get()) is not None:
+            if entry is not None:
                 entry.outcome = "client_gone"
             writer.close_after()
-
-    def count_tried(self, probes: list[Failed], model: str) -> None:
-        """Probes of `model` that were not a held request's after all: attempts and upstream errors, as any."""
-        entry = current_entry.get()
-        for failed in probes:
-            assert failed.replica is not None
-            self.pool.count_failure(failed.replica, "connect" if failed.connect_failure else "status")
-            if entry is not None:
-                entry.attempts += 1
-                # The last replica tried, unless a later attempt is in the line already.
-                if entry.replica is None:
-                    entry.served_model, entry.replica = model, failed.replica.id
-
-    def _failed(self, replica: Replica, error: UpstreamError, retryable: bool) -> Failed:
-        self.pool.count_failure(replica, error.reason)
-        self.pool.record_failure(replica)
-        return Failed(error, retryable)

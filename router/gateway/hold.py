@@ -13,17 +13,15 @@ from router.core.config.settings import Config
 from router.core.errors import ModelCold
 from router.core.pool.coldstart import ShuttingDown
 from router.core.pool.pool import Pool
-from router.gateway.access_log import current_entry
-from router.gateway.bodies import with_model
+from router.gateway.call import Call
 from router.gateway.forward import Forwarder, answer_failed
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.wake import Waker
-from router.http.messages import Request
-from router.http.writer import Writer
 
 
 class HeldRequests:
-    """The models that hold requests (`cold_start_seconds`), and each model's bound (`max_held`)."""
+    """Requests held for a cold model until a replica answers: which models hold (`cold_start_seconds`),
+    how many at most (`max_held`), and the loop that tries a held request's replicas."""
 
     def __init__(self, config: Config, pool: Pool, forwarder: Forwarder, metrics: DataPathMetrics) -> None:
         self.pool = pool
@@ -34,24 +32,15 @@ class HeldRequests:
         self.max_held = {name: m.max_held for name, m in config.models.items()}
         self.waker: Waker | None = None
 
-    async def serve(
-        self,
-        request: Request,
-        writer: Writer,
-        obj: dict[str, object],
-        requested: str,
-        model: str,
-        stream: bool,
-        headers: bytes,
-        cold_start: float,
-    ) -> None:
-        """Hold the request until a replica of `model` answers, `cold_start` seconds at most.
+    async def serve(self, call: Call, cold_start: float) -> None:
+        """Hold `call` until a replica of its model answers, `cold_start` seconds at most.
 
         The body is the one read from the client, never copied per try.
         """
+        model = call.model
         pool = self.pool
         pool.asked(model)
-        entry = current_entry.get()
+        entry = call.entry
         retry_after = max(1, min(30, round(cold_start / 4)))
         max_held = self.max_held[model]
         if pool.cold_start.held(model) >= max_held:
@@ -66,7 +55,8 @@ class HeldRequests:
             )
         if self.waker is not None:
             self.waker.held(model)
-        body = request.body if model == requested else with_model(request.body, obj, model)
+        # Under the model's own name before the hold begins: a body that cannot be renamed is a 400, not a hold.
+        call.body_for(model)
         hold = pool.cold_start.begin(model, cold_start)
         # How long it waited for the replica that answered; else, at the end, the whole wait.
         held: float | None = None
@@ -87,15 +77,7 @@ class HeldRequests:
                         )
                     held = hold.held_seconds()
                     failed = await self.forwarder.attempt(
-                        request,
-                        writer,
-                        replica,
-                        body,
-                        headers,
-                        model,
-                        stream,
-                        [(b"X-Router-Held-Seconds", b"%.3f" % held)],
-                        probe=True,
+                        call, replica, model, extra=[(b"X-Router-Held-Seconds", b"%.3f" % held)], probe=True
                     )
                     if failed is not None and failed.retryable and failed.loading:
                         # Still loading: the next try after a pause, this request first in line.
@@ -108,7 +90,7 @@ class HeldRequests:
                         hold.answered()
                     self.metrics.observe_held(model, held)
                     if failed is not None:
-                        answer_failed(writer, failed)
+                        answer_failed(call, failed)
                     return
         finally:
             # The access log says how the hold ended, as router_hold_outcomes_total does.

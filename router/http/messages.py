@@ -33,7 +33,7 @@ class Request:
         "version_11",
     )
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 (a value object: its fields in order, made on the request path)
         self,
         peer: str,
         method: str,

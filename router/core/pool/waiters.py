@@ -46,7 +46,7 @@ class Waiter:
         "since",
     )
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 (a value object: its fields in order, made on the request path)
         self,
         future: asyncio.Future[Replica | None],
         model: str,

@@ -36,7 +36,7 @@ class Answer:
 
     __slots__ = ("body", "headers", "pipe", "reason", "status", "streamed")
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 (a value object: its fields in order, made on the request path)
         self,
         status: int,
         reason: bytes,

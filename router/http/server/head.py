@@ -154,7 +154,7 @@ class Rules:
         return True
 
 
-def judge(
+def judge(  # noqa: PLR0917 (a pure function of the head's parts, called once per request)
     rules: Rules,
     method: bytes,
     version: str,

@@ -1,0 +1,67 @@
+"""One client request as the gateway carries it, from dispatch to its last attempt: one object, not ten arguments.
+
+A `Call` is made once per inference request (and per request for a stored
+response) when its body has been read, and passed whole to the retry chain,
+the hold and each attempt. It keeps the three names a request has apart:
+`requested`, the name the client sent (an alias, perhaps); `model`, the model
+that name leads to; and, per attempt, the `target` tried, which a fallback
+makes another model still (the body it is sent under is `body_for(target)`,
+written once per target). What the access log says of the request is its
+`entry`, None when there is no access log.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.core.config.tenants import ANYONE, Caller
+from router.gateway.access_log import Entry
+from router.gateway.bodies import with_model
+from router.http.messages import Request
+from router.http.writer import Writer
+
+
+class Call:
+    """A request, its writer, what its body says, whose it is, and the line the access log will write."""
+
+    __slots__ = ("_bodies", "caller", "entry", "headers", "model", "parsed", "request", "requested", "stream", "writer")
+
+    def __init__(  # noqa: PLR0917 (a value object: its fields in order, made on the request path)
+        self,
+        request: Request,
+        writer: Writer,
+        parsed: dict[str, Any],
+        requested: str,
+        model: str,
+        stream: bool,
+        headers: bytes,
+        entry: Entry | None,
+        caller: Caller = ANYONE,
+    ) -> None:
+        self.request = request
+        self.writer = writer
+        # The body as JSON (or a multipart form's fields): only `model` and `stream` are read here.
+        self.parsed = parsed
+        self.requested = requested
+        self.model = model
+        self.stream = stream
+        # The client's headers as the replica gets them, framed once for every attempt.
+        self.headers = headers
+        self.entry = entry
+        # Whose request it is: its key's tenant and priority class.
+        self.caller = caller
+        # The body under each other model's name it was sent to (an alias's model, a fallback).
+        self._bodies: dict[str, bytes] | None = None
+
+    def body_for(self, target: str) -> bytes:
+        """The body as `target` must get it: the client's own bytes, or re-encoded under `target`'s name
+        (engines refuse a name they do not serve), once per target however many replicas are tried."""
+        if target == self.requested:
+            return self.request.body
+        bodies = self._bodies
+        if bodies is None:
+            bodies = self._bodies = {}
+        body = bodies.get(target)
+        if body is None:
+            body = bodies[target] = with_model(self.request.body, self.parsed, target)
+        return body
