@@ -127,7 +127,8 @@ class RouterServer(Listening):
             # The supervisor bounds the unserved names once it has summed its workers'.
             self.pool.tallies.max_unserved_names = WORKER_UNSERVED_NAMES
         self.sinks = Sinks()
-        self._wall = wall
+        # The wall clock (Unix time) of the usage map and the wake calls.
+        self.wall = wall
         self._mono = clock.now
         self.fleet: LocalFleet | None = None
         self.ticker: Ticker | None = None
@@ -183,7 +184,7 @@ class RouterServer(Listening):
             router=config.router_name,
             started_at=self.started_at,
             tick_seconds=config.tick_seconds,
-            wall=self._wall,
+            wall=self.wall,
             mono=self._mono,
         )
         metrics = DataPathMetrics(self.registry)
@@ -195,7 +196,7 @@ class RouterServer(Listening):
         stack.push_async_callback(self.upstream.close)
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
         if config.wake_url:
-            proxy.waker = self._waker(session)
+            proxy.waker = waker_of(self, session)
         # The client port's own HTTP/1.1 server (router/http/server/): the request
         # path stays in one protocol object, with no framework per request.
         proxy.access_log = access_log
@@ -231,31 +232,12 @@ class RouterServer(Listening):
             # The sources run here unless a supervisor runs them: the first set must be in before ready.
             is_ready=(lambda: self.ready) if worker else (lambda: self.ready and sources_ready(self.sources)),
             rates=sinks.rates,
-            wall=self._wall,
+            wall=self.wall,
             exclusive_source=None if worker else exclusive_source(self.sources),
         )
         # The first snapshot exists before anyone can ask for it.
         ticker.tick()
         return admin.app(), client
-
-    def _waker(self, session: aiohttp.ClientSession) -> Waker:
-        """The wake calls made for held requests (config wake_url)."""
-        config, pool, wall, mono = self.config, self.pool, self._wall, self._mono
-
-        def held_now(model: str) -> tuple[int, float | None]:
-            oldest = pool.cold_start.oldest_held(model)
-            return pool.cold_start.held(model), None if oldest is None else wall() - (mono() - oldest)
-
-        return Waker(
-            session,
-            config.wake_url,
-            router=config.router_name,
-            cooldown=config.wake_cooldown_seconds,
-            token=config.admin_token,
-            registry=self.registry,
-            held_now=held_now,
-            clock=self.clock,
-        )
 
     async def _alone(
         self,
@@ -274,12 +256,13 @@ class RouterServer(Listening):
             source.register(self.registry)
         key, address = "admin_listen", config.admin_listen
         try:
-            runner = await self._admin_runner_for(stack, admin_app)
+            runner = self._admin_runner = await admin_runner(stack, admin_app)
             await web.TCPSite(runner, address.host, address.port).start()
             if before_clients is not None:
                 before_clients()
             key, address = "listen", config.listen
-            await self._listen(stack, client, reuse_port=False)
+            self._client_listener = await listen(stack, self.config, client, reuse_port=False)
+            self.client_address = _bound_client(self._client_listener)
         except OSError as exc:
             raise CannotListen(config.source, key, str(address), exc) from exc
         self.admin_address = _bound(runner)
@@ -299,30 +282,15 @@ class RouterServer(Listening):
         """One worker of `--workers`: the admin API on its supervisor's Unix socket, the client port shared."""
         admin_app.router.add_get(SNAPSHOT_PATH, self._snapshot_json)
         admin_app.router.add_get(METRICS_PATH, self._metrics_json)
-        runner = await self._admin_runner_for(stack, admin_app)
+        runner = self._admin_runner = await admin_runner(stack, admin_app)
         # The admin API first: the worker takes the supervisor's pushes from
         # here on, so its pool is current before the first client arrives.
         await web.UnixSite(runner, socket_path).start()
         if before_clients is not None:
             before_clients()
-        await self._listen(stack, client, reuse_port=True)
+        self._client_listener = await listen(stack, self.config, client, reuse_port=True)
+        self.client_address = _bound_client(self._client_listener)
         self.admin_address = ("", 0)
-
-    async def _admin_runner_for(self, stack: contextlib.AsyncExitStack, app: web.Application) -> web.AppRunner:
-        runner = self._admin_runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
-        stack.push_async_callback(runner.cleanup)
-        return runner
-
-    async def _listen(self, stack: contextlib.AsyncExitStack, client: ClientServer, *, reuse_port: bool) -> None:
-        listen = self.config.listen
-        listener = await asyncio.get_running_loop().create_server(
-            client, listen.host, listen.port, reuse_address=True, reuse_port=reuse_port, backlog=1024
-        )
-        self._client_listener = listener
-        stack.callback(listener.close)
-        host, port = listener.sockets[0].getsockname()[:2]
-        self.client_address = (str(host), int(port))
 
     def _start_readers(self) -> None:
         """The background readers of the replicas, a router's and a worker's alike."""
@@ -418,6 +386,50 @@ def freeze_start_up() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def waker_of(server: RouterServer, session: aiohttp.ClientSession) -> Waker:
+    """The wake calls a router makes for its held requests (config wake_url)."""
+    config, pool, wall, mono = server.config, server.pool, server.wall, server.clock.now
+
+    def held_now(model: str) -> tuple[int, float | None]:
+        oldest = pool.cold_start.oldest_held(model)
+        return pool.cold_start.held(model), None if oldest is None else wall() - (mono() - oldest)
+
+    return Waker(
+        session,
+        config.wake_url,
+        router=config.router_name,
+        cooldown=config.wake_cooldown_seconds,
+        token=config.admin_token,
+        registry=server.registry,
+        held_now=held_now,
+        clock=server.clock,
+    )
+
+
+async def admin_runner(stack: contextlib.AsyncExitStack, app: web.Application) -> web.AppRunner:
+    """The admin API's runner, set up, its cleanup on `stack`."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    return runner
+
+
+async def listen(
+    stack: contextlib.AsyncExitStack, config: Config, client: ClientServer, *, reuse_port: bool
+) -> asyncio.Server:
+    """The client port, listening (shared between workers with `reuse_port`), its close on `stack`."""
+    listener = await asyncio.get_running_loop().create_server(
+        client, config.listen.host, config.listen.port, reuse_address=True, reuse_port=reuse_port, backlog=1024
+    )
+    stack.callback(listener.close)
+    return listener
+
+
+def _bound_client(listener: asyncio.Server) -> tuple[str, int]:
+    host, port = listener.sockets[0].getsockname()[:2]
+    return (str(host), int(port))
 
 
 def _bound(runner: web.AppRunner) -> tuple[str, int]:
