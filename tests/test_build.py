@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import grimp
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +49,41 @@ def test_the_compiled_list_names_the_hot_path_and_only_existing_modules() -> Non
         assert hot in names
     for name in names:
         assert (ROOT / (name.replace(".", "/") + ".py")).is_file(), name
+
+
+# What the compiled modules import from outside the compiled packages, left pure on purpose.
+PURE_ON_PURPOSE = {
+    # The settings, tenants, engines' paths and model cards: read at start and on SIGHUP, their values
+    # (frozen dataclasses) only read per request.
+    "router.core.config.settings": "read at start",
+    "router.core.config.tenants": "read at start",
+    "router.core.config.engines": "read at start",
+    "router.core.config.cards": "read when a replica joins",
+    # Compiled, mypyc takes the errors' class-level status and code, overridden per subclass,
+    # for per-instance defaults, and an error was answered without them; raising one is not per-request work.
+    "router.core.errors": "compiled, its class attributes lose their overrides",
+    "router.http.writer": "setup.py EXCLUDED",
+    "router.gateway.tunnel": "setup.py EXCLUDED",
+}
+
+
+def test_every_module_the_request_path_imports_is_compiled_or_pure_on_purpose() -> None:
+    """A module added to the request path is compiled (setup.py derives the list from its packages),
+    and one imported from outside them is a choice this test names, not an accident."""
+    setup = setup_module_of(ROOT)
+    compiled = set(module_names())
+    graph = grimp.build_graph("router", exclude_type_checking_imports=True)
+    packages = {m for m in graph.modules if (ROOT / m.replace(".", "/") / "__init__.py").is_file()}
+    outside = {
+        imported
+        for name in compiled
+        for imported in graph.find_modules_directly_imported_by(name)
+        if imported.startswith("router.") and imported not in compiled and imported not in packages
+    }
+    assert outside == set(PURE_ON_PURPOSE), sorted(outside ^ set(PURE_ON_PURPOSE))
+    for source, why in setup.EXCLUDED.items():
+        assert (ROOT / source).is_file() and why, source
+        assert PURE_ON_PURPOSE.get(source.removesuffix(".py").replace("/", ".")) == "setup.py EXCLUDED"
 
 
 def test_no_compiled_function_binds_one_name_to_two_kinds_of_error() -> None:
