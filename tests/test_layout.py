@@ -154,3 +154,14 @@ def test_the_core_is_its_three_domains_and_the_two_modules_they_share() -> None:
     its domains: a module added at the top, or a domain added, must be weighed there."""
     parts = {p.name for p in (ROUTER / "core").iterdir() if not p.name.startswith("__")}
     assert parts == {"config", "pool", "usage", "errors.py", "clock.py"}
+
+
+def test_every_class_says_what_it_is() -> None:
+    """A class is the first thing a reader meets of a concept: its docstring says what it is."""
+    unsaid = [
+        f"{path.relative_to(ROUTER.parent)}: {node.name}"
+        for path in _modules()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and not ast.get_docstring(node)
+    ]
+    assert unsaid == []

@@ -78,6 +78,9 @@ def replica_rows(snapshot: UsageSnapshot, now: float) -> list[dict[str, Any]]:
 
 
 class Admin:
+    """The admin API's handlers: usage, replicas, endpoints, state, status, metrics, health; the token on mutating
+    calls."""
+
     def __init__(
         self,
         fleet: Fleet,

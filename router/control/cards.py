@@ -45,6 +45,8 @@ READS_AT_ONCE = 64
 
 
 class CardReader:
+    """Reads each replica's /v1/models as it joins or shows life, and keeps its model's card."""
+
     def __init__(
         self,
         pool: Pool,

@@ -24,6 +24,8 @@ log = logging.getLogger("router.control.health")
 
 
 class HealthChecker:
+    """GETs a path of every replica on an interval: ejects the failing, readmits the healthy."""
+
     def __init__(
         self, pool: Pool, session: aiohttp.ClientSession, *, path: str, interval: float, timeout: float
     ) -> None:

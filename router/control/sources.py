@@ -29,6 +29,8 @@ log = logging.getLogger("router.control.sources")
 
 
 class ReplicaSource(Protocol):
+    """Where the replica set comes from (the config file, Kubernetes discovery): its first set, and its changes."""
+
     name: str
     # True when this source owns the whole set: PUT /api/v1/endpoints answers 409.
     exclusive: bool

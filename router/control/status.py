@@ -21,6 +21,8 @@ BAR_WIDTH = 20
 
 @dataclass(frozen=True, slots=True)
 class ModelStatus:
+    """One model's line of the fleet summary."""
+
     model: str
     ready: int
     total: int
@@ -37,6 +39,8 @@ class ModelStatus:
 
 @dataclass(frozen=True, slots=True)
 class GpuClassStatus:
+    """One GPU class's line of the fleet summary: busy, idle, unknown, ejected."""
+
     gpu_class: str
     total: int
     busy: int
@@ -48,6 +52,8 @@ class GpuClassStatus:
 
 @dataclass(frozen=True, slots=True)
 class Unasked:
+    """A replica proven quiet for longer than the idle window: what could be stopped."""
+
     id: str
     model: str
     gpu_class: str
@@ -80,6 +86,8 @@ class QueuedFor:
 
 @dataclass(frozen=True, slots=True)
 class FleetStatus:
+    """The fleet summary of GET /api/v1/status and router ctl status."""
+
     router: str
     generated_at: float
     watching_since: float

@@ -21,6 +21,8 @@ class Timer(Protocol):
 
 
 class Clock(Protocol):
+    """Where the pool, its holds and the wake calls read the time and set timers: the loop's, or a fake one."""
+
     def now(self) -> float:
         """Monotonic seconds: comparable with each other, never with the wall clock."""
         ...

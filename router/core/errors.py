@@ -73,6 +73,8 @@ class CannotListen(ConfigError):
 
 
 class ClientFacingError(RouterError):
+    """An error the client gets as one OpenAI-shaped body, with its status and code."""
+
     status = 500
     type = "server_error"
     code: str | None = None
@@ -86,35 +88,47 @@ class ClientFacingError(RouterError):
 
 
 class BadRequest(ClientFacingError):
+    """400 invalid_request_error: the request itself is wrong."""
+
     status = 400
     type = "invalid_request_error"
 
 
 class Unauthorized(ClientFacingError):
+    """401 invalid_api_key: no key, or not one of api_keys."""
+
     status = 401
     type = "invalid_request_error"
     code = "invalid_api_key"
 
 
 class ModelNotFound(ClientFacingError):
+    """404 model_not_found: no model of that name is declared or served."""
+
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
 
 
 class ResponseNotFound(ClientFacingError):
+    """404: a response id this router did not see, or whose replica is gone."""
+
     status = 404
     type = "invalid_request_error"
     code = "response_not_found"
 
 
 class BodyTooLarge(ClientFacingError):
+    """413 request_too_large: the body is over max_body_bytes."""
+
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
 
 
 class RateLimited(ClientFacingError):
+    """429 rate_limit_exceeded: the tenant's share of a model's queue is full."""
+
     status = 429
     # OpenAI's own for a limit on the number of requests.
     type = "requests"
@@ -122,24 +136,32 @@ class RateLimited(ClientFacingError):
 
 
 class NoReplicaAvailable(ClientFacingError):
+    """503: no replica of the model, or of its fallbacks, can serve now."""
+
     status = 503
     type = "server_error"
     code = "no_replica_available"
 
 
 class ModelCold(ClientFacingError):
+    """503 model_cold: held past cold_start_seconds, or max_held reached."""
+
     status = 503
     type = "server_error"
     code = "model_cold"
 
 
 class Overloaded(ClientFacingError):
+    """503 server_overloaded: every replica at its limit past the queue wait."""
+
     status = 503
     type = "server_error"
     code = "server_overloaded"
 
 
 class UpstreamError(ClientFacingError):
+    """A replica failed; `reason` labels the metric."""
+
     status = 502
     type = "server_error"
     code = "upstream_error"
@@ -147,14 +169,20 @@ class UpstreamError(ClientFacingError):
 
 
 class UpstreamConnectError(UpstreamError):
+    """502: no connection to the replica."""
+
     reason = "connect"
 
 
 class UpstreamResetError(UpstreamError):
+    """502: the replica closed or broke the connection before its answer was whole."""
+
     reason = "reset"
 
 
 class UpstreamTimeout(UpstreamError):
+    """504: no response head within the first-byte timeout."""
+
     status = 504
     code = "upstream_timeout"
     reason = "timeout"

@@ -128,6 +128,8 @@ def _clipped(name: str | None) -> str | None:
 
 
 class AccessLog:
+    """The access log's file: lines gathered in memory and written a batch at a time, reopened on SIGHUP."""
+
     def __init__(self, target: str) -> None:
         self.target = target
         self._fd = -1

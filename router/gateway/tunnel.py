@@ -72,6 +72,8 @@ def with_model(target: bytes, model: str) -> bytes:
 
 
 class Tunnels:
+    """WebSocket sessions: routed by the query's model, relayed to a replica, then bytes both ways."""
+
     def __init__(self, config: Config, pool: Pool, routes: Routes, keys: ApiKeys, forwarded: HeaderFilter) -> None:
         self.pool = pool
         self.routes = routes

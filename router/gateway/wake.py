@@ -28,6 +28,8 @@ _LOG_EVERY_SECONDS = 60.0
 
 
 class Waker:
+    """The wake calls to wake_url for a model that holds requests: one per cooldown, off the request path."""
+
     def __init__(
         self,
         session: aiohttp.ClientSession,

@@ -23,6 +23,8 @@ from router.http.messages import current_request_id
 
 
 class RequestIdFilter(logging.Filter):
+    """Puts the request id of the task that logs into each log line."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         if "request_id" in record.__dict__:
             return True  # named already: by another handler's filter, or as no request's

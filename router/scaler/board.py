@@ -41,6 +41,8 @@ class Told:
 
 @dataclass(frozen=True, slots=True)
 class Wake:
+    """A wake call a router made for a model, as the scaler keeps it."""
+
     router: str
     # The router's Unix seconds of its oldest held request; None if it did not say.
     since: float | None
@@ -49,6 +51,8 @@ class Wake:
 
 
 class Board:
+    """What the scaler knows now: the merged usage, the wake calls, and the streams that wait on changes."""
+
     def __init__(
         self,
         *,

@@ -32,6 +32,8 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 class PollCollector(Collector):
+    """The scaler's polls of the routers, as series for /metrics."""
+
     def __init__(self, poller: Poller, board: Board) -> None:
         self._poller = poller
         self._board = board
@@ -109,6 +111,8 @@ class PollCollector(Collector):
 
 
 class HttpApi:
+    """The scaler's HTTP side: health, metrics, and the wake calls from routers."""
+
     def __init__(self, poller: Poller, board: Board, *, token: str, registry: CollectorRegistry) -> None:
         self.poller = poller
         self.board = board

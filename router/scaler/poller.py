@@ -55,6 +55,8 @@ class PollFailed(Exception):
 
 @dataclass(slots=True)
 class ServerStats:
+    """One router's polls by the scaler: answered, failed, and when."""
+
     failures: int = 0
     last_error: str | None = None
     # Whether it answered in the newest round it was part of.
@@ -63,6 +65,8 @@ class ServerStats:
 
 
 class Poller:
+    """Polls every router's usage map on an interval and merges them."""
+
     def __init__(
         self,
         settings: ScalerSettings,

@@ -55,6 +55,8 @@ def _spec(query: Query) -> GetMetricSpecResponse:
 
 
 class ExternalScaler(ExternalScalerServicer):
+    """KEDA's external scaler service over gRPC, answered from the board."""
+
     def __init__(self, board: Board) -> None:
         self.board = board
 

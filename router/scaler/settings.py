@@ -40,6 +40,8 @@ SECTION = "scaler"
 
 @dataclass(frozen=True, slots=True)
 class ScalerSettings:
+    """The scaler's settings: its [scaler] table and flags, checked."""
+
     # Admin addresses of the routers, host:port or http(s) URLs.
     servers: tuple[str, ...] = ()
     # host:port resolved before every round to every router pod (a headless Service); None: not used.

@@ -147,6 +147,8 @@ NO_FACTS = ModelFacts()
 
 @dataclass(frozen=True, slots=True)
 class FleetView:
+    """The merged usage as the scaler judges it: active or not, and how many replicas, per model."""
+
     complete: bool
     # Unix seconds the quiet bounds hold as of: the oldest snapshot of the round.
     as_of: float
@@ -239,6 +241,8 @@ class BadMetadata(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Query:
+    """What KEDA asks of a scaled object: its model and its rules."""
+
     model: str
     idle_after: float = DEFAULT_IDLE_AFTER
     target_in_flight: float = DEFAULT_TARGET_IN_FLIGHT
@@ -285,6 +289,8 @@ def parse_metadata(metadata: Mapping[str, str]) -> Query:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """The scaler's answer for one query: active, the metric's value, and why."""
+
     active: bool
     # Why, in words for the log and /healthz.
     reason: str

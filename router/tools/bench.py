@@ -31,6 +31,8 @@ DEFAULT_SECONDS = 10.0
 
 @dataclass(frozen=True, slots=True)
 class BenchResult:
+    """One router bench run's figures: requests per second, latency and time to first token."""
+
     requests: int
     errors: int
     seconds: float

@@ -69,6 +69,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 
 class Client:
+    """router ctl's client of one router's admin API, standard library only."""
+
     def __init__(self, server: str, *, token: str = "", timeout: float = 5.0) -> None:
         self.base = base_url(server)
         self.server = server

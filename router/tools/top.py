@@ -58,6 +58,8 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class ModelRow:
+    """One model's row of router ctl top."""
+
     model: str
     ready: int
     total: int
@@ -70,6 +72,8 @@ class ModelRow:
 
 @dataclass(frozen=True, slots=True)
 class Frame:
+    """One screen of router ctl top, made from one snapshot of the documents."""
+
     router: str
     generated_at: float
     watching_since: float

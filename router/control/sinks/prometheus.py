@@ -289,6 +289,8 @@ class PrometheusSink:
 
 
 class UsageCollector(Collector):
+    """The usage map's series for /metrics, read from the latest snapshot at each scrape."""
+
     def __init__(
         self,
         sink: PrometheusSink,

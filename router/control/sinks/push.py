@@ -22,6 +22,8 @@ log = logging.getLogger("router.push")
 
 
 class PushSink:
+    """POSTs each snapshot's usage document to usage_push_url, newest first, never queued without end."""
+
     name = "push"
 
     def __init__(

@@ -11,6 +11,8 @@ WINDOW_SECONDS = 60.0
 
 
 class RateSink:
+    """Requests per second per model, from the difference between snapshots."""
+
     name = "rates"
 
     def __init__(self, window: float = WINDOW_SECONDS, maps: UsageMaps | None = None) -> None:

@@ -46,6 +46,8 @@ DEFAULT_ROUTING = "least_loaded"
 
 @dataclass(frozen=True, slots=True)
 class Address:
+    """A host and port to listen on, as the config gives it."""
+
     host: str
     port: int
 
@@ -57,6 +59,8 @@ class Address:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaConfig:
+    """One replica as configured or pushed: its id, model, base URL and labels."""
+
     id: str
     model: str
     url: str
@@ -116,6 +120,8 @@ class KubernetesDiscovery:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
+    """One model's settings: aliases, fallbacks, routing, holding for a cold start."""
+
     name: str
     aliases: tuple[str, ...] = ()
     fallbacks: tuple[str, ...] = ()
@@ -143,6 +149,8 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class Setting:
+    """A top-level setting: its default, how it is checked, and what docs/configuration.md says of it."""
+
     # (where, key, raw value) -> the value; raises ConfigError naming the key.
     parse: Callable[[check.Where, str, object], Any]
     help: str
@@ -164,6 +172,8 @@ def _count(default: int, help_: str, *, minimum: int = 0) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Config:
+    """The whole configuration, checked: what a router is started with, and reloaded on SIGHUP."""
+
     # _setting() returns a dataclasses.field; Address is frozen.
     listen: Address = _setting(Address("127.0.0.1", 8080), parse_address, "client port")  # noqa: RUF009
     admin_listen: Address = _setting(Address("127.0.0.1", 9090), parse_address, "admin API and /metrics")  # noqa: RUF009

@@ -23,6 +23,8 @@ log = logging.getLogger("router.core.pool.ejection")
 
 @dataclass(frozen=True, slots=True)
 class EjectionPolicy:
+    """When a replica is ejected (failures in a row) and for how long (doubling from base to max)."""
+
     consecutive_failures: int = 5
     base_seconds: float = 10.0
     max_seconds: float = 300.0

@@ -20,6 +20,8 @@ from router.core.pool.picking import POLICIES, Policy, PolicySettings, Routing
 
 
 class ReplicaState(enum.Enum):
+    """A replica's state, as the admin API and the usage map show it."""
+
     READY = "ready"
     EJECTED = "ejected"
     DRAINING = "draining"
@@ -101,6 +103,8 @@ _STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
 
 @dataclass(frozen=True, slots=True)
 class SetDiff:
+    """What a new desired set changed: the ids added, removed, changed and kept."""
+
     added: tuple[str, ...]
     removed: tuple[str, ...]
     changed: tuple[str, ...]

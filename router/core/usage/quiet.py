@@ -29,6 +29,8 @@ class RouterReport:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
+    """A replica every router proves quiet for at least `quiet_for_seconds`."""
+
     id: str
     model: str | None
     quiet_for_seconds: float
@@ -37,6 +39,8 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class MergedUsage:
+    """Several routers' usage maps as one: the candidates, the unknown, and whether every router answered."""
+
     complete: bool
     candidates: tuple[Candidate, ...]
     unknown: tuple[str, ...]

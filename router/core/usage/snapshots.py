@@ -111,6 +111,8 @@ class Queued(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class UsageSnapshot:
+    """One tick's frozen view of the pool, and what changed since the one before it: what every exporter reads."""
+
     router: str
     started_at: float
     generated_at: float

@@ -33,6 +33,8 @@ class WorkerFailed(RuntimeError):
 
 @dataclass
 class Worker:
+    """One worker process of --workers: how to start it, and whether it lives."""
+
     index: int
     paths: Paths
     session: aiohttp.ClientSession

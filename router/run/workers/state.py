@@ -48,6 +48,8 @@ def make_runtime(environ: Mapping[str, str]) -> Path:
 
 @dataclass(frozen=True)
 class Paths:
+    """The runtime directory of --workers: its state file and each worker's admin socket."""
+
     runtime: Path
     index: int
 

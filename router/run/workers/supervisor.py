@@ -47,6 +47,8 @@ log = logging.getLogger("router.run.workers")
 
 
 class Supervisor(Listening):
+    """`router serve --workers N`: starts and restarts the workers, merges their usage, and serves the admin port."""
+
     def __init__(
         self,
         config: Config,
@@ -329,6 +331,8 @@ def _since(taken: tuple[int, int] | None) -> str:
 
 
 class _WorkerCollector(Collector):
+    """The workers' own series for /metrics, read from their last reports."""
+
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
 

@@ -59,6 +59,8 @@ def _listen(host: str, port: int) -> list[socket.socket]:
 
 @dataclass
 class FakeReplica:
+    """An OpenAI replica for the demo and the tests: real HTTP, made-up tokens, switches for every failure."""
+
     models: Sequence[str] = ("fake-model",)
     behaviour: Behaviour = field(default_factory=Behaviour)
     name: str = "fake"

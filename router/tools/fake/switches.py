@@ -49,6 +49,8 @@ class Behaviour:
 
 @dataclass
 class Seen:
+    """One request a fake replica received: its path, headers and body."""
+
     path: str
     headers: dict[str, str]
     body: bytes
