@@ -8,6 +8,9 @@ prefix.py     the prefix cache an engine keeps, and the prompt as a chat templat
 responses.py  the Responses API and its store: only the replica that made a response knows it
 echo.py       the other endpoints vLLM and SGLang serve, answered with an echo; audio
 messages.py   Anthropic's Messages API as vLLM and llama.cpp serve it, whole or streamed
+engine.py     a simulated engine (`--engine`): continuous batching, a paged KV cache, a prefix cache
+simulated.py  chat and completions answered with the simulated engine's tokens, as they come
+exposition.py the simulated engine's load under each engine's names: /metrics, /v1/loads, ORCA
 cli.py        `router fake`, or `python -m router.tools.fake` (`__main__.py`)
 """
 

@@ -24,8 +24,13 @@ from collections.abc import Sequence
 
 import uvloop
 
+from router.tools.fake.engine import Engine, EngineParams
+from router.tools.fake.exposition import ENGINES
 from router.tools.fake.replica import FakeReplica
 from router.tools.fake.switches import Behaviour
+
+# The simulated engine's defaults, shown by --help.
+_DEFAULTS = EngineParams()
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "router fake") -> int:
@@ -58,6 +63,21 @@ def main(argv: Sequence[str] | None = None, prog: str = "router fake") -> int:
     parser.add_argument(
         "--prefill-seconds-per-token", type=float, default=0.0, help="time to first token per prompt token not cached"
     )
+    engine = parser.add_argument_group(
+        "simulated engine", "tokens made by a simulated engine (continuous batching, KV cache, prefix cache)"
+    )
+    engine.add_argument(
+        "--engine",
+        choices=ENGINES,
+        help="simulate this engine, and report its load under its own metric names (docs/routing.md)",
+    )
+    engine.add_argument("--time-scale", type=float, default=1.0, help="engine time runs this many times faster")
+    engine.add_argument("--max-running", type=int, default=_DEFAULTS.max_running, help="sequences running at once")
+    engine.add_argument("--kv-blocks", type=int, default=_DEFAULTS.kv_blocks, help="KV cache blocks")
+    engine.add_argument("--block-tokens", type=int, default=_DEFAULTS.block_tokens, help="tokens per KV block")
+    engine.add_argument(
+        "--metrics-seconds", type=float, default=_DEFAULTS.metrics_seconds, help="the gauges' refresh, at most"
+    )
     parser.add_argument("--processes", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     parser.add_argument(
         "--share-port",
@@ -70,6 +90,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "router fake") -> int:
         parser.error(
             "--cache-block-chars must be at least 1; --prefix-cache-blocks and --prefill-seconds-per-token >= 0"
         )
+    if args.engine is not None and not (
+        args.time_scale > 0 and args.max_running >= 1 and args.kv_blocks >= 1 and args.block_tokens >= 1
+    ):
+        parser.error("--time-scale must be above 0; --max-running, --kv-blocks and --block-tokens at least 1")
     if args.processes < 1 or (args.processes > 1 and args.port == 0):
         parser.error("--processes must be at least 1, and share a port given with --port (not 0)")
     paced = dict(_pace(spec) for spec in args.paced)
@@ -153,6 +177,17 @@ async def _serve_forever(
         name=f"fake-{args.port}",
         tokenizer_path=args.tokenizer_path,
     )
+    if args.engine is not None:
+        fake.engine_kind = args.engine
+        fake.engine = Engine(
+            EngineParams(
+                max_running=args.max_running,
+                kv_blocks=args.kv_blocks,
+                block_tokens=args.block_tokens,
+                metrics_seconds=args.metrics_seconds,
+                time_scale=args.time_scale,
+            )
+        )
     url = await fake.start(args.host, args.port)
     if tell:
         # Once it listens: a script may wait for this line and read the address from it.

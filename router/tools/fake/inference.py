@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 
 from router.tools.fake.prefix import look_up, prompt_of
+from router.tools.fake.simulated import simulated
 from router.tools.fake.streams import stream_chunks, usage, write_stream
 
 if TYPE_CHECKING:
@@ -40,6 +41,8 @@ class Inference:
                 return failure
             if kind == "embeddings":
                 return self._embedding_answer(obj)
+            if replica.engine is not None:
+                return await simulated(replica, replica.engine, request, obj, kind)
             prompt = await self._prefill(obj, kind)
             if obj.get("stream") is True:
                 return await self._stream(request, obj, kind, prompt)

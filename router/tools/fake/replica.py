@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import itertools
 import socket
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ import orjson
 from aiohttp import web
 
 from router.tools.fake.echo import ECHOED, TRANSCRIBED, Echo
+from router.tools.fake.engine import Engine
+from router.tools.fake.exposition import metrics_page, orca_header, sglang_loads
 from router.tools.fake.inference import Inference
 from router.tools.fake.messages import Messages
 from router.tools.fake.responses import ResponsesApi
@@ -71,6 +74,8 @@ class FakeReplica:
     tokenizer_path: str = ""
     seen: list[Seen] = field(default_factory=list)
     cancelled: int = 0
+    # Reads of its load (/metrics, /v1/loads), which `seen` does not record.
+    metrics_reads: int = 0
     # GET /health requests answered (the router's active checks), which `seen` does not record.
     health_checks: int = 0
     active: int = 0
@@ -87,6 +92,10 @@ class FakeReplica:
     max_body_bytes: int = 64 * 1024 * 1024
     # Fields of the model cards in this replica's /v1/models, as vLLM's carry them (max_model_len, root).
     card: dict[str, Any] = field(default_factory=dict)
+    # A simulated engine (router.tools.fake.engine) that makes the tokens, and whose load
+    # the replica reports under `engine_kind`'s names (router.tools.fake.exposition).
+    engine: Engine | None = None
+    engine_kind: str = "vllm"
     _runner: web.AppRunner | None = None
     _listeners: list[socket.socket] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
@@ -113,6 +122,9 @@ class FakeReplica:
         app.router.add_post("/v1/audio/speech", echo.speech)
         app.router.add_get("/v1/realtime", self._realtime)
         app.router.add_get("/health", self._health)
+        if self.engine is not None:
+            app.router.add_get("/metrics", self._metrics)
+            app.router.add_get("/v1/loads", self._loads)
         # What SGLang's and vLLM's own routers probe before they route (bench/compare.py).
         app.router.add_get("/get_model_info", self._engine_info)
         app.router.add_get("/get_server_info", self._engine_info)
@@ -134,6 +146,8 @@ class FakeReplica:
         return self.url
 
     async def stop(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -216,6 +230,27 @@ class FakeReplica:
         if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0:
             return min(wanted, self.behaviour.tokens)
         return self.behaviour.tokens
+
+    def load_headers(self, request: web.Request) -> dict[str, str]:
+        """vLLM's ORCA report, when the request asks for one and this replica is a simulated vLLM."""
+        form = request.headers.get("endpoint-load-metrics-format")
+        if not form or self.engine is None or self.engine_kind != "vllm":
+            return {}
+        value = orca_header(form, self.engine.report)
+        return {} if value is None else {"endpoint-load-metrics": value}
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        assert self.engine is not None
+        self.metrics_reads += 1
+        page = metrics_page(self.engine_kind, self.models[0], self.engine.report)
+        return web.Response(body=page, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def _loads(self, request: web.Request) -> web.Response:
+        assert self.engine is not None
+        if self.engine_kind != "sglang":
+            return web.Response(status=404)
+        self.metrics_reads += 1
+        return web.Response(body=sglang_loads(self.engine.report, time.time()), content_type="application/json")
 
     def next_id(self) -> int:
         """A number for the next answer's id, unique within this replica."""
