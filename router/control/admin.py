@@ -24,7 +24,7 @@ from router.control.openapi import DOCUMENT
 from router.control.sinks.latest import LatestSink
 from router.control.sinks.rates import RateSink
 from router.control.status import fleet_status
-from router.core.usage.snapshots import UsageSnapshot
+from router.core.usage.snapshots import EngineReading, UsageSnapshot
 
 log = logging.getLogger("router.control.admin")
 
@@ -72,9 +72,25 @@ def replica_rows(snapshot: UsageSnapshot, now: float) -> list[dict[str, Any]]:
                 "quiet_for_seconds": None if quiet_for is None else round(quiet_for, 3),
                 "watching_since": r.watching_since,
                 "labels": dict(r.labels),
+                # What its engine says of its load (docs/routing.md), as of the snapshot; null: nothing read.
+                "engine": r.engine,
+                "engine_load": engine_load_json(r.engine_load, now),
+                "saturated": r.saturated,
             }
         )
     return rows
+
+
+def engine_load_json(load: EngineReading | None, now: float) -> dict[str, Any] | None:
+    if load is None:
+        return None
+    return {
+        "waiting": load.waiting,
+        "running": load.running,
+        "kv_cache_usage": load.kv,
+        "age_seconds": round(max(0.0, now - load.read_at), 3),
+        "source": load.source,
+    }
 
 
 class Admin:

@@ -31,7 +31,7 @@ import logging
 import aiohttp
 import orjson
 
-from router.core.config.cards import Cards, read_card
+from router.core.config.cards import Cards, engine_of, read_card
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica, ReplicaState
 
@@ -97,9 +97,12 @@ class CardReader:
         except (aiohttp.ClientError, OSError, TimeoutError):
             return False
         try:
-            card = read_card(orjson.loads(body), replica.model)
+            doc = orjson.loads(body)
         except orjson.JSONDecodeError:
             return False
+        if replica.engine is None:
+            replica.engine = engine_of(doc, replica.model)
+        card = read_card(doc, replica.model)
         if card is None:
             return False
         self.cards.put(replica.model, card)

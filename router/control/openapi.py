@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from router import __version__
+from router.core.config.engines import ENGINES
 
 _ERROR = {
     "type": "object",
@@ -31,6 +32,11 @@ _REPLICA = {
         "model": {"type": "string", "minLength": 1},
         "url": {"type": "string", "description": "http(s) base URL; /v1/... is appended"},
         "labels": {"type": "object", "additionalProperties": {"type": ["string", "number", "boolean"]}},
+        "engine": {
+            "type": "string",
+            "enum": list(ENGINES),
+            "description": "the engine it runs, whose load is read; absent: recognised from its /metrics",
+        },
     },
 }
 

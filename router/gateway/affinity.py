@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from router.core.config.settings import ModelConfig
+from router.core.config.models import ModelConfig
 from router.core.pool.picking import affinity_key
 from router.http.messages import Request
 

@@ -69,6 +69,8 @@ class Chain:
         # that continue it must reach the replica that keeps it.
         remembering = request.path == "/v1/responses"
         chain = (model, *self.routes.fallbacks.get(model, ()))
+        # About four bytes a token: a large prompt weighs in the picks while it prefills (core/pool/loads.py).
+        tokens = len(request.body) >> 2 if pool.engines is not None else 0
         cold_start = self.held_requests.seconds.get(model)
         last: Failed | None = None
         only_connect_failures = True
@@ -93,7 +95,7 @@ class Chain:
                 if self._affinity and (affinity := self._affinity.get(target)) is not None:
                     key = affinity.key(request, call.parsed)
                 for attempt in range(self._max_attempts):
-                    replica = pool.acquire(target, avoid, refused, key)
+                    replica = pool.acquire(target, avoid, refused, key, tokens)
                     if replica is None:
                         if not pool.saturated(target):
                             break

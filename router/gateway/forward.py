@@ -31,6 +31,7 @@ from router.core.errors import (
 )
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica
+from router.core.pool.reports import from_orca
 from router.gateway.access_log import Entry
 from router.gateway.answers import error_body, replica_answer
 from router.gateway.call import Call
@@ -156,6 +157,11 @@ class Forwarder:
         body = call.body_for(model)
         origin = origin_of(replica.base_url)
         method = request.method
+        # vLLM says its queue and KV cache in a whole answer when asked (ORCA): a busy replica's
+        # reading comes free with each. Asked for here, and kept from the client, unless it asked itself.
+        orca = replica.engine == "vllm" and self.pool.engine_loads is not None and not call.stream
+        if orca and request.header(b"endpoint-load-metrics-format") is not None:
+            orca = False
         head = b"".join(
             (
                 b"POST " if method == "POST" else method.encode("ascii") + b" ",
@@ -165,7 +171,7 @@ class Forwarder:
                 origin.host_header,
                 b"\r\nX-Request-Id: ",
                 request.request_id,
-                b"\r\n",
+                b"\r\nendpoint-load-metrics-format: TEXT\r\n" if orca else b"\r\n",
                 call.headers,
                 b"Content-Length: %d\r\n\r\n" % len(body) if body or method == "POST" else b"\r\n",
             )
@@ -197,6 +203,8 @@ class Forwarder:
         try:
             ttfb = time.perf_counter() - began
             status = resp.status
+            if orca:
+                self._read_orca(replica, resp)
             if status in RETRY_STATUSES:
                 return await self._refused(entry, replica, resp, model, ttfb=ttfb, probe=probe)
             self.ledgers.record(entry, replica, model, Outcome.ANSWERED, status=status, ttfb=ttfb)
@@ -237,6 +245,18 @@ class Forwarder:
             # Back to the pool after a complete answer; closed if the answer
             # was cut short, so a half-read stream never lingers.
             resp.release()
+
+    def _read_orca(self, replica: Replica, resp: Response) -> None:
+        """The engine's load in the answer's ORCA header, to the pool; the header itself, off the client's answer."""
+        headers = resp.headers
+        for index, (name, value) in enumerate(headers):
+            if len(name) == 21 and name.lower() == b"endpoint-load-metrics":
+                del headers[index]
+                reading = from_orca(value)
+                loads = self.pool.engine_loads
+                if reading is not None and loads is not None:
+                    loads.record(replica, reading.waiting, reading.running, reading.kv, "orca")
+                return
 
     async def _refused(
         self, entry: Entry | None, replica: Replica, resp: Response, model: str, *, ttfb: float, probe: bool

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from router.control.admin import Admin
 from router.control.cards import CardReader
+from router.control.engines import EngineReader
 from router.control.fleet import LocalFleet
 from router.control.health import HealthChecker
 from router.control.sinks import Sinks, build_sinks
@@ -42,6 +43,7 @@ from router.core.config.settings import Config
 from router.core.config.tenants import Queueing, unit_weight
 from router.core.errors import CannotListen
 from router.core.pool.ejection import EjectionPolicy
+from router.core.pool.loads import Bounds, EngineView
 from router.core.pool.picking import Routing
 from router.core.pool.pool import Limits, Pool
 from router.core.pool.tallies import WORKER_UNSERVED_NAMES
@@ -122,6 +124,7 @@ class RouterServer(Listening):
             limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
             routing={name: Routing(model.routing, model.balance_factor) for name, model in config.models.items()},
             queueing=Queueing(config.priority_classes, config.max_queued_per_tenant, unit_weight(config.api_keys)),
+            engines=engine_view(config, clock),
         )
         if worker_socket is not None:
             # The supervisor bounds the unserved names once it has summed its workers'.
@@ -142,6 +145,7 @@ class RouterServer(Listening):
         self._resources = contextlib.AsyncExitStack()
         self.health: HealthChecker | None = None
         self.cards: CardReader | None = None
+        self.engines: EngineReader | None = None
         self.client_address: tuple[str, int] | None = None
         self.admin_address: tuple[str, int] | None = None
 
@@ -160,7 +164,7 @@ class RouterServer(Listening):
                 await self._alone(stack, admin_app, client, before_clients)
             else:
                 await self._worker(stack, self.worker_socket, admin_app, client, before_clients)
-            self._start_readers()
+            self._start_readers(stack)
             self._resources = stack.pop_all()
         self.ready = True
 
@@ -292,7 +296,7 @@ class RouterServer(Listening):
         self.client_address = _bound_client(self._client_listener)
         self.admin_address = ("", 0)
 
-    def _start_readers(self) -> None:
+    def _start_readers(self, stack: contextlib.AsyncExitStack) -> None:
         """The background readers of the replicas, a router's and a worker's alike."""
         config, loop = self.config, asyncio.get_running_loop()
         assert self.proxy is not None
@@ -300,6 +304,10 @@ class RouterServer(Listening):
             # Each replica's /v1/models when it joins or shows life: the catalog's model cards.
             self.cards = CardReader(self.pool, self._session, self.proxy.catalog.cards)
             self._tasks.append(loop.create_task(self.cards.run()))
+        if config.engine_metrics_seconds > 0:
+            # Each engine's load, read while its model is busy (router/control/engines.py).
+            self.engines = engine_reader(stack, config, self.pool)
+            self._tasks.append(loop.create_task(self.engines.run()))
         if config.health_check_interval_seconds > 0:
             self.health = HealthChecker(
                 self.pool,
@@ -386,6 +394,34 @@ def freeze_start_up() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def engine_view(config: Config, clock: Clock) -> EngineView | None:
+    """How the engines' readings weigh in picks (router/core/pool/loads.py); None when they are not read."""
+    every = config.engine_metrics_seconds
+    if every <= 0:
+        return None
+    default = Bounds(config.saturated_waiting, config.saturated_kv)
+    bounds = {
+        name: Bounds(
+            model.saturated_waiting if model.saturated_waiting is not None else default.waiting,
+            model.saturated_kv if model.saturated_kv is not None else default.kv,
+        )
+        for name, model in config.models.items()
+    }
+    # A reading three intervals old (and at least a second) says nothing any more.
+    return EngineView(clock.now, stale_after=max(1.0, 3 * every), bounds=bounds, default=default)
+
+
+def engine_reader(stack: contextlib.AsyncExitStack, config: Config, pool: Pool) -> EngineReader:
+    """The reader of the engines' loads, on an upstream client of its own (its close on `stack`)."""
+    client = Client(
+        connect_timeout=min(config.connect_timeout_seconds, 2.0),
+        keepalive_seconds=config.upstream_keepalive_seconds,
+        idle_timeout=max(2.0, 2 * config.engine_metrics_seconds),
+    )
+    stack.push_async_callback(client.close)
+    return EngineReader(pool, client, every=config.engine_metrics_seconds)
 
 
 def waker_of(server: RouterServer, session: aiohttp.ClientSession) -> Waker:

@@ -170,7 +170,7 @@ def test_the_configuration_reference_says_what_the_code_declares() -> None:
             assert shown == (list(expected) if isinstance(expected, tuple) else expected), key
         assert (comments.get(key) or "") == setting.help, key
     # The tables' keys too.
-    from router.core.config.settings import _MODEL_KEYS
+    from router.core.config.models import _MODEL_KEYS
 
     assert set(documented["models"]["llama-3.1-8b"]) == _MODEL_KEYS
     from router.core.config.settings import _KUBERNETES_KEYS
@@ -231,3 +231,11 @@ def test_affinity_settings_are_read() -> None:
     assert parse_config({"expose_replica_header": True}, "<test>", environ={}).expose_replica_header is True
     with pytest.raises(ConfigError, match="expose_replica_header: must be true or false, got a string"):
         parse_config({"expose_replica_header": "yes"}, "<test>", environ={})
+
+
+def test_the_routings_the_settings_accept_are_the_pools_policies() -> None:
+    """The settings name the policies they accept, so as not to depend on the pool that reads them."""
+    from router.core.config.models import ROUTINGS
+    from router.core.pool.picking import POLICIES
+
+    assert set(ROUTINGS) == set(POLICIES)

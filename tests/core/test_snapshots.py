@@ -46,6 +46,10 @@ def expected(replica: Replica, started_at: float = WALL) -> tuple[object, ...]:
         replica.ejections,
         replica.recoveries,
         replica.connects_failed,
+        # The engine and its reading: none read in these pools (engine metrics off).
+        replica.engine,
+        None,
+        False,
     )
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from router.core.config.engines import ENGINES
+
 
 @dataclass(frozen=True, slots=True)
 class Card:
@@ -85,3 +87,14 @@ class Cards:
 
     def put(self, model: str, card: Card) -> None:
         self._by_model[model] = card
+
+
+def engine_of(doc: object, model: str) -> str | None:
+    """The engine a /v1/models answer comes from, by its entry's `owned_by` (vLLM, SGLang and llama.cpp
+    write their own name there); None: it does not say one whose load the router reads."""
+    if not isinstance(doc, dict) or not isinstance(data := doc.get("data"), list):
+        return None
+    entries = [entry for entry in data if isinstance(entry, dict)]
+    chosen = next((entry for entry in entries if entry.get("id") == model), entries[0] if entries else None)
+    owner = chosen.get("owned_by") if chosen is not None else None
+    return owner if isinstance(owner, str) and owner in ENGINES else None

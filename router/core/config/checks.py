@@ -140,6 +140,17 @@ def unknown_key(where: Where, key: str, name: str, known: Iterable[str]) -> Conf
     return where.error(key, f"unknown key (did you mean {close[0]!r}?)" if close else "unknown key")
 
 
+def one_of(where: Where, key: str, value: object, known: Iterable[str]) -> str:
+    """A string that is one of `known`: an error that lists them, and the one it most likely means."""
+    text = string(where, key, value)
+    names = sorted(known)
+    if text not in names:
+        close = difflib.get_close_matches(text, names, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise where.error(key, f"unknown value {text!r} (known: {', '.join(names)}){hint}")
+    return text
+
+
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 

@@ -8,6 +8,9 @@ routed all the same: the replica of a model that lacks it answers its own 404.
 
 from __future__ import annotations
 
+# The engines whose load the router reads, each under its own names (router.control.engines).
+ENGINES = ("vllm", "sglang", "llamacpp", "tgi")
+
 # The POST paths routed by the model their body names (config routed_paths).
 ROUTED_PATHS = (
     # OpenAI's own: every engine.

@@ -24,7 +24,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from router.core.config import checks as check
-from router.core.config.engines import ROUTED_PATHS, UPGRADE_PATHS
+from router.core.config.engines import ENGINES, ROUTED_PATHS, UPGRADE_PATHS
+from router.core.config.models import ModelConfig, parse_models
 from router.core.config.tenants import (
     DEFAULT_CLASSES,
     ClientKey,
@@ -36,12 +37,6 @@ from router.core.config.tenants import (
 from router.core.errors import ConfigError
 
 LabelValue = str | int | float | bool
-
-# The picking policies a model may be routed by (each one of
-# router.core.pool.picking.POLICIES, a test holds the two the same): named
-# here, so that the settings do not depend on the pool that reads them.
-ROUTINGS = ("least_loaded", "session", "prefix")
-DEFAULT_ROUTING = "least_loaded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +60,15 @@ class ReplicaConfig:
     model: str
     url: str
     labels: Mapping[str, LabelValue] = field(default_factory=lambda: MappingProxyType({}))
+    # The engine it runs (one of ENGINES), whose load the router reads; None: recognised
+    # from the names its /metrics exports, if it exports any.
+    engine: str | None = None
 
     def as_json(self) -> dict[str, Any]:
-        return {"id": self.id, "model": self.model, "url": self.url, "labels": dict(self.labels)}
+        doc: dict[str, Any] = {"id": self.id, "model": self.model, "url": self.url, "labels": dict(self.labels)}
+        if self.engine is not None:
+            doc["engine"] = self.engine
+        return doc
 
 
 def parse_address(where: check.Where, key: str, value: object) -> Address:
@@ -116,27 +117,6 @@ class KubernetesDiscovery:
     # "pods": `selector` picks pods, whose labels name the model and fill `labels_from`
     # (the slices of the namespace still say which serve); needs list/watch on pods.
     selector_on: str = SELECTOR_ON[0]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """One model's settings: aliases, fallbacks, routing, holding for a cold start."""
-
-    name: str
-    aliases: tuple[str, ...] = ()
-    fallbacks: tuple[str, ...] = ()
-    # The picking policy (one of ROUTINGS: router.core.pool.picking.POLICIES) for this model's replicas.
-    routing: str = DEFAULT_ROUTING
-    # routing = "session": the header that names the session (then the body's
-    # `user`, then `previous_response_id`); "prefix": how much of the prompt
-    # makes the key. Both: no replica above ceil(balance_factor x mean in flight).
-    session_header: str = "X-Session-Id"
-    prefix_chars: int = 1024
-    balance_factor: float = 1.25
-    # Scale from zero: how long a request may be held waiting for a replica
-    # that answers (0: a prompt 503 as before), and how many at once.
-    cold_start_seconds: float = 0.0
-    max_held: int = 100
 
 
 # Each setting is declared once, as a field of Config below: its type and
@@ -272,6 +252,19 @@ class Config:
         "", check.optional_url, 'optional: POST {"router", "model", "held", "since"} here when a request is held'
     )
     wake_cooldown_seconds: float = _seconds(10.0, "at most one wake call per model this often while requests stay held")
+    engine_metrics_seconds: float = _seconds(
+        0.5, "read each busy replica's engine load this often (docs/routing.md); 0 = off", minimum=0.0
+    )
+    saturated_waiting: float = _setting(
+        5.0,
+        lambda w, k, v: check.number(w, k, v, minimum=0.001),
+        "a replica whose engine has this many requests waiting is saturated: requests wait in the router",
+    )
+    saturated_kv: float = _setting(
+        0.8,
+        lambda w, k, v: check.number(w, k, v, minimum=0.001),
+        "... or whose KV cache is this full (a fraction; above 1: never)",
+    )
     replicas: tuple[ReplicaConfig, ...] = ()
     models: Mapping[str, ModelConfig] = field(default_factory=lambda: MappingProxyType({}))
     # [[priority_classes]], highest first (router.core.config.tenants): interactive and batch unless declared.
@@ -292,36 +285,7 @@ _TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery", "priority_class
 # `router scaler`'s table (router/scaler/settings.py reads and checks it), so
 # that one file may configure both; `router serve` does not read it.
 _OTHER_COMMANDS_TABLES = {"scaler"}
-_REPLICA_KEYS = {"id", "model", "url", "labels"}
-_MODEL_KEYS = {
-    "aliases",
-    "fallbacks",
-    "routing",
-    "session_header",
-    "prefix_chars",
-    "balance_factor",
-    "cold_start_seconds",
-    "max_held",
-}
-
-# A header name (RFC 9110 5.1: a token).
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-# Headers the router itself frames, consumes or sets: never a session's name.
-_OWN_HEADERS = frozenset(
-    {
-        "host",
-        "content-length",
-        "transfer-encoding",
-        "connection",
-        "expect",
-        "upgrade",
-        "authorization",
-        "x-request-id",
-        "te",
-        "trailer",
-        "keep-alive",
-    }
-)
+_REPLICA_KEYS = {"id", "model", "url", "labels", "engine"}
 
 
 def _labels(where: check.Where, key: str, value: object) -> Mapping[str, LabelValue]:
@@ -367,7 +331,12 @@ def parse_replica(where: check.Where, key: str, index: int, raw: object, seen: d
         model=check.string(where, f"{item_key}.model", table["model"]),
         url=_replica_url(where, f"{item_key}.url", table["url"]),
         labels=_labels(where, f"{item_key}.labels", table.get("labels", {})),
+        engine=_engine(where, f"{item_key}.engine", table.get("engine")),
     )
+
+
+def _engine(where: check.Where, key: str, value: object) -> str | None:
+    return None if value is None else check.one_of(where, key, value, ENGINES)
 
 
 def check_unique(where: check.Where, key: str, index: int, replica_id: str, seen: dict[str, int]) -> None:
@@ -375,65 +344,6 @@ def check_unique(where: check.Where, key: str, index: int, replica_id: str, seen
     if replica_id in seen:
         raise where.error(f"{key}[{index}].id", f"duplicate replica id {replica_id!r} (also {key}[{seen[replica_id]}])")
     seen[replica_id] = index
-
-
-def _models(where: check.Where, value: object, replicas: tuple[ReplicaConfig, ...]) -> Mapping[str, ModelConfig]:
-    if not isinstance(value, dict):
-        raise where.error("models", f"must be a table, got {check.type_name(value)}")
-    served = {r.model for r in replicas}
-    declared = set(value) | served
-    alias_owner: dict[str, str] = {}
-    out: dict[str, ModelConfig] = {}
-    for name, raw in value.items():
-        key = f'models."{name}"'
-        check.table(where, key, raw, _MODEL_KEYS)
-        aliases = check.string_list(where, f"{key}.aliases", raw.get("aliases", []))
-        fallbacks = check.string_list(where, f"{key}.fallbacks", raw.get("fallbacks", []))
-        routing = check.string(where, f"{key}.routing", raw.get("routing", DEFAULT_ROUTING))
-        cold_start = check.number(where, f"{key}.cold_start_seconds", raw.get("cold_start_seconds", 0.0), minimum=0.0)
-        max_held = int(check.number(where, f"{key}.max_held", raw.get("max_held", 100), minimum=1, integer=True))
-        if routing not in ROUTINGS:
-            known = ", ".join(repr(name) for name in ROUTINGS)
-            raise where.error(f"{key}.routing", f"unknown policy {routing!r} (known: {known})")
-        session_header = check.string(where, f"{key}.session_header", raw.get("session_header", "X-Session-Id"))
-        if not _TOKEN.fullmatch(session_header):
-            raise where.error(f"{key}.session_header", f"{session_header!r} is not a valid header name")
-        if session_header.lower() in _OWN_HEADERS:
-            raise where.error(
-                f"{key}.session_header", f"{session_header!r} is a header the router reads or sets itself"
-            )
-        prefix_chars = check.number(
-            where, f"{key}.prefix_chars", raw.get("prefix_chars", 1024), minimum=1, integer=True
-        )
-        balance_factor = check.number(where, f"{key}.balance_factor", raw.get("balance_factor", 1.25), minimum=1.0)
-        for i, alias in enumerate(aliases):
-            if alias in declared:
-                raise where.error(f"{key}.aliases[{i}]", f"alias {alias!r} shadows the model of that name")
-            if alias in alias_owner:
-                raise where.error(
-                    f"{key}.aliases[{i}]", f"alias {alias!r} is already an alias of {alias_owner[alias]!r}"
-                )
-            alias_owner[alias] = name
-        for i, target in enumerate(fallbacks):
-            if target == name:
-                raise where.error(f"{key}.fallbacks[{i}]", "a model cannot fall back to itself")
-            if target not in declared:
-                raise where.error(
-                    f"{key}.fallbacks[{i}]",
-                    f"fallback to {target!r}, a model that no replica serves and no [models] table declares",
-                )
-        out[name] = ModelConfig(
-            name=name,
-            aliases=aliases,
-            fallbacks=fallbacks,
-            routing=routing,
-            session_header=session_header,
-            prefix_chars=int(prefix_chars),
-            balance_factor=float(balance_factor),
-            cold_start_seconds=float(cold_start),
-            max_held=max_held,
-        )
-    return MappingProxyType(out)
 
 
 def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str] | None = None) -> Config:
@@ -459,7 +369,7 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
             "admin_listen", f"must differ from listen ({listen}): the client port and the admin API need two"
         )
     replicas = parse_replicas(where, "replicas", raw.get("replicas", []))
-    models = _models(where, raw.get("models", {}), replicas)
+    models = parse_models(where, raw.get("models", {}), {r.model for r in replicas})
     discovery = _discovery(where, raw["discovery"]) if "discovery" in raw else None
     if discovery is not None and replicas:
         raise where.error("replicas", "cannot be used with [discovery.kubernetes], which owns the whole replica set")

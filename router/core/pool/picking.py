@@ -40,7 +40,12 @@ class Policy(Protocol[T]):
 
     def __len__(self) -> int: ...
 
+    # A reading of one of the model's engines has come: picks weigh the engines' loads.
+    aware: bool
+
     def __contains__(self, item: object) -> bool: ...
+
+    def __iter__(self) -> Iterator[T]: ...
 
     def add(self, item: T, load: int) -> None: ...
 
@@ -56,6 +61,14 @@ class Policy(Protocol[T]):
     def lowest_load(self) -> int | None:
         """In flight on the least loaded candidate; None with no candidate."""
         ...
+
+    @property
+    def total_in_flight(self) -> int:
+        """Requests in flight over every candidate."""
+        ...
+
+    # Requests sent to its candidates so far.
+    picks: int
 
     def pick(self, key: Hashable | None = None) -> T | None:
         """The candidate for a first attempt; `key` is the request's (session, prefix) or None."""
@@ -97,6 +110,10 @@ class PolicySettings:
     # Where first picks are counted: [hit, spill, none] (AFFINITY_OUTCOMES), kept by the
     # pool for the model, so that the counts outlive a policy made anew.
     outcomes: list[int] = field(default_factory=lambda: [0, 0, 0])
+    # The engine-aware score of a candidate (router.core.pool.loads.EngineView.judge: lower
+    # first, math.inf when its engine is saturated), used once a reading of the model's
+    # engines has come (`aware`); None: engine metrics are off, and loads alone decide.
+    judge: Callable[[Any], float] | None = None
 
 
 # What a session or prefix policy's first pick was: the key's own replica, one
@@ -113,7 +130,7 @@ class LeastLoaded(Generic[T]):
     bucket over. The bookkeeping of loads that the hashing policies share.
     """
 
-    __slots__ = ("_buckets", "_slots", "_lowest", "_rng", "_total")
+    __slots__ = ("_buckets", "_judge", "_slots", "_lowest", "_rng", "_total", "aware", "picks")
 
     def __init__(self, rng: random.Random | None = None, settings: PolicySettings | None = None) -> None:
         # _buckets[n] holds the candidates with n requests in flight.
@@ -125,6 +142,11 @@ class LeastLoaded(Generic[T]):
         self._rng = rng or random.Random()
         # Requests in flight over all candidates (the bounded loads' average reads it).
         self._total = 0
+        self._judge = settings.judge if settings is not None else None
+        # A reading of an engine of this model has come: picks are by `_judge` from now on.
+        self.aware = False
+        # Requests sent to its candidates so far (what tells a busy model from a quiet one).
+        self.picks = 0
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -159,8 +181,18 @@ class LeastLoaded(Generic[T]):
         """In flight on the least loaded candidate; None with no candidate."""
         return self._lowest if self._slots else None
 
+    @property
+    def total_in_flight(self) -> int:
+        return self._total
+
     def pick(self, key: Hashable | None = None) -> T | None:
-        """The least loaded candidate (a random one among equals), or None; the key plays no part."""
+        """The least loaded candidate (a random one among equals), or None; the key plays no part.
+
+        Once the model's engines report their load, the least loaded by their
+        view (EngineView.judge), over every candidate: None if all are saturated.
+        """
+        if self.aware and self._judge is not None:
+            return self._judged(None, ())
         if not self._slots:
             return None
         bucket = self._buckets[self._lowest]
@@ -173,6 +205,8 @@ class LeastLoaded(Generic[T]):
 
         Used only on retries, so a scan is fine here.
         """
+        if self.aware and self._judge is not None:
+            return self._judged(avoid, exclude)
         fallback: T | None = None
         avoid_slot = self._slots.get(avoid) if avoid is not None else None
         for load in range(self._lowest, len(self._buckets)):
@@ -183,11 +217,34 @@ class LeastLoaded(Generic[T]):
                 fallback = avoid
         return fallback
 
+    def _judged(self, avoid: T | None, exclude: Container[T]) -> T | None:
+        """The candidate the judge scores lowest (a random one among equals), never one of
+        `exclude`, `avoid` only if nothing else is left; None when every one is saturated."""
+        judge = self._judge
+        assert judge is not None
+        best: list[T] = []
+        lowest = math.inf
+        for item in self._slots:
+            if item is avoid or item in exclude:
+                continue
+            score = judge(item)
+            if score < lowest:
+                lowest = score
+                best = [item]
+            elif score == lowest and score != math.inf:
+                best.append(item)
+        if not best:
+            if avoid is not None and avoid in self._slots and avoid not in exclude and judge(avoid) != math.inf:
+                return avoid
+            return None
+        return best[0] if len(best) == 1 else best[self._rng.randrange(len(best))]
+
     def increment(self, item: T) -> None:
         slot = self._slots.get(item)
         if slot is None:
             return
         self._total += 1
+        self.picks += 1
         load = slot[0]
         self._unplace(slot)
         self._place(item, slot, load + 1)
@@ -278,7 +335,7 @@ class BoundedHashRing(LeastLoaded[T]):
     )
 
     def __init__(self, rng: random.Random | None = None, settings: PolicySettings | None = None) -> None:
-        super().__init__(rng)
+        super().__init__(rng, settings)
         settings = settings or PolicySettings()
         self._factor = settings.balance_factor
         self._per_replica = settings.per_replica
@@ -375,13 +432,14 @@ class BoundedHashRing(LeastLoaded[T]):
             start = self._candidate_from(start)
             home = self._owners[start]
             slot = self._slots[home]
-        if slot[0] < capacity:
+        judge = self._judge if self.aware else None
+        if slot[0] < capacity and (judge is None or judge(home) != math.inf):
             self._outcomes[_HIT] += 1
             return home
         self._outcomes[_SPILL] += 1
         found = self._walk(start, capacity, home, ())
-        # Only with a per-replica limit can every candidate be full: the least
-        # loaded is the pool's to refuse (it waits, or answers 503).
+        # Only with a per-replica limit, or every engine saturated, can every candidate be
+        # full: the least loaded is the pool's to refuse (it waits, or answers 503).
         return found if found is not None else super().pick()
 
     def pick_avoiding(self, avoid: T | None, exclude: Container[T], key: Hashable | None = None) -> T | None:
@@ -398,6 +456,8 @@ class BoundedHashRing(LeastLoaded[T]):
         owners = self._owners
         slots = self._slots
         count = len(owners)
+        # A candidate whose engine is saturated is passed over as a full one is.
+        judge = self._judge if self.aware else None
         seen: set[T | None] = {passed}
         left = len(slots) - (passed in slots)
         if not left:
@@ -415,7 +475,7 @@ class BoundedHashRing(LeastLoaded[T]):
                 # Resting on the ring, not a candidate.
                 seen.add(owner)
                 continue
-            if slot[0] < capacity and owner not in exclude:
+            if slot[0] < capacity and owner not in exclude and (judge is None or judge(owner) != math.inf):
                 return owner
             seen.add(owner)
             left -= 1

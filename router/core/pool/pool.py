@@ -31,10 +31,12 @@ from router.core.config.tenants import Queueing
 from router.core.pool.coldstart import ColdStart
 from router.core.pool.ejection import EjectionPolicy, Ejections
 from router.core.pool.fairness import Lines
-from router.core.pool.picking import Routing
+from router.core.pool.loads import EngineView
+from router.core.pool.picking import Policy, Routing
 from router.core.pool.pinned import PinnedLines
 from router.core.pool.queues import Queues
 from router.core.pool.replicas import Replica, ReplicaSet, ReplicaState, SetDiff
+from router.core.pool.saturation import EngineLoads
 from router.core.pool.tallies import Tallies
 
 _NO_ROUTING: Mapping[str, Routing] = {}
@@ -64,8 +66,10 @@ class Pool:
         limits: Limits = Limits(),
         routing: Mapping[str, Routing] = _NO_ROUTING,
         queueing: Queueing = _DEFAULT_QUEUEING,
+        engines: EngineView | None = None,
     ) -> None:
-        """`routing`: the picking policy per model; least-loaded otherwise. `queueing`: the order of its queue."""
+        """`routing`: the picking policy per model; least-loaded otherwise. `queueing`: the order of its queue.
+        `engines`: how the engines' readings weigh in picks and saturate replicas; None: engine metrics are off."""
         self.clock = clock
         # The clock's reading itself, bound once: acquire() calls it per request.
         self._now = clock.now
@@ -97,6 +101,9 @@ class Pool:
         self._candidates = self._set.candidates
         # Every model that had a replica since start: known, so never 404.
         self.ever_served = self._set.ever_served
+        self.engines = engines
+        # The engines' readings as they come (router.core.pool.saturation); None: engine metrics are off.
+        self.engine_loads: EngineLoads | None = None
         self.ejection = ejection
         self.ejections = Ejections(ejection, now=self._now, replicas=self._set)
         self._ejected = self.ejections.ejected
@@ -119,6 +126,11 @@ class Pool:
         )
         # Models whose held requests wait for a replica that answers.
         self._cold = self.cold_start.cold
+        if engines is not None:
+            self._set.judge = engines.judge
+            self.engine_loads = EngineLoads(
+                engines, clock, self._candidates, self._waiting, self.touched, hand_off=self._hand_off
+            )
         self.pinned = PinnedLines(clock, self._by_id, self._seq.__next__, self.acquire_this, self.release)
         self._pinned = self.pinned.lines
         self.set_replicas(replicas)
@@ -126,7 +138,12 @@ class Pool:
     # The hot path -----------------------------------------------------------
 
     def acquire(
-        self, model: str, avoid: Replica | None = None, exclude: Container[Replica] = (), key: Hashable | None = None
+        self,
+        model: str,
+        avoid: Replica | None = None,
+        exclude: Container[Replica] = (),
+        key: Hashable | None = None,
+        tokens: int = 0,
     ) -> Replica | None:
         """Pick a ready replica of `model` by its policy, count it, stamp it.
 
@@ -136,7 +153,9 @@ class Pool:
         On a retry, `avoid` is the replica that just failed: chosen again only
         when no other can serve (a stale keep-alive connection deserves a
         second try). `exclude` are replicas that this request must not reach
-        again (they refused the connection or answered 503).
+        again (they refused the connection or answered 503). `tokens`: about
+        how many prompt tokens the request carries (a large prompt weighs in
+        the next picks while its prefill runs, router.core.pool.loads).
         """
         if self._ejected and self._now() >= self.ejections.next_readmit:
             self.ejections.readmit_expired()
@@ -157,6 +176,8 @@ class Pool:
         replica.in_flight += 1
         replica.last_used = self._now()
         self.touched[replica] = None
+        if tokens and self.engines is not None:
+            self.engines.sent(replica, tokens)
         return replica
 
     def acquire_this(self, replica_id: str) -> Replica | None:
@@ -218,14 +239,16 @@ class Pool:
             self._hand_off(model)
 
     def saturated(self, model: str) -> bool:
-        """True when `model` could serve but every candidate is at a limit."""
+        """True when `model` could serve but every candidate is at a limit, or its engine saturated."""
         candidates = self._candidates.get(model)
         if candidates is None or not len(candidates):
             return False
         if self.limits.total and self.in_flight >= self.limits.total:
             return True
         lowest = candidates.lowest_load
-        return bool(self.limits.per_replica) and lowest is not None and lowest >= self.limits.per_replica
+        if bool(self.limits.per_replica) and lowest is not None and lowest >= self.limits.per_replica:
+            return True
+        return self.engine_loads is not None and self.engine_loads.saturated(model, candidates)
 
     # Counters, demand and health -------------------------------------------------
 
@@ -296,6 +319,10 @@ class Pool:
     def models(self) -> list[str]:
         """Models with at least one replica in the desired set."""
         return list(self._models)
+
+    def candidates_by_model(self) -> list[tuple[str, Policy[Replica]]]:
+        """Each model with ready replicas, and its policy over them (what the engines' reader walks)."""
+        return list(self._candidates.items())
 
     def serves(self, model: str) -> bool:
         return model in self._models

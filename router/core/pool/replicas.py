@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from router.core.config.settings import ReplicaConfig
+from router.core.pool.loads import EngineLoad, Prefills
 from router.core.pool.picking import POLICIES, Policy, PolicySettings, Routing
 
 
@@ -50,6 +51,9 @@ class Replica:
         "recoveries",
         "responses",
         "errors",
+        "engine",
+        "load",
+        "prefills",
     )
 
     def __init__(self, config: ReplicaConfig, added_at: float) -> None:
@@ -75,6 +79,11 @@ class Replica:
         # Upstream answers by status class ("2xx", ...) and failures by reason.
         self.responses: dict[str, int] = {}
         self.errors: dict[str, int] = {}
+        # The engine it runs, as configured or recognised from its metrics; None: not known (yet).
+        self.engine = config.engine
+        # Its engine's last reading of its load, and its large prompts still prefilling (router.core.pool.loads).
+        self.load: EngineLoad | None = None
+        self.prefills: Prefills | None = None
 
     @property
     def state(self) -> ReplicaState:
@@ -140,6 +149,7 @@ class ReplicaSet:
         "candidates",
         "ever_served",
         "joined",
+        "judge",
         "leaving",
         "models",
         "_affinity",
@@ -185,6 +195,8 @@ class ReplicaSet:
         # Replicas that became ready (added, readmitted, undrained), for a reader that
         # takes them out (Pool.watch_joins); None while no one watches, and nothing is kept.
         self.joined: dict[Replica, None] | None = None
+        # The engine-aware score each model's policy picks by (router.core.pool.loads); None: off.
+        self.judge: Callable[[Replica], float] | None = None
         # While a whole set is applied: the policies holding their changes, and
         # the models whose waiters are told once it is in.
         self._batch: _Batch | None = None
@@ -295,6 +307,7 @@ class ReplicaSet:
                 self._per_replica,
                 _replica_name,
                 self._affinity.setdefault(replica.model, [0, 0, 0]),
+                self.judge,
             )
             candidates = self.candidates[replica.model] = POLICIES[routing.policy](self._rng, settings)
         batch = self._batch

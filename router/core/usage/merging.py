@@ -146,11 +146,19 @@ def _combined(key: Key, parts: list[ReplicaUsage], memory: Memory) -> ReplicaUsa
         ejections=totals.ejections,
         recoveries=totals.recoveries,
         connects_failed=totals.connects_failed,
+        engine=next((r.engine for r in parts if r.engine is not None), None),
+        # Each worker reads the engine itself: the freshest reading stands for all.
+        engine_load=max(
+            (r.engine_load for r in parts if r.engine_load is not None), key=lambda e: e.read_at, default=None
+        ),
+        saturated=any(r.saturated for r in parts),
     )
 
 
 # The router's tallies, demand and queues, as combined from its workers'.
-Figures = tuple[dict[str, dict[Any, int]], dict[str, Demand], dict[str, int], dict[tuple[str, str, str], Queued]]
+Figures = tuple[
+    dict[str, dict[Any, int]], dict[str, Demand], dict[str, int], dict[tuple[str, str, str], Queued], dict[str, float]
+]
 
 
 def _figures(snapshots: Iterable[UsageSnapshot], memory: Memory) -> Figures:
@@ -160,8 +168,12 @@ def _figures(snapshots: Iterable[UsageSnapshot], memory: Memory) -> Figures:
     # A gauge: the live workers' queues add up, and a dead worker's queue is gone with it.
     queued: dict[str, int] = {}
     queues: dict[tuple[str, str, str], Queued] = {}
+    # Each worker sees the engines itself: the router's view of a model is its most saturated worker's.
+    saturation: dict[str, float] = {}
     for snapshot in snapshots:
         _add_into(queued, snapshot.queued)
+        for model, share in snapshot.saturation.items():
+            saturation[model] = max(share, saturation.get(model, 0.0))
         for key, figures in snapshot.queues.items():
             so_far = queues.get(key)
             queues[key] = (
@@ -185,7 +197,7 @@ def _figures(snapshots: Iterable[UsageSnapshot], memory: Memory) -> Figures:
             _add_into(tallies[name], getattr(snapshot, name))
     # The workers count every name; the bound on names is the router's, applied to the sums.
     tallies["unserved"] = bounded_unserved(tallies["unserved"], memory.unserved_names)
-    return tallies, demand, queued, queues
+    return tallies, demand, queued, queues, saturation
 
 
 def _snapshot(
@@ -198,7 +210,7 @@ def _snapshot(
     tick_seconds: float,
     **book: Any,
 ) -> UsageSnapshot:
-    tallies, demand, queued, queues = figures
+    tallies, demand, queued, queues, saturation = figures
     return UsageSnapshot(
         router=router,
         started_at=started_at,
@@ -216,6 +228,7 @@ def _snapshot(
         demand=MappingProxyType(demand),
         queued=MappingProxyType(queued),
         queues=MappingProxyType(queues),
+        saturation=MappingProxyType(saturation),
         **book,
     )
 

@@ -72,6 +72,12 @@ class ReplicaUsage(NamedTuple):
     recoveries: int = 0
     # Connections to the replica that failed (refused, timed out): nothing reached it, so none is in `requests`.
     connects_failed: int = 0
+    # The engine it runs (configured or recognised; None: not known), and its last reading of its load
+    # (router.core.pool.loads): waiting, running (None: not said), KV use (None: not said), when it was
+    # read (Unix seconds) and how; None: none read. `saturated`: at its model's bounds as of the snapshot.
+    engine: str | None = None
+    engine_load: EngineReading | None = None
+    saturated: bool = False
 
     def quiet_seconds(self, now: float) -> float | None:
         """Seconds since the last request, or None when no request is known."""
@@ -89,6 +95,16 @@ REPLICA_MAPPINGS = ("labels", "responses", "errors")
 
 def _pairs(rows: list[list[Any]]) -> Mapping[tuple[str, str], int]:
     return MappingProxyType({(a, b): n for a, b, n in rows})
+
+
+class EngineReading(NamedTuple):
+    """A replica's engine load as the snapshot shows it."""
+
+    waiting: float
+    running: float | None
+    kv: float | None
+    read_at: float
+    source: str
 
 
 class Demand(NamedTuple):
@@ -133,6 +149,9 @@ class UsageSnapshot:
     queued: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     # The same by (model, priority class, tenant): each that ever queued, at 0 once empty.
     queues: Mapping[tuple[str, str, str], Queued] = field(default_factory=lambda: MappingProxyType({}))
+    # Per model whose engines report their load: the share of its ready replicas saturated (0..1; 1:
+    # requests wait in the router for one to fall below its bounds).
+    saturation: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     # The record book behind the replicas (router.core.usage.records): its number,
     # this snapshot's seq in it, each record's key (beside `replicas`), and
     # what changed since the seq the taker asked about (None: not asked, or
@@ -181,6 +200,7 @@ class UsageSnapshot:
             "demand": {model: list(d) for model, d in self.demand.items()},
             "queued": dict(self.queued),
             "queues": [[*key, *figures] for key, figures in self.queues.items()],
+            "saturation": dict(self.saturation),
         }
 
     @classmethod
@@ -204,6 +224,7 @@ class UsageSnapshot:
             demand=MappingProxyType({model: Demand(*d) for model, d in doc["demand"].items()}),
             queued=MappingProxyType(doc["queued"]),
             queues=MappingProxyType({(m, p, t): Queued(n, since) for m, p, t, n, since in doc["queues"]}),
+            saturation=MappingProxyType(doc.get("saturation", {})),
             book=doc.get("book", 0),
             seq=doc.get("seq", 0),
             keys=tuple(keys) if keys and len(keys) == len(replicas) else (),
@@ -280,7 +301,14 @@ def record_json(r: ReplicaUsage) -> dict[str, Any]:
 
 
 def record_from_json(doc: Mapping[str, Any]) -> ReplicaUsage:
-    return ReplicaUsage(**{**doc, **{name: MappingProxyType(doc[name]) for name in REPLICA_MAPPINGS}})
+    load = doc.get("engine_load")
+    return ReplicaUsage(
+        **{
+            **doc,
+            **{name: MappingProxyType(doc[name]) for name in REPLICA_MAPPINGS},
+            "engine_load": None if load is None else EngineReading(*load),
+        }
+    )
 
 
 class Snapshotter:
@@ -332,6 +360,7 @@ class Snapshotter:
         build = tuple.__new__
         draining, drained = ReplicaState.DRAINING.value, ReplicaState.DRAINED.value
         ejected, ready = ReplicaState.EJECTED.value, ReplicaState.READY.value
+        engines = self.pool.engines
         for r in touched:
             in_flight = r.in_flight
             if r.removed and not in_flight:
@@ -371,6 +400,11 @@ class Snapshotter:
                     r.ejections,
                     r.recoveries,
                     r.connects_failed,
+                    r.engine,
+                    None
+                    if (load := r.load) is None
+                    else EngineReading(load.waiting, load.running, load.kv, load.at + offset, load.source),
+                    engines is not None and engines.saturated(r),
                 ),
             )
             put(known[0], usage)
@@ -442,6 +476,7 @@ class Snapshotter:
                     for key, (n, since) in pool.queues.figures().items()
                 }
             ),
+            saturation=MappingProxyType(pool.engine_loads.shares() if pool.engine_loads is not None else {}),
             book=self.book.number,
             seq=self.book.seq,
             keys=keys,

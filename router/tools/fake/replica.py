@@ -24,7 +24,7 @@ from aiohttp import web
 
 from router.tools.fake.echo import ECHOED, TRANSCRIBED, Echo
 from router.tools.fake.engine import Engine
-from router.tools.fake.exposition import metrics_page, orca_header, sglang_loads
+from router.tools.fake.exposition import ENGINES, metrics_page, orca_header, sglang_loads
 from router.tools.fake.inference import Inference
 from router.tools.fake.messages import Messages
 from router.tools.fake.responses import ResponsesApi
@@ -242,6 +242,9 @@ class FakeReplica:
     async def _metrics(self, request: web.Request) -> web.Response:
         assert self.engine is not None
         self.metrics_reads += 1
+        if self.engine_kind not in ENGINES:
+            # An engine whose page broke (a test's switch).
+            return web.Response(status=500, text="metrics unavailable")
         page = metrics_page(self.engine_kind, self.models[0], self.engine.report)
         return web.Response(body=page, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -293,5 +296,7 @@ class FakeReplica:
         return web.Response(body=orjson.dumps(info), content_type="application/json")
 
     async def _models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": self.name, **self.card} for m in self.models]
+        # A simulated engine says its name there, as vLLM, SGLang and llama.cpp do.
+        owner = self.engine_kind if self.engine is not None else self.name
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": owner, **self.card} for m in self.models]
         return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")

@@ -1,0 +1,192 @@
+"""What the engines say of their load, blended with what this router knows now: the pick's view of a replica.
+
+A replica's engine reports (router.control.engines reads it, or vLLM's ORCA
+header on an answer) its requests waiting and running and how full its KV
+cache is. That reading lags: it is as old as the last read, and this router
+has sent and finished requests since. So a reading keeps what this router
+had in flight on the replica when it was taken (`sent_then`), and the view
+of the replica now is the reading moved by the difference:
+
+    queue now   = waiting + max(0, in flight now - in flight then)
+    engine now  = running + waiting + (in flight now - in flight then)
+
+The engine's own counts include requests of other routers and of clients
+that reach it directly: a replica loaded by someone else shows its load.
+What no reading can say yet, a prompt sent a moment ago that the engine is
+still prefilling, this router knows itself: a large prompt is remembered
+with when its prefill should be done (at `prefill_tokens_per_second`), and
+its tokens not prefilled yet weigh in the pick, `TOKENS_PER_REQUEST` of them
+as much as one request.
+
+A reading older than `stale_after` says nothing (None): the replica is then
+picked by this router's counts alone, as with no engine metrics, and is
+never saturated by a reading no one renews. A replica is saturated when its
+queue now or its KV use reaches its model's bounds; when every replica of a
+model is, requests wait in the router's queue (router.core.pool.queues), by
+class and tenant, until one falls below them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+# A prompt of at least this many tokens (estimated at four bytes each) is remembered while its
+# prefill runs: shorter ones are prefilled within a step or two and change no pick.
+LARGE_PROMPT_TOKENS = 2048
+# How many prompt tokens still to prefill weigh as much as one request in flight.
+TOKENS_PER_REQUEST = 1000
+# How much a full KV cache adds to a replica's load, in requests (a tie-breaker below the bound).
+KV_WEIGHT = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """When a replica is saturated: its engine's queue (requests waiting) or its KV cache use (0..1)."""
+
+    waiting: float = 5.0
+    kv: float = 0.8
+
+
+class EngineLoad:
+    """One reading of a replica's engine load, and what this router had in flight there when it was taken."""
+
+    __slots__ = ("at", "kv", "running", "sent_then", "source", "waiting")
+
+    def __init__(  # noqa: PLR0917 (a value object: its fields in order)
+        self, waiting: float, running: float | None, kv: float | None, at: float, sent_then: int, source: str
+    ) -> None:
+        self.waiting = waiting
+        # None: this reading did not say (vLLM's ORCA header carries the queue and the KV cache only).
+        self.running = running
+        self.kv = kv
+        # When it was taken (the pool's clock), and this router's requests in flight on the replica then.
+        self.at = at
+        self.sent_then = sent_then
+        # How it was read: "metrics", "loads" (SGLang's /v1/loads) or "orca" (an answer's header).
+        self.source = source
+
+    def __repr__(self) -> str:
+        return f"EngineLoad(waiting={self.waiting}, running={self.running}, kv={self.kv}, source={self.source!r})"
+
+
+class Prefills:
+    """A replica's large prompts still being prefilled, as this router sent them: (done at, tokens)."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[float, float, int]] = []
+
+    def add(self, now: float, tokens: int, rate: float) -> None:
+        self.entries.append((now, now + tokens / rate, tokens))
+
+    def left(self, now: float) -> float:
+        """Tokens of them not prefilled yet, by now; those done are forgotten."""
+        entries = self.entries
+        if entries and entries[0][1] <= now:
+            self.entries = entries = [e for e in entries if e[1] > now]
+        total = 0.0
+        for began, done, tokens in entries:
+            total += tokens * (done - now) / (done - began)
+        return total
+
+
+def queue_now(load: EngineLoad, in_flight: int) -> float:
+    """The engine's queue as it likely is now: as read, and what this router sent since (never less)."""
+    sent = in_flight - load.sent_then
+    return load.waiting + sent if sent > 0 else load.waiting
+
+
+def pressure(load: EngineLoad, in_flight: int, bounds: Bounds) -> float:
+    """How near its bounds the replica is: 1 or more is saturated (the endpoint picker's roofline)."""
+    queue = queue_now(load, in_flight) / bounds.waiting
+    kv = load.kv / bounds.kv if load.kv is not None else 0.0
+    return queue if queue > kv else kv
+
+
+def blended(load: EngineLoad | None, in_flight: int, prefilling: float) -> float:
+    """A replica's load for the pick, lowest first: requests at the engine now (this router's and
+    everyone's), the queue counted twice, the KV cache's fullness, and the prompts still prefilling."""
+    score = in_flight + prefilling / TOKENS_PER_REQUEST
+    if load is None:
+        return score
+    moved = in_flight - load.sent_then
+    engine = (load.running if load.running is not None else load.sent_then) + load.waiting + moved
+    queue = queue_now(load, in_flight)
+    kv = load.kv if load.kv is not None else 0.0
+    return (engine if engine > in_flight else in_flight) + queue + KV_WEIGHT * kv + prefilling / TOKENS_PER_REQUEST
+
+
+class Engined(Protocol):
+    """A replica as the view reads it (router.core.pool.replicas.Replica)."""
+
+    model: str
+    in_flight: int
+    load: EngineLoad | None
+    prefills: Prefills | None
+
+
+class EngineView:
+    """The pool's view of its replicas' engines: their readings, their freshness, and who is saturated.
+
+    `judge(replica)` is the pick's score of a replica (lower first), math.inf
+    when saturated; `saturated(replica)` says whether a fresh reading puts it
+    at its model's bounds.
+    """
+
+    __slots__ = ("_bounds", "_default", "_now", "prefill_rate", "stale_after")
+
+    def __init__(
+        self,
+        now: Callable[[], float],
+        *,
+        stale_after: float,
+        bounds: Mapping[str, Bounds] | None = None,
+        default: Bounds = Bounds(),
+        prefill_rate: float = 10_000.0,
+    ) -> None:
+        self._now = now
+        # A reading older than this says nothing.
+        self.stale_after = stale_after
+        self._bounds = dict(bounds or {})
+        self._default = default
+        # Prompt tokens an engine prefills a second, for the large prompts this router sent (Prefills).
+        self.prefill_rate = prefill_rate
+
+    def bounds(self, model: str) -> Bounds:
+        return self._bounds.get(model, self._default)
+
+    def fresh(self, replica: Engined) -> EngineLoad | None:
+        """The replica's reading, if it is fresh enough to say anything."""
+        load = replica.load
+        if load is None or self._now() - load.at > self.stale_after:
+            return None
+        return load
+
+    def saturated(self, replica: Engined) -> bool:
+        load = self.fresh(replica)
+        return load is not None and pressure(load, replica.in_flight, self.bounds(replica.model)) >= 1.0
+
+    def judge(self, replica: Engined) -> float:
+        load = self.fresh(replica)
+        prefills = replica.prefills
+        prefilling = prefills.left(self._now()) if prefills is not None else 0.0
+        if load is not None and pressure(load, replica.in_flight, self.bounds(replica.model)) >= 1.0:
+            return math.inf
+        return blended(load, replica.in_flight, prefilling)
+
+    def sent(self, replica: Engined, tokens: int) -> None:
+        """A request of about `tokens` prompt tokens went to `replica`: a large one is remembered while it prefills."""
+        if tokens >= LARGE_PROMPT_TOKENS:
+            prefills = replica.prefills
+            if prefills is None:
+                prefills = replica.prefills = Prefills()
+            prefills.add(self._now(), tokens, self.prefill_rate)
+
+    def expires(self, replica: Engined) -> float | None:
+        """When the replica's reading stops saying anything (the pool's clock), if it says something now."""
+        load = replica.load
+        return None if load is None else load.at + self.stale_after
