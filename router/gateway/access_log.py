@@ -46,6 +46,7 @@ class Entry:
         "outcome",
         "path",
         "priority",
+        "queued_for",
         "queued_seconds",
         "replica",
         "served_model",
@@ -75,6 +76,8 @@ class Entry:
         # class, and how long it waited there (every wait of its attempts).
         self.priority: str | None = None
         self.queued_seconds: float | None = None
+        # Why it waited in the router's queue: "limit" (max_in_flight...) or "engines" (saturated); None: it did not.
+        self.queued_for: str | None = None
         # How a hold for a cold model ended (served, timeout, overflow, client_gone,
         # shutdown: router_hold_outcomes_total's outcomes); None if never held.
         self.hold_outcome: str | None = None
@@ -101,6 +104,7 @@ class Entry:
                 "tenant": self.tenant,
                 "priority": self.priority,
                 "queued_seconds": None if self.queued_seconds is None else round(self.queued_seconds, 4),
+                "queued_for": self.queued_for,
                 "hold": self.hold_outcome,
                 "ttfb_seconds": None if self.ttfb_seconds is None else round(self.ttfb_seconds, 4),
                 "duration_seconds": round(now - self.started, 4),

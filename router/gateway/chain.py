@@ -97,8 +97,11 @@ class Chain:
                 for attempt in range(self._max_attempts):
                     replica = pool.acquire(target, avoid, refused, key, tokens)
                     if replica is None:
-                        if not pool.saturated(target):
+                        why = pool.why_saturated(target)
+                        if why is None:
                             break
+                        if call.entry is not None:
+                            call.entry.queued_for = why
                         replica = await self._wait(call, target, avoid, refused, key)
                         if replica is None:
                             break

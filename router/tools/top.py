@@ -54,6 +54,12 @@ class Row:
     errors_per_second: float | None
     quiet_for_seconds: float | None
     last_used_seconds_ago: float | None
+    # What its engine last said (docs/routing.md): its queue, its KV cache use (0..1), the
+    # reading's age; None: not read (or not said), and the columns show only when one is.
+    engine_waiting: float | None = None
+    engine_kv: float | None = None
+    reading_age_seconds: float | None = None
+    saturated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +140,7 @@ def build_frame(
             if r.get("errors", 0) >= before.get("errors", 0):
                 error_rate = (r.get("errors", 0) - before.get("errors", 0)) / elapsed
         last_used = r["last_used"]
+        load = r.get("engine_load") or {}
         replicas.append(
             Row(
                 id=r["id"],
@@ -144,6 +151,10 @@ def build_frame(
                 errors_per_second=error_rate,
                 quiet_for_seconds=r.get("quiet_for_seconds"),
                 last_used_seconds_ago=None if last_used is None else max(0.0, now - last_used),
+                engine_waiting=load.get("waiting"),
+                engine_kv=load.get("kv_cache_usage"),
+                reading_age_seconds=load.get("age_seconds"),
+                saturated=bool(r.get("saturated")),
             )
         )
     held = {h["model"]: h for h in status.get("held", [])}
@@ -256,25 +267,33 @@ def render(
         asked = ", ".join(f"{model} ({n})" for model, n in sorted(frame.unserved.items()))
         lines.append(f"asked for, no replica: {asked}")
     lines.append("")
-    lines += _table(
-        ["ID", "MODEL", "STATE", "IN-FLT", "REQ/S", "ERR/S", "QUIET", "LAST-USED"],
-        [
-            [
-                r.id,
-                r.model,
-                r.state,
-                str(r.in_flight),
-                _rate(r.requests_per_second),
-                _rate(r.errors_per_second),
-                human_duration(r.quiet_for_seconds),
-                "-" if r.last_used_seconds_ago is None else human_duration(r.last_used_seconds_ago) + " ago",
+    # The engines' columns only where some engine's load is read: a fleet without them keeps its width.
+    engines = any(r.reading_age_seconds is not None for r in frame.replicas)
+    headers = ["ID", "MODEL", "STATE", "IN-FLT", "REQ/S", "ERR/S", "QUIET", "LAST-USED"]
+    if engines:
+        headers += ["QUEUE", "KV%", "READ"]
+    rows = []
+    for r in sort_rows(frame.replicas, sort, reverse=reverse):
+        row = [
+            r.id,
+            r.model,
+            r.state + ("*" if r.saturated else ""),
+            str(r.in_flight),
+            _rate(r.requests_per_second),
+            _rate(r.errors_per_second),
+            human_duration(r.quiet_for_seconds),
+            "-" if r.last_used_seconds_ago is None else human_duration(r.last_used_seconds_ago) + " ago",
+        ]
+        if engines:
+            row += [
+                "-" if r.engine_waiting is None else f"{r.engine_waiting:g}",
+                "-" if r.engine_kv is None else f"{100 * r.engine_kv:.0f}",
+                "-" if r.reading_age_seconds is None else f"{r.reading_age_seconds:.1f}s",
             ]
-            for r in sort_rows(frame.replicas, sort, reverse=reverse)
-        ],
-        [False, False, False, True, True, True, True, True],
-        width,
-        [0, 1],
-    )
+        rows.append(row)
+    lines += _table(headers, rows, [False, False, False, *([True] * (len(headers) - 3))], width, [0, 1])
+    if any(r.saturated for r in frame.replicas):
+        lines.append("* saturated: its engine's queue or KV cache is at its model's bounds")
     lines += ["", f"sort: {name} ({direction})  keys: " + " ".join(SORT_KEYS) + " sort (again: reverse), q quit"]
     return [line[:width] for line in lines]
 

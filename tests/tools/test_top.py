@@ -72,6 +72,22 @@ def test_the_first_frame_has_no_rates_and_the_next_has_them_from_the_difference(
     assert "req/s 10.0  err/s 2.0" in "\n".join(render(later))
 
 
+def test_the_engines_columns_show_each_replicas_queue_kv_and_reading_age_only_where_read() -> None:
+    load = {"waiting": 3.0, "running": 8.0, "kv_cache_usage": 0.42, "age_seconds": 0.3, "source": "metrics"}
+    rows = [replica("r0", engine_load=load, saturated=True), replica("r1", engine_load=None)]
+    text = "\n".join(render(build_frame(rows, status([model("m")]), previous=None, elapsed=None), width=120))
+    header = next(line for line in text.splitlines() if line.startswith("ID"))
+    assert header.split()[-3:] == ["QUEUE", "KV%", "READ"]
+    r0 = next(line for line in text.splitlines() if line.startswith("r0"))
+    assert r0.split()[-3:] == ["3", "42", "0.3s"] and "ready*" in r0
+    r1 = next(line for line in text.splitlines() if line.startswith("r1"))
+    assert r1.split()[-3:] == ["-", "-", "-"]
+    assert "* saturated" in text
+    # A fleet whose engines are not read keeps the columns it had.
+    plain = "\n".join(render(build_frame([replica("r1")], status([model("m")]), previous=None, elapsed=None)))
+    assert "KV%" not in plain
+
+
 def test_a_counter_that_went_down_is_an_unknown_rate_not_a_negative_one() -> None:
     """A router restarted between reads: its counters start again, which says nothing of the rate."""
     before = {"r0": replica("r0", requests=500, errors=9)}

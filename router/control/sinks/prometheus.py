@@ -399,6 +399,16 @@ class UsageCollector(Collector):
         for (model, priority, tenant), figures in sorted(snapshot.queues.items()):
             queued.add_metric([model, priority, tenant], figures.queued)
         yield queued
+        if snapshot.saturation:
+            saturation = GaugeMetricFamily(
+                "router_model_saturation",
+                "Share of the model's ready replicas whose engines are at their bounds (1: requests wait in the "
+                "router); only models whose engines report their load.",
+                labels=["model"],
+            )
+            for model, share in sorted(snapshot.saturation.items()):
+                saturation.add_metric([model], share)
+            yield saturation
         yield _tallies(
             "router_client_write_stalls",
             "Streams cut off because the client read nothing for write_stall_timeout_seconds.",

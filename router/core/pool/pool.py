@@ -240,15 +240,22 @@ class Pool:
 
     def saturated(self, model: str) -> bool:
         """True when `model` could serve but every candidate is at a limit, or its engine saturated."""
+        return self.why_saturated(model) is not None
+
+    def why_saturated(self, model: str) -> str | None:
+        """Why `model` cannot serve now though it has candidates: "limit" (max_in_flight, or every
+        candidate at max_in_flight_per_replica) or "engines" (every engine at its bounds); None: it can."""
         candidates = self._candidates.get(model)
         if candidates is None or not len(candidates):
-            return False
+            return None
         if self.limits.total and self.in_flight >= self.limits.total:
-            return True
+            return "limit"
         lowest = candidates.lowest_load
         if bool(self.limits.per_replica) and lowest is not None and lowest >= self.limits.per_replica:
-            return True
-        return self.engine_loads is not None and self.engine_loads.saturated(model, candidates)
+            return "limit"
+        if self.engine_loads is not None and self.engine_loads.saturated(model, candidates):
+            return "engines"
+        return None
 
     # Counters, demand and health -------------------------------------------------
 

@@ -11,9 +11,10 @@ prefix there (a block only after every block before it, as vLLM's automatic
 prefix caching hashes them); when decoding needs a block and none is free,
 the newest running sequence is preempted back to the queue, to be prefilled
 again. A step takes `step_seconds` plus a little per sequence decoded plus the
-prefill of its chunk, which grows with the prompt's uncached tokens (vLLM's
-router calibrates a prefill at 0.066 s + 0.057 s per 1k tokens + 0.0044 s per
-1k^2); `time_scale` runs engine time that many times faster than wall time.
+prefill of its chunk, which grows with the prompt's uncached tokens (a
+calibration quoted for vLLM's router: 0.066 s + 0.057 s per 1k tokens +
+0.0044 s per 1k^2; docs/routing.md says what it stands on); `time_scale` runs
+engine time that many times faster than wall time.
 
 The engine publishes what its metrics say (EngineReport) at the end of a
 step, at most once per `metrics_seconds`: the lag of a real engine's gauges.
