@@ -58,6 +58,7 @@ PURE_ON_PURPOSE = {
     "router.core.config.settings": "read at start",
     "router.core.config.tenants": "read at start",
     "router.core.config.engines": "read at start",
+    "router.core.config.models": "read at start",
     "router.core.config.cards": "read when a replica joins",
     # Compiled, mypyc takes the errors' class-level status and code, overridden per subclass,
     # for per-instance defaults, and an error was answered without them; raising one is not per-request work.

@@ -98,6 +98,7 @@ def _fullest(page: bytes, name: bytes) -> float | None:
 
 def from_metrics(engine: str, page: bytes) -> Reading | None:
     """The load in `engine`'s Prometheus page; None when a family it must have is missing or garbled."""
+    kv: float | None
     if engine == "vllm":
         waiting = _summed(page, b"vllm:num_requests_waiting")
         running = _summed(page, b"vllm:num_requests_running")
