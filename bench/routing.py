@@ -1,0 +1,485 @@
+"""Routing quality: this router's policies against SGLang's and vLLM's routers, in front of the same simulated engines.
+
+    .venv/bin/python bench/routing.py [--workloads shared-prefix,multi-turn,mixed] [--loads 0.5,0.8,0.95]
+                                      [--routers ...] [--seconds 60] [--time-scale 4] [--json]
+
+One fleet of 8 simulated vLLM engines (`router fake --engine vllm`,
+router/tools/fake/engine.py: continuous batching, a paged KV cache with
+prefix caching, chunked prefill, preemption; docs/routing.md says where its
+figures come from), started afresh for every run so that no run inherits
+another's caches. The same requests, drawn from the same seed, go through
+each router in turn:
+
+- `least_loaded`, `session`, `prefix`: this router's policies with engine
+  metrics off (what it did before it read the engines);
+- `engine`: least-loaded with engine metrics on (read every 50 ms, as the
+  Gateway API Inference Extension's endpoint picker reads them), and
+  `engine-prefix`: prefix routing with them;
+- `sglang-cache_aware`: SGLang's router, its default policy (cache_aware);
+- `vllm-cache_aware`, `vllm-power_of_two`: vLLM's router (vllm-router), its
+  cache-aware default and its load policy;
+- `engine-x2`: two of this router, engine-aware, each sent half the load.
+
+Workloads (engine time; `--time-scale` runs it faster than wall time):
+
+- `shared-prefix`: SGLang's generated-shared-prefix set: 32 groups of prompts
+  sharing a 2,048-token system prompt, each request one of its group's
+  questions (128 tokens), groups drawn by a Zipf law (s = 1.1: a few
+  popular prefixes, a long tail);
+- `multi-turn`: chat sessions of 6 turns, each turn 150 tokens more, with
+  a think time of 2 s on average between an answer and the next turn;
+- `mixed`: prompts of 600 tokens, one in ten 50 times longer (30,000).
+
+Every answer is 32 tokens, streamed. Each workload's capacity is measured
+first: least_loaded at a rate the fleet cannot take, its completed requests
+a second; the runs then send Poisson arrivals at 50%, 80% and 95% of it.
+Reported per run: time to first token p50 and p99, end-to-end p99, completed
+requests a second, the prefix cache's hit rate (cached over prompt tokens,
+from the answers' usage) and the spread of load (the engines' running plus
+waiting, max over mean, sampled every 100 ms and averaged). The target: at
+80% load, TTFT p99 at most 0.8 times the best of every other router and
+policy, and p50 never worse than least_loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / ".cache" / "peers"
+ENGINES = 8
+OUTPUT_TOKENS = 32
+WORDS = "the of and to in is that for it as with was on be by at this had not are but from or have an".split()  # noqa: SIM905
+ROUTERS = (
+    "least_loaded",
+    "session",
+    "prefix",
+    "engine",
+    "engine-prefix",
+    "sglang-cache_aware",
+    "vllm-cache_aware",
+    "vllm-power_of_two",
+    "engine-x2",
+)
+WORKLOADS = ("shared-prefix", "multi-turn", "mixed")
+
+
+def words(rng: random.Random, tokens: int) -> str:
+    """About `tokens` tokens of text (four characters a token, as the simulated engine counts them)."""
+    out: list[str] = []
+    size = 0
+    while size < tokens * 4:
+        word = rng.choice(WORDS)
+        out.append(word)
+        size += len(word) + 1
+    return " ".join(out)
+
+
+@dataclass
+class Results:
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    completed: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    spreads: list[float] = field(default_factory=list)
+
+    def summary(self, seconds: float, scale: float) -> dict[str, Any]:
+        def pct(values: list[float], q: float) -> float | None:
+            if not values:
+                return None
+            ordered = sorted(values)
+            return scale * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+        return {
+            "ttft_p50_s": pct(self.ttft, 0.5),
+            "ttft_p99_s": pct(self.ttft, 0.99),
+            "e2e_p99_s": pct(self.e2e, 0.99),
+            "throughput_rps": self.completed / seconds,
+            "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None,
+            "max_over_mean": statistics.fmean(self.spreads) if self.spreads else None,
+            "completed": self.completed,
+            "errors": self.errors,
+        }
+
+
+# The fleet and the routers -------------------------------------------------------------
+
+
+def launch(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT
+    )
+
+
+def started_at(process: subprocess.Popen[bytes], marker: bytes, timeout: float = 60) -> str:
+    """The URL a process prints once it listens (the line holding `marker`)."""
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{process.args!r} exited before it listened")
+        if marker in line:
+            # What it prints from now on is read and dropped: a full pipe would stop it.
+            threading.Thread(target=process.stdout.read, daemon=True).start()
+            return next(w for w in line.decode().split() if w.startswith("http://")).rstrip(",")
+    raise RuntimeError(f"{process.args!r} did not say where it listens")
+
+
+def start_engines(scale: float) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+    processes, urls = [], []
+    for _ in range(ENGINES):
+        process = launch(
+            [
+                *(sys.executable, "-m", "router.tools.fake", "--port", "0", "--model", "m"),
+                *("--engine", "vllm", "--time-scale", str(scale), "--tokens", "100000"),
+            ]
+        )
+        processes.append(process)
+        urls.append(started_at(process, b"fake replica"))
+    return processes, urls
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_router(name: str, urls: list[str], tmp: Path) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+    """The router `name` in front of `urls`: its processes and the client URLs to send to."""
+    if name.startswith(("sglang-", "vllm-")):
+        peer, policy = name.split("-", 1)
+        port = free_port()
+        if peer == "sglang":
+            command = [str(PEERS / "sglang-router" / "bin" / "python"), "-m", "sglang_router.launch_router"]
+        else:
+            command = [str(PEERS / "vllm-router" / "bin" / "vllm-router")]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy]
+        command += ["--prometheus-port", str(free_port())]
+        if peer == "sglang":
+            command += ["--tokenizer-path", str(tmp / "tokenizer.json"), "--log-level", "warn"]
+        else:
+            command += ["--log-level", "warning"]
+        process = launch(command)
+        wait_http(f"http://127.0.0.1:{port}/v1/models")
+        return [process], [f"http://127.0.0.1:{port}"]
+    count = 2 if name.endswith("-x2") else 1
+    routing = "prefix" if name in ("prefix", "engine-prefix") else "session" if name == "session" else "least_loaded"
+    metrics = "0.05" if name.startswith("engine") else "0"
+    processes, clients = [], []
+    for index in range(count):
+        config = tmp / f"{name}-{index}.toml"
+        lines = [
+            'listen = "127.0.0.1:0"',
+            'admin_listen = "127.0.0.1:0"',
+            f"engine_metrics_seconds = {metrics}",
+            "queue_timeout_seconds = 600",
+        ]
+        for i, url in enumerate(urls):
+            lines += ["[[replicas]]", f'id = "e{i}"', 'model = "m"', f'url = "{url}"', 'engine = "vllm"']
+        lines += ['[models."m"]', f'routing = "{routing}"']
+        config.write_text("\n".join(lines) + "\n")
+        process = launch([sys.executable, "-m", "router", "serve", "--config", str(config), "--log-level", "info"])
+        processes.append(process)
+        clients.append(started_at(process, b"router listening on"))
+    return processes, clients
+
+
+def stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+# The load ----------------------------------------------------------------------------------
+
+
+class Load:
+    """One run's requests: what each workload sends, when, and what came back."""
+
+    def __init__(self, workload: str, rate: float, seconds: float, scale: float, clients: list[str]) -> None:
+        self.workload = workload
+        self.rate = rate
+        self.seconds = seconds
+        self.scale = scale
+        self.clients = clients
+        self.results = Results()
+        self.rng = random.Random(20261204)
+        self.systems = [words(random.Random(100 + g), 2048) for g in range(32)]
+        # Zipf popularity of the shared prefixes (s = 1.1).
+        weights = [1 / (g + 1) ** 1.1 for g in range(32)]
+        total = sum(weights)
+        self.popularity = [w / total for w in weights]
+        self._turn = 0
+
+    def client(self) -> str:
+        self._turn += 1
+        return self.clients[self._turn % len(self.clients)]
+
+    async def one(self, session: aiohttp.ClientSession, messages: list[dict[str, str]], key: str) -> str:
+        body = {
+            "model": "m",
+            "messages": messages,
+            "max_tokens": OUTPUT_TOKENS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        began = time.perf_counter()
+        first: float | None = None
+        reply: list[str] = []
+        usage: dict[str, Any] | None = None
+        try:
+            url = self.client() + "/v1/chat/completions"
+            async with session.post(url, json=body, headers={"X-Session-Id": key}) as resp:
+                if resp.status != 200:
+                    self.results.errors += 1
+                    await resp.read()
+                    return ""
+                async for line in resp.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    for choice in event.get("choices", ()):
+                        piece = choice.get("delta", {}).get("content")
+                        if piece:
+                            if first is None:
+                                first = time.perf_counter() - began
+                            reply.append(piece)
+        except (aiohttp.ClientError, TimeoutError):
+            self.results.errors += 1
+            return ""
+        if first is None:
+            self.results.errors += 1
+            return ""
+        results = self.results
+        results.ttft.append(first)
+        results.e2e.append(time.perf_counter() - began)
+        results.completed += 1
+        if usage is not None:
+            results.prompt_tokens += usage["prompt_tokens"]
+            results.cached_tokens += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        return "".join(reply)
+
+    async def run(self) -> Results:
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=600)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            tasks: list[asyncio.Task[Any]] = []
+            wall = self.seconds / self.scale
+            end = time.perf_counter() + wall
+            if self.workload == "multi-turn":
+                # Sessions of six turns: a session's requests per second is its turns over its life.
+                per_session = 6
+                session_rate = self.rate / per_session
+                sid = 0
+                while time.perf_counter() < end:
+                    tasks.append(asyncio.create_task(self.conversation(session, sid, end)))
+                    sid += 1
+                    await asyncio.sleep(self.rng.expovariate(session_rate) / self.scale)
+            else:
+                n = 0
+                while time.perf_counter() < end:
+                    tasks.append(asyncio.create_task(self.single(session, n)))
+                    n += 1
+                    await asyncio.sleep(self.rng.expovariate(self.rate) / self.scale)
+            await asyncio.gather(*tasks)
+        return self.results
+
+    async def single(self, session: aiohttp.ClientSession, n: int) -> None:
+        rng = random.Random(n)
+        if self.workload == "shared-prefix":
+            group = rng.choices(range(32), self.popularity)[0]
+            messages = [
+                {"role": "system", "content": self.systems[group]},
+                {"role": "user", "content": words(rng, 128)},
+            ]
+            await self.one(session, messages, f"group-{group}")
+        else:
+            tokens = 30_000 if rng.random() < 0.1 else 600
+            await self.one(session, [{"role": "user", "content": words(rng, tokens)}], f"request-{n}")
+
+    async def conversation(self, session: aiohttp.ClientSession, sid: int, end: float) -> None:
+        rng = random.Random(10_000 + sid)
+        messages = [{"role": "system", "content": self.systems[sid % 32][:2000]}]
+        for _ in range(6):
+            messages.append({"role": "user", "content": words(rng, 150)})
+            reply = await self.one(session, messages, f"session-{sid}")
+            messages.append({"role": "assistant", "content": reply})
+            if time.perf_counter() > end:
+                return
+            await asyncio.sleep(rng.expovariate(1 / 2.0) / self.scale)
+
+
+async def sample_spread(urls: list[str], results: Results, stop_event: asyncio.Event) -> None:
+    """The engines' running plus waiting, max over mean, every 100 ms (where the mean is at least 1)."""
+    async with aiohttp.ClientSession() as session:
+        while not stop_event.is_set():
+            loads = []
+            for url in urls:
+                async with session.get(url + "/metrics") as resp:
+                    text = await resp.text()
+                figure = 0.0
+                for line in text.splitlines():
+                    if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
+                        figure += float(line.rsplit(" ", 1)[1])
+                loads.append(figure)
+            mean = sum(loads) / len(loads)
+            if mean >= 1:
+                results.spreads.append(max(loads) / mean)
+            try:
+                await asyncio.wait_for(stop_event.wait(), 0.1)
+            except TimeoutError:
+                pass
+
+
+async def measure(load: Load, engines: list[str]) -> Results:
+    stop_event = asyncio.Event()
+    sampler = asyncio.create_task(sample_spread(engines, load.results, stop_event))
+    try:
+        return await load.run()
+    finally:
+        stop_event.set()
+        await sampler
+
+
+def run(router: str, workload: str, rate: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    engines, urls = start_engines(args.time_scale)
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        processes, clients = start_router(router, urls, tmp)
+        load = Load(workload, rate, args.seconds, args.time_scale, clients)
+        results = asyncio.run(measure(load, urls))
+        return results.summary(args.seconds, args.time_scale)
+    finally:
+        stop(processes)
+        stop(engines)
+
+
+def capacity(workload: str, args: argparse.Namespace, tmp: Path) -> float:
+    """Completed requests a second (engine time) of least_loaded at a rate the fleet cannot take."""
+    flood = {"shared-prefix": 400.0, "multi-turn": 400.0, "mixed": 200.0}[workload]
+    summary = run("least_loaded", workload, flood, argparse.Namespace(**{**vars(args), "seconds": args.seconds}), tmp)
+    return float(summary["throughput_rps"])
+
+
+def write_tokenizer(tmp: Path) -> None:
+    # A one-word tokenizer, so that SGLang's router loads a local file instead of a hub's.
+    (tmp / "tokenizer.json").write_text(
+        json.dumps(
+            {
+                "version": "1.0",
+                "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1}, "unk_token": "[UNK]"},
+                "pre_tokenizer": {"type": "Whitespace"},
+                "added_tokens": [],
+                "normalizer": None,
+                "post_processor": None,
+                "decoder": None,
+                "truncation": None,
+                "padding": None,
+            }
+        )
+    )
+
+
+def table(results: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> str:
+    lines = []
+    for workload, by_load in results.items():
+        for load, by_router in by_load.items():
+            if load == "capacity":
+                continue
+            lines += [f"\n{workload}, {load} of capacity ({by_load['capacity']['rps']:.1f} requests/s):\n"]
+            lines += [
+                "| router | TTFT p50 s | TTFT p99 s | e2e p99 s | requests/s | prefix hits | max/mean load | errors |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            ]
+            for router, r in by_router.items():
+
+                def f(value: Any, pattern: str) -> str:
+                    return (
+                        "-"
+                        if value is None or (isinstance(value, float) and math.isnan(value))
+                        else pattern.format(value)
+                    )
+
+                lines.append(
+                    f"| {router} | {f(r['ttft_p50_s'], '{:.3f}')} | {f(r['ttft_p99_s'], '{:.3f}')} "
+                    f"| {f(r['e2e_p99_s'], '{:.2f}')} | {f(r['throughput_rps'], '{:.1f}')} "
+                    f"| {f(r['hit_rate'], '{:.0%}')} | {f(r['max_over_mean'], '{:.2f}')} | {r['errors']} |"
+                )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--loads", default="0.5,0.8,0.95")
+    parser.add_argument("--routers", default=",".join(ROUTERS))
+    parser.add_argument("--seconds", type=float, default=60.0, help="engine seconds of load per run")
+    parser.add_argument("--time-scale", type=float, default=4.0)
+    parser.add_argument("--capacity", action="append", default=[], metavar="WORKLOAD=RPS", help="skip measuring it")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    known = dict(spec.split("=") for spec in args.capacity)
+    results: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    with tempfile.TemporaryDirectory(prefix="router-routing-") as tmpdir:
+        tmp = Path(tmpdir)
+        write_tokenizer(tmp)
+        for workload in args.workloads.split(","):
+            rps = float(known[workload]) if workload in known else capacity(workload, args, tmp)
+            print(f"{workload}: capacity {rps:.1f} requests/s", file=sys.stderr)
+            results[workload] = {"capacity": {"rps": {"rps": rps}}}
+            results[workload]["capacity"] = {"rps": rps}  # type: ignore[dict-item]
+            for share in args.loads.split(","):
+                by_router = results[workload].setdefault(f"{float(share):.0%}", {})
+                for router in args.routers.split(","):
+                    summary = run(router, workload, rps * float(share), args, tmp)
+                    by_router[router] = summary
+                    print(f"{workload} {share} {router}: {summary}", file=sys.stderr)
+    print(json.dumps(results) if args.json else table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
