@@ -54,6 +54,7 @@ class Replica:
         "engine",
         "load",
         "prefills",
+        "adapters",
     )
 
     def __init__(self, config: ReplicaConfig, added_at: float) -> None:
@@ -84,6 +85,8 @@ class Replica:
         # Its engine's last reading of its load, and its large prompts still prefilling (router.core.pool.loads).
         self.load: EngineLoad | None = None
         self.prefills: Prefills | None = None
+        # The LoRA adapters its engine lists in /v1/models (router.core.pool.adapters).
+        self.adapters: frozenset[str] = frozenset()
 
     @property
     def state(self) -> ReplicaState:
