@@ -14,7 +14,7 @@ each router in turn:
   metrics off (what it did before it read the engines);
 - `engine`: least-loaded with engine metrics on (read every 50 ms, as the
   Gateway API Inference Extension's endpoint picker reads them), and
-  `engine-prefix`: prefix routing with them;
+  `engine-session`, `engine-prefix`: session and prefix routing with them;
 - `sglang-cache_aware`: SGLang's router, its default policy (cache_aware);
 - `vllm-cache_aware`, `vllm-power_of_two`: vLLM's router (vllm-router), its
   cache-aware default and its load policy;
@@ -71,6 +71,7 @@ ROUTERS = (
     "session",
     "prefix",
     "engine",
+    "engine-session",
     "engine-prefix",
     "sglang-cache_aware",
     "vllm-cache_aware",
@@ -182,7 +183,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_router(name: str, urls: list[str], tmp: Path) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+def start_router(
+    name: str, urls: list[str], tmp: Path, extra: list[str]
+) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
     """The router `name` in front of `urls`: its processes and the client URLs to send to."""
     if name.startswith(("sglang-", "vllm-")):
         peer, policy = name.split("-", 1)
@@ -201,7 +204,8 @@ def start_router(name: str, urls: list[str], tmp: Path) -> tuple[list[subprocess
         wait_http(f"http://127.0.0.1:{port}/v1/models")
         return [process], [f"http://127.0.0.1:{port}"]
     count = 2 if name.endswith("-x2") else 1
-    routing = "prefix" if name in ("prefix", "engine-prefix") else "session" if name == "session" else "least_loaded"
+    routing = name.removeprefix("engine-")
+    routing = routing if routing in ("prefix", "session") else "least_loaded"
     metrics = "0.05" if name.startswith("engine") else "0"
     processes, clients = [], []
     for index in range(count):
@@ -211,6 +215,7 @@ def start_router(name: str, urls: list[str], tmp: Path) -> tuple[list[subprocess
             'admin_listen = "127.0.0.1:0"',
             f"engine_metrics_seconds = {metrics}",
             "queue_timeout_seconds = 600",
+            *extra,
         ]
         for i, url in enumerate(urls):
             lines += ["[[replicas]]", f'id = "e{i}"', 'model = "m"', f'url = "{url}"', 'engine = "vllm"']
@@ -405,7 +410,7 @@ def run(
     engines, urls = start_engines(args.time_scale)
     processes: list[subprocess.Popen[bytes]] = []
     try:
-        processes, clients = start_router(router, urls, tmp)
+        processes, clients = start_router(router, urls, tmp, args.set)
         load = Load(workload, rate, args.seconds, args.time_scale, clients, flood)
         results = asyncio.run(measure(load, urls))
         return results.summary(args.seconds, args.time_scale)
@@ -478,6 +483,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="engine seconds of load per run")
     parser.add_argument("--time-scale", type=float, default=2.0)
     parser.add_argument("--capacity", action="append", default=[], metavar="WORKLOAD=RPS", help="skip measuring it")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a top-level setting of this router's runs"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     known = dict(spec.split("=") for spec in args.capacity)

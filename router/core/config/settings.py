@@ -259,15 +259,17 @@ class Config:
     engine_metrics_seconds: float = _seconds(
         0.5, "read each busy replica's engine load this often (docs/routing.md); 0 = off", minimum=0.0
     )
+    # Ten, not the endpoint picker's five: measured on the simulated fleet (docs/routing.md), five
+    # sends a prefix's requests away from its cache at the queues an engine serves through in a moment.
     saturated_waiting: float = _setting(
-        5.0,
+        10.0,
         lambda w, k, v: check.number(w, k, v, minimum=0.001),
         "a replica whose engine has this many requests waiting is saturated: requests wait in the router",
     )
     saturated_kv: float = _setting(
         0.8,
         lambda w, k, v: check.number(w, k, v, minimum=0.001),
-        "... or whose KV cache is this full (a fraction; above 1: never)",
+        "... or whose KV cache is this full while requests wait (a fraction; above 1: never)",
     )
     replicas: tuple[ReplicaConfig, ...] = ()
     models: Mapping[str, ModelConfig] = field(default_factory=lambda: MappingProxyType({}))

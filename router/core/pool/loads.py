@@ -46,7 +46,7 @@ KV_WEIGHT = 2.0
 class Bounds:
     """When a replica is saturated: its engine's queue (requests waiting) or its KV cache use (0..1)."""
 
-    waiting: float = 5.0
+    waiting: float = 10.0
     kv: float = 0.8
 
 
@@ -95,7 +95,13 @@ class Prefills:
 
 
 def queue_now(load: EngineLoad, in_flight: int) -> float:
-    """The engine's queue as it likely is now: as read, and what this router sent since (never less)."""
+    """The engine's queue as it likely is now: as read, and what this router sent since (never less)
+    when the engine was queueing already. An engine with room in its batch takes what comes into it
+    (continuous batching) until its batch or its KV cache is full, which its next reading says:
+    counting each request sent since as queued would call a replica saturated that is running them,
+    and send a prefix's requests away from the replica whose cache holds it."""
+    if load.waiting <= 0:
+        return load.waiting
     sent = in_flight - load.sent_then
     return load.waiting + sent if sent > 0 else load.waiting
 
@@ -103,7 +109,10 @@ def queue_now(load: EngineLoad, in_flight: int) -> float:
 def pressure(load: EngineLoad, in_flight: int, bounds: Bounds) -> float:
     """How near its bounds the replica is: 1 or more is saturated (the endpoint picker's roofline)."""
     queue = queue_now(load, in_flight) / bounds.waiting
-    kv = load.kv / bounds.kv if load.kv is not None else 0.0
+    # A full KV cache with nothing waiting is an engine at work, not one that turns requests away
+    # (vLLM runs with its cache near full by design, its prefix cache filling the rest): only when
+    # requests wait does it mean that the cache is why.
+    kv = load.kv / bounds.kv if load.kv is not None and load.waiting > 0 else 0.0
     return queue if queue > kv else kv
 
 
