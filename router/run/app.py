@@ -410,7 +410,7 @@ def engine_view(config: Config, clock: Clock) -> EngineView | None:
         for name, model in config.models.items()
     }
     # A reading three intervals old (and at least a second) says nothing any more.
-    return EngineView(clock.now, stale_after=max(1.0, 3 * every), bounds=bounds, default=default)
+    return EngineView(clock.now, stale_after=max(1.0, 3 * every), bounds=bounds, default=default, fresh_for=every)
 
 
 def engine_reader(stack: contextlib.AsyncExitStack, config: Config, pool: Pool) -> EngineReader:

@@ -146,7 +146,7 @@ class EngineView:
     at its model's bounds.
     """
 
-    __slots__ = ("_bounds", "_default", "_now", "prefill_rate", "stale_after")
+    __slots__ = ("_bounds", "_default", "_now", "fresh_for", "prefill_rate", "stale_after")
 
     def __init__(
         self,
@@ -156,8 +156,11 @@ class EngineView:
         bounds: Mapping[str, Bounds] | None = None,
         default: Bounds = Bounds(),
         prefill_rate: float = 10_000.0,
+        fresh_for: float = 0.5,
     ) -> None:
         self._now = now
+        # A reading younger than this needs no other (the engines' reader's interval).
+        self.fresh_for = fresh_for
         # A reading older than this says nothing.
         self.stale_after = stale_after
         self._bounds = dict(bounds or {})
@@ -180,12 +183,35 @@ class EngineView:
         return load is not None and pressure(load, replica.in_flight, self.bounds(replica.model)) >= 1.0
 
     def judge(self, replica: Engined) -> float:
-        load = self.fresh(replica)
+        """blended(), or math.inf where pressure() >= 1: the two inlined, with queue_now(), into one
+        call, as this runs for every candidate of every pick (tests/core/test_loads.py holds them equal)."""
+        now = self._now()
+        in_flight = replica.in_flight
         prefills = replica.prefills
-        prefilling = prefills.left(self._now()) if prefills is not None else 0.0
-        if load is not None and pressure(load, replica.in_flight, self.bounds(replica.model)) >= 1.0:
+        prefilling = prefills.left(now) / TOKENS_PER_REQUEST if prefills is not None else 0.0
+        load = replica.load
+        if load is None or now - load.at > self.stale_after:
+            return in_flight + prefilling
+        bounds = self._bounds.get(replica.model, self._default) if self._bounds else self._default
+        waiting = load.waiting
+        moved = in_flight - load.sent_then
+        queue = waiting + moved if waiting > 0 and moved > 0 else waiting
+        kv = load.kv
+        if queue >= bounds.waiting or (kv is not None and waiting > 0 and kv >= bounds.kv):
             return math.inf
-        return blended(load, replica.in_flight, prefilling)
+        running = load.running
+        engine = (running if running is not None else load.sent_then) + waiting + moved
+        return (
+            (engine if engine > in_flight else in_flight)
+            + queue
+            + (KV_WEIGHT * kv if kv is not None else 0.0)
+            + prefilling
+        )
+
+    def wants(self, replica: Engined) -> bool:
+        """Whether the replica's reading is old enough to be renewed (an answer's ORCA header)."""
+        load = replica.load
+        return load is None or self._now() - load.at >= self.fresh_for
 
     def sent(self, replica: Engined, tokens: int) -> None:
         """A request of about `tokens` prompt tokens went to `replica`: a large one is remembered while it prefills."""
