@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-import time
 
+from router.core.clock import Clock, LoopClock, Timer
 from router.http.client.connection import Connection
 from router.http.client.errors import ConnectFailed, ConnectionBroken
 from router.http.client.reader import _ACTIVE, _BODY, _IDLE
@@ -28,7 +28,17 @@ from router.http.protocol_errors import ProtocolErrors
 class Client:
     """Keep-alive connection pools, one per origin, for every replica."""
 
-    def __init__(self, *, connect_timeout: float, keepalive_seconds: float, idle_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        keepalive_seconds: float,
+        idle_timeout: float = 300.0,
+        clock: Clock | None = None,
+    ) -> None:
+        """`clock`: what the keep-alive sweep and the watch on requests in progress read the time
+        and set their timers by (the loop's by default; a fake one in tests)."""
+        self.clock = clock if clock is not None else LoopClock()
         self.connect_timeout = connect_timeout
         self.keepalive_seconds = keepalive_seconds
         # Longest silence of a replica in the middle of a body.
@@ -36,13 +46,13 @@ class Client:
         self._idle: dict[str, list[Connection]] = {}
         self._all: set[Connection] = set()
         self._tls: ssl.SSLContext | None = None
-        self._sweeper: asyncio.TimerHandle | None = None
+        self._sweeper: Timer | None = None
         # The one timer that watches every connection with a request in
         # progress: for its head's deadline, then for the replica's silence in
         # its body. No timer per request, no clock call per request or chunk:
         # a deadline is set by the sweep's clock (`now`, one sweep old at most
         # while the loop keeps time), so that it is never early.
-        self.watching: asyncio.TimerHandle | None = None
+        self.watching: Timer | None = None
         self.now = 0.0
         # The silence watch's period; the sweep's own is shorter for a head
         # deadline shorter than it (head_due).
@@ -95,7 +105,7 @@ class Client:
         idle = self._idle.get(origin.key)
         if not idle:
             return None
-        cutoff = time.monotonic() - self.keepalive_seconds
+        cutoff = self.clock.now() - self.keepalive_seconds
         while idle:
             # The most recently used first: the most likely to be open still.
             connection = idle.pop()
@@ -137,10 +147,11 @@ class Client:
         return protocol
 
     def idle_again(self, connection: Connection) -> None:
-        connection.idle_since = time.monotonic()
+        clock = self.clock
+        connection.idle_since = now = clock.now()
         self._idle.setdefault(connection.origin.key, []).append(connection)
         if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().call_later(self.keepalive_seconds, self._sweep)
+            self._sweeper = clock.call_at(now + self.keepalive_seconds, self._sweep)
 
     def _sweep(self) -> None:
         """Close connections idle longer than the keep-alive, before the replica does.
@@ -154,7 +165,8 @@ class Client:
         outlives it by more than a timer's lateness.
         """
         self._sweeper = None
-        now = time.monotonic()
+        clock = self.clock
+        now = clock.now()
         cutoff = now - self.keepalive_seconds
         stale: list[Connection] = []
         due: float | None = None
@@ -171,8 +183,7 @@ class Client:
         for connection in stale:
             connection.close()
         if due is not None:
-            delay = max(due + self.keepalive_seconds - now, 0.0)
-            self._sweeper = asyncio.get_running_loop().call_later(delay, self._sweep)
+            self._sweeper = clock.call_at(max(due + self.keepalive_seconds, now), self._sweep)
 
     def head_due(self, timeout: float) -> float:
         """When a head asked for now is late, by the sweep's clock: `timeout` from now at least,
@@ -186,9 +197,9 @@ class Client:
 
     def watch(self) -> None:
         """Start the sweep, which is not running (`watching` is None): a request is in progress."""
-        loop = asyncio.get_running_loop()
-        self.now = loop.time()
-        self.watching = loop.call_later(self._every, self._watch_in_progress)
+        clock = self.clock
+        self.now = now = clock.now()
+        self.watching = clock.call_at(now + self._every, self._watch_in_progress)
 
     def _watch_in_progress(self) -> None:
         """Fail heads past their deadline, and end bodies whose replica went quiet: one sweep
@@ -204,8 +215,8 @@ class Client:
         busy = [c for c in self._all if c.state is _BODY or (c.head_due and c.state is _ACTIVE)]
         if not busy:
             return  # no timer while no request is in progress
-        loop = asyncio.get_running_loop()
-        self.now = now = loop.time()
+        clock = self.clock
+        self.now = now = clock.now()
         limit = self.idle_timeout
         late: list[Connection] = []
         quiet: list[Connection] = []
@@ -224,7 +235,7 @@ class Client:
             connection.head_late()
         for connection in quiet:
             connection.went_quiet(limit)
-        self.watching = loop.call_later(self._every, self._watch_in_progress)
+        self.watching = clock.call_at(now + self._every, self._watch_in_progress)
 
     def forget(self, connection: Connection) -> None:
         self._all.discard(connection)

@@ -24,6 +24,7 @@ import pytest
 
 from router.http.client import BodyTooLarge, Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response
 from router.http.origin import Origin
+from tests.fake_clock import FakeClock
 from tests.helpers import HEAD, OK, StartRaw, fixed, wait_for
 from tests.wire import ending_quietly
 
@@ -467,29 +468,13 @@ async def test_a_connection_lost_as_its_caller_gives_up_tells_no_one(
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
-async def test_a_head_deadline_passing_as_its_caller_gives_up_tells_no_one(
-    client: Client, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_a_head_deadline_passing_as_its_caller_gives_up_tells_no_one(caplog: pytest.LogCaptureFixture) -> None:
     """The caller gives up in the very turn of the loop the client's sweep finds its head late:
     no one is told of the deadline, nothing raises, and the connection is dropped."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    bell = socket.create_connection(listener.getsockname())
-    ring, _ = listener.accept()
-    listener.close()
-    loop = asyncio.get_running_loop()
-    asking: asyncio.Task[Response] | None = None
-
-    def give_up() -> None:
-        loop.remove_reader(ring)
-        ring.recv(1)
-        assert asking is not None
-        asking.cancel()
-
-    def ring_just_before_the_sweep() -> None:
-        bell.send(b"!")
-        # Blocking: when the loop looks again, the bell is there and the sweep is due, and the
-        # loop runs what is ready to read before the timers that came due.
-        time.sleep(0.005)
+    # On fake time: the give-up and the sweep are made in one turn, in that order, by the test
+    # itself, not by a bell timed against a real timer (which a loaded machine let the sweep win).
+    clock = FakeClock()
+    client = Client(connect_timeout=2.0, keepalive_seconds=5.0, clock=clock)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read()  # never answers
@@ -500,16 +485,12 @@ async def test_a_head_deadline_passing_as_its_caller_gives_up_tells_no_one(
             asking = asyncio.create_task(client.request(origin, HEAD, b"{}", head_timeout=0.2))
             await wait_for(lambda: client.open_connections == 1 and client.watching is not None)
             (connection,) = client._all
-            # The sweep that will find the head late: the first due after its deadline.
-            while (timer := client.watching) is None or timer.when() <= connection.head_due:
-                await asyncio.sleep(0.01)
-            loop.add_reader(ring, give_up)
-            loop.call_at(timer.when() - 0.002, ring_just_before_the_sweep)
+            asking.cancel()
+            # The sweep that finds the head late, in the same turn as the give-up.
+            clock.advance(connection.head_due - clock.now() + 1.0)
             with pytest.raises(asyncio.CancelledError):
                 await asking
             await wait_for(lambda: client.open_connections == 0)
     finally:
-        loop.remove_reader(ring)
-        ring.close()
-        bell.close()
+        await client.close()
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
