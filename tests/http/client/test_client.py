@@ -487,7 +487,7 @@ async def test_a_head_deadline_passing_as_its_caller_gives_up_tells_no_one(caplo
             (connection,) = client._all
             asking.cancel()
             # The sweep that finds the head late, in the same turn as the give-up.
-            clock.advance(connection.head_due - clock.now() + 1.0)
+            clock.advance(connection.exchange.head_due - clock.now() + 1.0)
             with pytest.raises(asyncio.CancelledError):
                 await asking
             await wait_for(lambda: client.open_connections == 0)
