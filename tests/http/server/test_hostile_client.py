@@ -314,7 +314,7 @@ async def test_a_client_pipelining_without_end_holds_at_most_one_request_ahead(s
             writer.write(one * 2000)
             await asyncio.sleep(0.005)
             for connection in client_server.connections:
-                most = max(most, len(connection.pending))
+                most = max(most, len(connection.state.pending))
         # Parsing stops at the first request queued behind the running one, a
         # slice of the read at most: never the thousands of a whole read.
         assert most <= 4096 // len(one) + 1
@@ -489,7 +489,7 @@ async def test_a_pipelined_head_does_not_change_the_version_of_the_answer_being_
         await wait_for(lambda: len(stub.seen) == 1)
         # The next head arrives and is read while the stream waits for its answer.
         wire.send(b"GET /v1/models HTTP/" + second + b"\r\nHost: router\r\n\r\n")
-        await wait_for(lambda: any(c.pending for c in client_server.connections))
+        await wait_for(lambda: any(c.state.pending for c in client_server.connections))
         release.set()
         streamed = await wire.answer()
         assert streamed.status == 200 and streamed.complete
