@@ -41,13 +41,17 @@ class Cycle(Http11Writer):
     __slots__ = ("_holding", "_next", "_port", "_request")
 
     def __init__(self, connection: Turn, holding: Holding, port: Port, request: Request) -> None:
-        super().__init__(
-            connection,
-            request.method == "HEAD",
-            request.request_id,
-            request.version_11,
-            request.keep_alive and not port.stopping,
-        )
+        # Http11Writer.__init__'s fields, set here rather than by super().__init__(): this runs
+        # for every request, and the call would cost about as much as setting them.
+        self._connection = connection
+        self._transport = connection.transport
+        self._flow = connection.flow
+        self._head_only = request.method == "HEAD"
+        self._request_id = request.request_id
+        self._version_11 = request.version_11
+        self.keep_alive = request.keep_alive and not port.stopping
+        self.phase = NEW
+        self.meter = None
         self._next: Answered = connection
         self._holding = holding
         self._port = port

@@ -87,6 +87,7 @@ class Http11Writer:
     def __init__(
         self, connection: Written, head_only: bool, request_id: bytes, version_11: bool, keep_alive: bool
     ) -> None:
+        # (A request's Cycle, cycle.py, sets the same fields itself: keep the two in step.)
         self._connection = connection
         self._transport = connection.transport
         self._flow = connection.flow
