@@ -50,20 +50,26 @@ async def test_content_length_answer_and_reuse_of_the_connection(raw_server: Sta
 
 
 async def test_chunked_answer_in_pieces_passes_each_chunk_on(raw_server: StartRaw, client: Client) -> None:
+    got: list[bytes] = []
+    # Each piece goes out once the one before has been passed on: two reads, never one.
+    passed_on = asyncio.Event()
+
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         for part in (b"data: 1\n\n", b"data: 2\n\n"):
             writer.write(b"%x\r\n%b\r\n" % (len(part), part))
             await writer.drain()
-            await asyncio.sleep(0.02)
+            if n == 1:
+                await passed_on.wait()
+                passed_on.clear()
         writer.write(b"0\r\n\r\n")
 
     raw = await raw_server(answer)
     resp = await client.request(raw.origin, HEAD, b"{}")
-    got: list[bytes] = []
 
     def sink(chunk: bytes) -> bool:
         got.append(chunk)
+        passed_on.set()
         return False  # never full
 
     async def drain() -> None:
@@ -136,7 +142,7 @@ async def test_idle_connection_closed_by_the_replica_is_dropped(raw_server: Star
     resp = await client.request(raw.origin, HEAD, b"{}")
     await resp.read()
     resp.release()
-    await asyncio.sleep(0.1)
+    await wait_for(lambda: client.open_connections == 0)
     assert client.open_connections == 0
     resp = await client.request(raw.origin, HEAD, b"{}")
     assert await resp.read() == b"hello"
@@ -160,13 +166,15 @@ async def test_fresh_connection_broken_before_the_head_is_not_retried(raw_server
 
 async def test_idle_connections_expire_before_the_replicas_timeout(raw_server: StartRaw) -> None:
     raw = await raw_server(fixed(OK))
-    client = Client(connect_timeout=2.0, keepalive_seconds=0.2)
+    clock = FakeClock()
+    client = Client(connect_timeout=2.0, keepalive_seconds=0.2, clock=clock)
     try:
         resp = await client.request(raw.origin, HEAD, b"{}")
         await resp.read()
         resp.release()
         assert client.open_connections == 1
-        await asyncio.sleep(0.6)
+        clock.advance(0.3)
+        await wait_for(lambda: raw.eofs == 1)
         # The client closed it (the server saw EOF), not the server.
         assert client.open_connections == 0
         assert raw.eofs == 1
@@ -178,15 +186,16 @@ async def test_unread_answer_closes_the_connection(raw_server: StartRaw, client:
     raw = await raw_server(fixed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"))
     resp = await client.request(raw.origin, HEAD, b"{}")
     resp.release()
-    await asyncio.sleep(0.05)
     assert client.open_connections == 0
 
 
 async def test_a_full_sink_stops_reading_from_the_replica(raw_server: StartRaw, client: Client) -> None:
     sent = asyncio.Event()
     total = 8 * 1024 * 1024
+    replica: list[asyncio.WriteTransport] = []
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        replica.append(writer.transport)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
         for _ in range(total // 65536):
             writer.write(b"x" * 65536)
@@ -207,7 +216,13 @@ async def test_a_full_sink_stops_reading_from_the_replica(raw_server: StartRaw, 
         await release.wait()
 
     piping = asyncio.ensure_future(resp.pipe(sink, drain))
-    await asyncio.sleep(0.3)
+
+    def held_back() -> bool:
+        """The client reads no more, and the replica's writes pile up past its buffer's high water."""
+        (transport,) = replica
+        return all(c.paused for c in client._all) and transport.get_write_buffer_size() > 65536
+
+    await wait_for(held_back)
     # The replica is held back: its drain() waits, it has not sent it all.
     assert not sent.is_set()
     assert received < total
@@ -233,7 +248,7 @@ async def test_a_head_past_its_deadline_fails_its_request_and_drops_its_connecti
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         if n == 1:
-            await asyncio.sleep(30)  # never answers in the test's time
+            await asyncio.Event().wait()  # never answers
         writer.write(OK)
         await writer.drain()
         answered.set()
@@ -241,7 +256,8 @@ async def test_a_head_past_its_deadline_fails_its_request_and_drops_its_connecti
     raw = await raw_server(answer)
     began = time.monotonic()
     late = asyncio.create_task(client.request(raw.origin, HEAD, b"{}", head_timeout=0.3))
-    await asyncio.sleep(0.05)
+    # (Real time, as the head deadline is measured by it below: the request that is never answered is the first.)
+    await wait_for(lambda: len(raw.requests) == 1)
     resp = await client.request(raw.origin, HEAD, b"{}", head_timeout=0.3)
     assert await resp.read() == b"hello"
     resp.release()
@@ -321,7 +337,7 @@ async def test_an_answer_over_the_limit_that_came_whole_in_one_read_is_refused_t
     body = b"x" * 2000
     raw = await raw_server(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2000\r\n\r\n" + body))
     resp = await client.request(raw.origin, HEAD, b"{}")
-    await asyncio.sleep(0.05)  # the whole answer is read before the caller asks for it
+    await wait_for(lambda: resp._done)  # the whole answer is read before the caller asks for it
     with pytest.raises(BodyTooLarge):
         await resp.read(1000)
     resp.release()
