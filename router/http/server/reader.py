@@ -20,8 +20,9 @@ is then primed with the framing of the body still to come, and fed on.
 
 RequestReader is the object llhttp calls back, one per connection; what it
 finds goes to the connection's Intake (intake.py), called as the concrete
-class it is. The connection feeds it its reads (connection.py); how llhttp
-is read anew is the intake's.
+class it is. The connection feeds llhttp its reads (connection.py); when to
+read anew is the intake's to decide, and the fresh parser is made here
+(renew()).
 """
 
 from __future__ import annotations
