@@ -66,6 +66,7 @@ async def test_a_refused_body_that_goes_on_past_its_window_closes_the_connection
         async def trickle() -> None:
             for _ in range(100):
                 wire.send(b"x" * 10)
+                # Real time: the window is the server's 2 s, on its own clock.
                 await asyncio.sleep(0.05)
 
         sender = asyncio.create_task(trickle())
@@ -139,6 +140,7 @@ async def test_a_client_that_reads_slowly_but_steadily_gets_its_whole_answer(sta
             if size == 0:
                 break
             got += len(await reader.readexactly(size + 2)) - 2
+            # Real time: a client that reads slowly, so that the server's writes wait for it.
             await asyncio.sleep(0.0005)
     finally:
         writer.close()
@@ -190,7 +192,7 @@ async def test_a_handler_cancelled_when_its_client_leaves_lets_go_of_its_body(st
 
     async def handler(request: Request, writer: Writer) -> None:
         began.set()
-        await asyncio.sleep(30)
+        await asyncio.Event().wait()  # until cancelled
 
     server = await start_server(handler)
     async with await Wire.open(server.address) as wire:
@@ -207,7 +209,7 @@ async def test_shutdown_cancels_what_still_runs_after_its_grace() -> None:
     async def handler(request: Request, writer: Writer) -> None:
         began.set()
         try:
-            await asyncio.sleep(30)
+            await asyncio.Event().wait()  # until cancelled
         except asyncio.CancelledError:
             cancelled.set()
             raise

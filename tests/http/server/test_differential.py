@@ -78,6 +78,7 @@ class LiveServer:
         deadline = time.monotonic() + 5.0
         # The server notices the close at once, and cancels what it was answering.
         while self.server.connections and time.monotonic() < deadline:
+            # (Polled finely, not by tests.helpers.wait_for's 10 ms: hypothesis runs hundreds of examples.)
             await asyncio.sleep(0.002)
         return self.stub.inference, self._refusals() - self._refusals_before
 

@@ -255,7 +255,7 @@ async def test_what_a_handler_writes_after_its_client_left_goes_nowhere(start_se
     async def handler(request: Request, writer: Writer) -> None:
         began.set()
         try:
-            await asyncio.sleep(30)
+            await asyncio.Event().wait()  # until cancelled
         except asyncio.CancelledError:
             if request.path == "/whole":
                 writer.answer(Reply(200, b"late", []))
