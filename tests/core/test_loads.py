@@ -70,3 +70,19 @@ def test_the_picks_inlined_score_is_blended_or_infinite_past_the_bounds() -> Non
             expected = blended(fresh, replica.in_flight, prefilling)
         assert view.judge(replica) == pytest.approx(expected), replica
         assert view.saturated(replica) == (expected == math.inf)
+
+
+def test_the_least_scored_candidate_is_picked_never_an_excluded_one_and_avoid_only_as_a_last_resort() -> None:
+    now = 10.0
+    view = EngineView(lambda: now, stale_after=1.0, default=BOUNDS)
+    busy = Candidate("m", 1, EngineLoad(0, 30, 0.5, at=now, sent_then=1, source="metrics"))
+    idle = Candidate("m", 1, EngineLoad(0, 2, 0.1, at=now, sent_then=1, source="metrics"))
+    full = Candidate("m", 1, EngineLoad(12, 30, 0.9, at=now, sent_then=1, source="metrics"))
+    rng = random.Random(1)
+    assert view.least([busy, idle, full], None, (), rng) is idle
+    assert view.least([busy, idle, full], idle, (), rng) is busy
+    assert view.least([busy, idle, full], None, [idle], rng) is busy
+    # Only the avoided one is left: it, unless it is saturated too.
+    assert view.least([busy, full], busy, (), rng) is busy
+    assert view.least([full], None, (), rng) is None
+    assert view.least([full], full, (), rng) is None

@@ -29,9 +29,10 @@ class and tenant, until one falls below them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+import random
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 # A prompt of at least this many tokens (estimated at four bytes each) is remembered while its
 # prefill runs: shorter ones are prefilled within a step or two and change no pick.
@@ -138,6 +139,9 @@ class Engined(Protocol):
     prefills: Prefills | None
 
 
+E = TypeVar("E", bound=Engined)
+
+
 class EngineView:
     """The pool's view of its replicas' engines: their readings, their freshness, and who is saturated.
 
@@ -183,9 +187,34 @@ class EngineView:
         return load is not None and pressure(load, replica.in_flight, self.bounds(replica.model)) >= 1.0
 
     def judge(self, replica: Engined) -> float:
-        """blended(), or math.inf where pressure() >= 1: the two inlined, with queue_now(), into one
-        call, as this runs for every candidate of every pick (tests/core/test_loads.py holds them equal)."""
+        """The pick's score of a replica, lowest first: blended(), or math.inf where pressure() >= 1."""
+        return self._score(replica, self._now())
+
+    def least(self, items: Iterable[E], avoid: E | None, exclude: Container[E], rng: random.Random) -> E | None:
+        """The item judge() scores lowest (a random one among equals), never one of `exclude`, `avoid`
+        only if nothing else is left; None when every one is saturated. One pass, the clock read once."""
         now = self._now()
+        score = self._score
+        best: list[E] = []
+        lowest = math.inf
+        for item in items:
+            if item is avoid or item in exclude:
+                continue
+            figure = score(item, now)
+            if figure < lowest:
+                lowest = figure
+                best = [item]
+            elif figure == lowest and figure != math.inf:
+                best.append(item)
+        if not best:
+            if avoid is not None and avoid not in exclude and score(avoid, now) != math.inf:
+                return avoid
+            return None
+        return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
+
+    def _score(self, replica: Engined, now: float) -> float:
+        """judge() at `now`: pressure(), queue_now() and blended() inlined into one call, as it runs for
+        every candidate of every pick (tests/core/test_loads.py holds it equal to them)."""
         in_flight = replica.in_flight
         prefills = replica.prefills
         prefilling = prefills.left(now) / TOKENS_PER_REQUEST if prefills is not None else 0.0

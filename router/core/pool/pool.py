@@ -129,6 +129,7 @@ class Pool:
         self._cold = self.cold_start.cold
         if engines is not None:
             self._set.judge = engines.judge
+            self._set.least = engines.least
             self.engine_loads = EngineLoads(
                 engines, clock, self._candidates, self._waiting, self.touched, hand_off=self._hand_off
             )
