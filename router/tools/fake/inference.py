@@ -80,9 +80,10 @@ class Inference:
         text = "".join(f"tok{i} " for i in range(n))
         model = obj.get("model", replica.models[0])
         ident = replica.next_id()
+        finish = "length" if replica.cut_short(obj, n) else "stop"
         choice: dict[str, Any]
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
             doc = {
                 "id": f"chatcmpl-{replica.name}-{ident}",
                 "object": "chat.completion",
@@ -92,7 +93,7 @@ class Inference:
                 "usage": usage(prompt, n),
             }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             doc = {
                 "id": f"cmpl-{replica.name}-{ident}",
                 "object": "text_completion",
@@ -133,6 +134,7 @@ class Inference:
             model,
             n,
             usage=usage(prompt, n) if (obj.get("stream_options") or {}).get("include_usage") else None,
+            finish="length" if replica.cut_short(obj, n) else "stop",
         )
         try:
             return await write_stream(

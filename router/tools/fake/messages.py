@@ -68,7 +68,7 @@ class Messages:
                 "role": "assistant",
                 "model": obj["model"],
                 "content": [{"type": "text", "text": "".join(f"tok{i} " for i in range(n))}],
-                "stop_reason": "max_tokens",
+                "stop_reason": "max_tokens" if replica.cut_short(obj, n) else "end_turn",
                 "stop_sequence": None,
                 "usage": {"input_tokens": usage_in, "output_tokens": n},
             }
@@ -130,7 +130,8 @@ class Messages:
             delta = {"index": 0, "delta": {"type": "text_delta", "text": f"tok{i} "}}
             await resp.write(_event("content_block_delta", delta))
         await resp.write(_event("content_block_stop", {"index": 0}))
-        stop = {"delta": {"stop_reason": "max_tokens", "stop_sequence": None}, "usage": {"output_tokens": n}}
+        reason = "max_tokens" if self.replica.cut_short(obj, n) else "end_turn"
+        stop = {"delta": {"stop_reason": reason, "stop_sequence": None}, "usage": {"output_tokens": n}}
         await resp.write(_event("message_delta", stop))
         await resp.write(_event("message_stop", {}))
         await resp.write_eof()

@@ -233,6 +233,13 @@ class FakeReplica:
             return min(wanted, self.behaviour.tokens)
         return self.behaviour.tokens
 
+    def cut_short(self, obj: dict[str, Any], n: int) -> bool:
+        """Whether an answer of `n` tokens stopped at the request's limit (finish_reason "length", as an
+        engine says it) rather than ending on its own ("stop"): the `openai` SDK's stream() and parse()
+        helpers raise on "length"."""
+        wanted = obj.get("max_tokens") or obj.get("max_completion_tokens")
+        return isinstance(wanted, int) and not isinstance(wanted, bool) and 0 < wanted <= n
+
     def load_headers(self, request: web.Request) -> dict[str, str]:
         """vLLM's ORCA report, when the request asks for one and this replica is a simulated vLLM."""
         form = request.headers.get("endpoint-load-metrics-format")

@@ -29,7 +29,7 @@ def usage(prompt: tuple[int, int], n: int) -> dict[str, Any]:
 
 
 def stream_chunks(
-    kind: str, ident: str, created: int, model: str, n: int, *, usage: dict[str, Any] | None
+    kind: str, ident: str, created: int, model: str, n: int, *, usage: dict[str, Any] | None, finish: str = "length"
 ) -> list[bytes]:
     """vLLM's framing: a role chunk (chat), one chunk per token, a finish chunk, [DONE]."""
     out: list[bytes] = []
@@ -54,9 +54,9 @@ def stream_chunks(
         else:
             out.append(event([{"index": 0, "text": f"tok{i} ", "logprobs": None, "finish_reason": None}]))
     if kind == "chat":
-        out.append(event([{"index": 0, "delta": {}, "finish_reason": "length"}]))
+        out.append(event([{"index": 0, "delta": {}, "finish_reason": finish}]))
     else:
-        out.append(event([{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]))
+        out.append(event([{"index": 0, "text": "", "logprobs": None, "finish_reason": finish}]))
     if usage is not None:
         out.append(event([], usage))
     out.append(b"data: [DONE]\n\n")
