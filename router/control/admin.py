@@ -76,6 +76,8 @@ def replica_rows(snapshot: UsageSnapshot, now: float) -> list[dict[str, Any]]:
                 "engine": r.engine,
                 "engine_load": engine_load_json(r.engine_load, now),
                 "saturated": r.saturated,
+                # false: its /v1/models does not list the model sent to it (its engine answers 404); null: not read.
+                "serves_model": r.serves_model,
             }
         )
     return rows
