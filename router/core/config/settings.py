@@ -215,6 +215,11 @@ class Config:
     max_queued_per_tenant: int = _count(
         0, "per model and tenant (per worker); one more gets 429 rate_limit_exceeded; 0 = no bound"
     )
+    shutdown_delay_seconds: float = _seconds(
+        5.0,
+        "SIGTERM: /readyz answers 503 while still serving this long, then the drain; 0 = drain at once",
+        minimum=0.0,
+    )
     shutdown_grace_seconds: float = _seconds(30.0, "SIGTERM: how long requests in flight may finish", minimum=0.0)
     ejection_failures: int = _count(5, "failures in a row that eject a replica", minimum=1)
     ejection_base_seconds: float = _seconds(10.0, "first ejection; doubles in a row, up to ejection_max_seconds")

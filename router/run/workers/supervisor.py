@@ -383,6 +383,7 @@ async def serve_workers(
         supervisor,
         stop_server=supervisor.stop,
         grace_seconds=config.shutdown_grace_seconds,
+        delay_seconds=config.shutdown_delay_seconds,
         on_hup=supervisor.reload,
         on_ready=on_ready,
         listening=f", {workers} workers",
