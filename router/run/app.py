@@ -237,6 +237,7 @@ class RouterServer(Listening):
             fleet,
             sinks.latest,
             admin_token=config.admin_token,
+            admin_token_reads=config.admin_token_reads,
             # The sources run here unless a supervisor runs them: the first set must be in before ready.
             is_ready=(lambda: self.ready) if worker else (lambda: self.ready and sources_ready(self.sources)),
             rates=sinks.rates,

@@ -137,6 +137,7 @@ class Supervisor(Listening):
                 self.fleet,
                 self.sinks.latest,
                 admin_token=config.admin_token,
+                admin_token_reads=config.admin_token_reads,
                 # Ready while any worker serves: one restarting leaves the others.
                 # and not before the sources applied their first set.
                 is_ready=lambda: self.ready and bool(self.processes.live()) and sources_ready(self.sources),
