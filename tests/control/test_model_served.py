@@ -1,4 +1,4 @@
-"""A replica whose engine does not serve the model the router sends it: said in every view."""
+"""A replica whose engine does not serve the model the router sends it: said, and refused by the fake as vLLM does."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import aiohttp
+import openai
 import pytest
 
 from router.core.config.cards import lists_model
@@ -102,3 +103,31 @@ async def test_a_replica_not_read_yet_says_null(start_fake: StartFake, start_rou
     await wait_for(lambda: True, 0.1)
     assert (await replicas(server))["r0"]["serves_model"] is None
     assert samples(await scrape(server), "router_replicas_not_serving_model") == {}
+
+
+async def test_the_fake_refuses_a_model_it_does_not_serve_as_vllm_does(start_fake: StartFake) -> None:
+    fake = await start_fake("llama", adapters=["sql-lora"])
+    async with openai.AsyncOpenAI(base_url=fake.url + "/v1", api_key="x", max_retries=0) as client:
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.chat.completions.create(model="llama-3.1-8b", messages=[{"role": "user", "content": "hi"}])
+        # Its models and its LoRA adapters are served.
+        for model in ("llama", "sql-lora"):
+            answer = await client.completions.create(model=model, prompt="hi", max_tokens=2)
+            assert answer.choices
+    assert caught.value.status_code == 404
+    assert caught.value.body == {
+        "message": "The model `llama-3.1-8b` does not exist.",
+        "type": "NotFoundError",
+        "param": None,
+        "code": 404,
+    }
+
+
+async def test_the_fake_answers_a_request_naming_no_model(start_fake: StartFake) -> None:
+    """vLLM serves its first model when the request names none (serving_engine.py, _is_model_supported)."""
+    fake = await start_fake("llama")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(fake.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as resp,
+    ):
+        assert resp.status == 200
