@@ -164,6 +164,22 @@ def test_the_example_vllm_starts_slowly_is_sized_and_caches_its_weights(overlay:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_discovered_vllm_waits_for_the_routers_to_see_it_go(overlay: str, tmp_path: Path) -> None:
+    """preStop where it belongs: on the engines the routers discover, which learn of a terminating pod from its
+    EndpointSlice a moment later and drain it; vLLM itself exits at SIGTERM. (The plain overlay's routers list
+    their replicas and learn nothing from a pod's end.)"""
+    docs = render(overlay)
+    path = tmp_path / "router.toml"
+    path.write_text(router_toml(docs))
+    if load_config(path, environ={}).discovery is None:
+        pytest.skip("the plain overlay's routers do not watch the pods")
+    for template in engines(docs):
+        (container,) = [c for c in template["spec"]["containers"] if c["name"] == "vllm"]
+        assert container["lifecycle"]["preStop"]["sleep"]["seconds"] >= 5
+        assert template["spec"]["terminationGracePeriodSeconds"] > container["lifecycle"]["preStop"]["sleep"]["seconds"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_router_tolerates_one_slow_probe_and_outwaits_the_delay_and_the_grace(overlay: str, tmp_path: Path) -> None:
     docs = render(overlay)
     router = next(d for d in of_kind(docs, "Deployment") if d["metadata"]["name"] == "router")
