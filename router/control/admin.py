@@ -31,6 +31,9 @@ log = logging.getLogger("router.control.admin")
 ADMIN_BODY_LIMIT = 8 * 1024 * 1024
 DEFAULT_IDLE_FOR = 1800.0
 _MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_GUARDED_ALL = _MUTATING | {"GET", "HEAD"}
+# The kubelet's probes carry no token: open whatever admin_token_reads says.
+_PROBES = frozenset({"/healthz", "/readyz"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -76,6 +79,8 @@ def replica_rows(snapshot: UsageSnapshot, now: float) -> list[dict[str, Any]]:
                 "engine": r.engine,
                 "engine_load": engine_load_json(r.engine_load, now),
                 "saturated": r.saturated,
+                # false: its /v1/models does not list the model sent to it (its engine answers 404); null: not read.
+                "serves_model": r.serves_model,
             }
         )
     return rows
@@ -95,7 +100,7 @@ def engine_load_json(load: EngineReading | None, now: float) -> dict[str, Any] |
 
 class Admin:
     """The admin API's handlers: usage, replicas, endpoints, state, status, metrics, health; the token on mutating
-    calls."""
+    calls, and on reads too with admin_token_reads."""
 
     def __init__(
         self,
@@ -103,6 +108,7 @@ class Admin:
         latest: LatestSink,
         *,
         admin_token: str,
+        admin_token_reads: bool = False,
         is_ready: Callable[[], bool],
         rates: RateSink,
         wall: Callable[[], float] = time.time,
@@ -113,6 +119,8 @@ class Admin:
         self._exclusive_source = exclusive_source
         self.latest = latest
         self._token = admin_token.encode()
+        # The token on reads too: the usage map, the replicas' URLs and labels, metrics.
+        self._guarded = _GUARDED_ALL if admin_token_reads else _MUTATING
         self._is_ready = is_ready
         self._rates = rates
         self._wall = wall
@@ -136,7 +144,7 @@ class Admin:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self._token and request.method in _MUTATING:
+        if self._token and request.method in self._guarded and request.path not in _PROBES:
             header = request.headers.get("Authorization", "")
             scheme, _, given = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(

@@ -37,7 +37,7 @@ import logging
 import aiohttp
 import orjson
 
-from router.core.config.cards import Cards, adapters_of, engine_of, read_card
+from router.core.config.cards import Cards, adapters_of, engine_of, lists_model, read_card
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica, ReplicaState
 
@@ -114,12 +114,33 @@ class CardReader:
         if replica.engine is None:
             replica.engine = engine_of(doc, replica.model)
         self.pool.adapters.learn(replica, adapters_of(doc, replica.model))
+        self._served(replica, lists_model(doc, replica.model, replica.engine))
         self._read_with[replica] = replica.requests
         card = read_card(doc, replica.model)
         if card is None:
             return False
         self.cards.put(replica.model, card)
         return True
+
+    def _served(self, replica: Replica, serves: bool | None) -> None:
+        """Keep whether the replica lists its model; say it once when it stops, and once when it lists it again."""
+        was = replica.serves_model
+        if serves is was:
+            return
+        replica.serves_model = serves
+        # The usage tick copies only the replicas marked since the last one.
+        self.pool.touched[replica] = None
+        if serves is False:
+            log.warning(
+                "replica %s (%s): its /v1/models does not list model %r, which the router sends it; "
+                "its engine answers such requests with 404 (start vLLM with --served-model-name %s)",
+                replica.id,
+                replica.base_url,
+                replica.model,
+                replica.model,
+            )
+        elif was is False:
+            log.info("replica %s: its /v1/models lists model %r again", replica.id, replica.model)
 
     def due(self, now: float) -> list[Replica]:
         """The replicas to read now: those that joined, then failed ones that showed life since."""

@@ -101,7 +101,27 @@ DOCUMENT: dict[str, Any] = {
             }
         },
         "/api/v1/replicas": {
-            "get": {"summary": "One object per replica", "responses": {"200": _json({"type": "array"})}}
+            "get": {
+                "summary": "One object per replica",
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "serves_model": {
+                                        "type": ["boolean", "null"],
+                                        "description": "whether its /v1/models lists the model the router sends "
+                                        "it (false: its engine answers 404); null: not read, or an engine that "
+                                        "answers under any name",
+                                    }
+                                },
+                            },
+                        }
+                    )
+                },
+            }
         },
         "/api/v1/status": {
             "get": {

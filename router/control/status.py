@@ -85,6 +85,15 @@ class QueuedFor:
 
 
 @dataclass(frozen=True, slots=True)
+class NotServing:
+    """A replica whose /v1/models does not list the model the router sends it: each request there gets 404."""
+
+    id: str
+    model: str
+    url: str
+
+
+@dataclass(frozen=True, slots=True)
 class FleetStatus:
     """The fleet summary of GET /api/v1/status and router ctl status."""
 
@@ -98,6 +107,7 @@ class FleetStatus:
     unserved: Mapping[str, int]
     held: tuple[HeldFor, ...] = ()
     queue: tuple[QueuedFor, ...] = ()
+    not_serving: tuple[NotServing, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -161,7 +171,10 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
     by_model: dict[str, _ModelTally] = {}
     per_class: dict[str, dict[str, int]] = {}
     unasked = []
+    not_serving = []
     for r in snapshot.replicas:
+        if r.serves_model is False:
+            not_serving.append(NotServing(r.id, r.model, r.url))
         kind = usage_class(r, quiet.get(r.id), now, idle_for, wanted)
         tally = by_model.get(r.model)
         if tally is None:
@@ -227,6 +240,7 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
             for (model, priority, tenant), q in sorted(snapshot.queues.items())
             if q.queued > 0
         ),
+        not_serving=tuple(not_serving),
     )
 
 

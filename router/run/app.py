@@ -2,7 +2,9 @@
 
 `RouterServer` owns both listeners and their lifecycle; `serve()` runs one
 until SIGTERM/SIGINT and shuts it down gracefully: /readyz turns 503 at
-once, the client port stops accepting, requests in flight get up to
+once while requests are still served for `shutdown_delay_seconds` (the
+time a load balancer or Kubernetes takes to stop sending here), then the
+client port stops accepting, requests in flight get up to
 `shutdown_grace_seconds` to finish, the final usage snapshot is pushed.
 """
 
@@ -71,6 +73,8 @@ class Listening:
 
     client_address: tuple[str, int] | None = None
     admin_address: tuple[str, int] | None = None
+    # What /readyz answers: False until started, and again from SIGTERM on.
+    ready: bool = False
 
     @property
     def client_url(self) -> str:
@@ -234,6 +238,7 @@ class RouterServer(Listening):
             fleet,
             sinks.latest,
             admin_token=config.admin_token,
+            admin_token_reads=config.admin_token_reads,
             # The sources run here unless a supervisor runs them: the first set must be in before ready.
             is_ready=(lambda: self.ready) if worker else (lambda: self.ready and sources_ready(self.sources)),
             rates=sinks.rates,
@@ -490,6 +495,7 @@ async def run_until_signalled(
     *,
     stop_server: Callable[[], Awaitable[None]],
     grace_seconds: float,
+    delay_seconds: float = 0.0,
     on_hup: Callable[[], Coroutine[Any, Any, object]] | None,
     on_ready: Callable[[_Running], None] | None,
     listening: str,
@@ -497,8 +503,14 @@ async def run_until_signalled(
     """Run a started router until SIGTERM or SIGINT, then stop it; SIGHUP calls `on_hup`."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    said: list[signal.Signals] = []
+
+    def signalled(sig: signal.Signals) -> None:
+        said.append(sig)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled, sig)
     reloads: set[asyncio.Task[object]] = set()
 
     def hup() -> None:
@@ -515,11 +527,25 @@ async def run_until_signalled(
         on_ready(server)
     try:
         await stop.wait()
+        # SIGINT is a person at a terminal (Ctrl-C), with no load balancer to wait for.
+        if delay_seconds > 0 and said[0] is signal.SIGTERM:
+            await _unready_for(server, stop, delay_seconds)
         log.info("shutting down: finishing requests in flight (up to %gs)", grace_seconds)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await stop_server()
+
+
+async def _unready_for(server: Listening, signalled: asyncio.Event, seconds: float) -> None:
+    """Answer /readyz 503 and go on serving for `seconds`: a Service (or a load balancer) takes
+    that long to stop sending new connections here, which would be refused if the port closed
+    at once. A second SIGTERM or SIGINT ends the wait."""
+    server.ready = False
+    log.info("shutting down: /readyz answers 503; serving on for %gs while clients are sent elsewhere", seconds)
+    signalled.clear()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(signalled.wait(), seconds)
 
 
 async def serve(
@@ -533,6 +559,7 @@ async def serve(
         server,
         stop_server=server.stop,
         grace_seconds=config.shutdown_grace_seconds,
+        delay_seconds=config.shutdown_delay_seconds,
         on_hup=server.reload if config_path is not None else None,
         on_ready=on_ready,
         listening="",

@@ -87,6 +87,8 @@ def demo_config(listen: str, admin_listen: str, urls: dict[str, str], tick_secon
         "admin_listen": admin_listen,
         "router_name": "demo",
         "tick_seconds": tick_seconds,
+        # Nothing sends the demo's clients elsewhere: no wait before it stops.
+        "shutdown_delay_seconds": 0,
         "replicas": [
             {"id": rid, "model": model, "url": urls[rid], "labels": labels} for rid, model, labels in DEMO_FLEET
         ],

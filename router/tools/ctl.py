@@ -325,6 +325,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                 ],
             ),
         ]
+    if doc.get("not_serving"):
+        parts += [
+            "",
+            "not serving their model (their /v1/models does not list it; vLLM answers 404: --served-model-name):",
+            table(["ID", "MODEL", "URL"], [[n["id"], n["model"], n["url"]] for n in doc["not_serving"]]),
+        ]
     if doc["unserved"]:
         parts += [
             "",

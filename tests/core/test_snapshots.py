@@ -50,6 +50,8 @@ def expected(replica: Replica, started_at: float = WALL) -> tuple[object, ...]:
         replica.engine,
         None,
         False,
+        # Whether its /v1/models lists its model: no card read in these pools.
+        replica.serves_model,
     )
 
 

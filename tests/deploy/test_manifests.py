@@ -166,10 +166,8 @@ def test_the_plain_overlay_s_replicas_are_the_pods_of_its_statefulset(tmp_path: 
     container = container_of(docs, "llama", "StatefulSet")
     port = {p["name"]: p["containerPort"] for p in container["ports"]}["http"]
     served = container["args"][container["args"].index("--served-model-name") + 1]
-    pods = {
-        f"llama-{i}.{headless['metadata']['name']}.default.svc.cluster.local"
-        for i in range(statefulset["spec"]["replicas"])
-    }
+    # Short names (pod.service): the pods' DNS search domains resolve them in any namespace.
+    pods = {f"llama-{i}.{headless['metadata']['name']}" for i in range(statefulset["spec"]["replicas"])}
     assert {(urlsplit(r.url).hostname, urlsplit(r.url).port) for r in config.replicas} == {(pod, port) for pod in pods}
     assert {r.model for r in config.replicas} == {served}
 

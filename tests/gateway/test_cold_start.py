@@ -438,7 +438,7 @@ async def test_held_models_are_never_idle_candidates_and_status_shows_them(
 
 
 async def test_sigterm_answers_held_requests_at_once(serve: Serve) -> None:
-    serve.write([], extra='[models."m"]\ncold_start_seconds = 60\n')
+    serve.write([], extra='shutdown_delay_seconds = 0\n[models."m"]\ncold_start_seconds = 60\n')
     await serve.start()
     async with aiohttp.ClientSession() as session:
         request = asyncio.create_task(session.post(serve.client_url + "/v1/chat/completions", json=CHAT))

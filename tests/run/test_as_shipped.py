@@ -200,7 +200,7 @@ async def test_two_workers_serve_as_one_router(serve: Serve, start_fake: StartFa
 
 async def test_sigterm_lets_the_streams_in_flight_finish_and_exits_0(serve: Serve, start_fake: StartFake) -> None:
     fake = await start_fake("m", behaviour=Behaviour(tokens=15, token_delay=0.05))
-    serve.write([{"id": "r0", "model": "m", "url": fake.url}])
+    serve.write([{"id": "r0", "model": "m", "url": fake.url}], "shutdown_delay_seconds = 0")
     await serve.start()
 
     async def read_stream(client: openai.AsyncOpenAI, began: asyncio.Event) -> str:

@@ -27,7 +27,7 @@ async def test_sigterm_finishes_streams_in_flight_then_exits_0(
 ) -> None:
     url, received, _ = receiver
     fake = await start_fake("m", behaviour=Behaviour(tokens=25, token_delay=0.04))
-    serve.write([{"id": "r0", "model": "m", "url": fake.url}], f'usage_push_url = "{url}"')
+    serve.write([{"id": "r0", "model": "m", "url": fake.url}], f'usage_push_url = "{url}"\nshutdown_delay_seconds = 0')
     await serve.start()
     async with aiohttp.ClientSession() as session:
         stream = await session.post(
@@ -57,7 +57,9 @@ async def test_sigterm_ends_what_outlives_the_grace_and_cancels_it_upstream(
     serve: Serve, start_fake: StartFake
 ) -> None:
     fake = await start_fake("m", behaviour=Behaviour(tokens=1000, token_delay=0.02))
-    serve.write([{"id": "r0", "model": "m", "url": fake.url}], "shutdown_grace_seconds = 0.5")
+    serve.write(
+        [{"id": "r0", "model": "m", "url": fake.url}], "shutdown_grace_seconds = 0.5\nshutdown_delay_seconds = 0"
+    )
     await serve.start()
     async with aiohttp.ClientSession() as session:
         stream = await session.post(
@@ -78,9 +80,11 @@ async def test_sigterm_ends_what_outlives_the_grace_and_cancels_it_upstream(
 async def test_sighup_reloads_the_replicas_and_a_bad_file_changes_nothing(serve: Serve, start_fake: StartFake) -> None:
     a = await start_fake("m")
     b = await start_fake("m")
-    serve.write([{"id": "a", "model": "m", "url": a.url}])
+    serve.write([{"id": "a", "model": "m", "url": a.url}], "shutdown_delay_seconds = 0")
     await serve.start()
-    serve.write([{"id": "a", "model": "m", "url": a.url}, {"id": "b", "model": "m", "url": b.url}])
+    serve.write(
+        [{"id": "a", "model": "m", "url": a.url}, {"id": "b", "model": "m", "url": b.url}], "shutdown_delay_seconds = 0"
+    )
     serve.signal(signal.SIGHUP)
     deadline = time.monotonic() + 10
     while [r["id"] for r in (await endpoints(serve))["replicas"]] != ["a", "b"]:
@@ -101,7 +105,7 @@ async def test_sighup_reloads_the_replicas_and_a_bad_file_changes_nothing(serve:
 async def test_a_config_without_replicas_starts_ready_and_a_push_fills_it(serve: Serve, start_fake: StartFake) -> None:
     """No replicas is a valid start (the push API or discovery fills the set): ready, models 404 until then."""
     fake = await start_fake("m")
-    serve.write([])
+    serve.write([], "shutdown_delay_seconds = 0")
     await serve.start()  # waits for /readyz 200
     async with aiohttp.ClientSession() as session:
         async with session.get(serve.admin_url + "/readyz") as resp:

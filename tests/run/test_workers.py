@@ -266,7 +266,7 @@ async def test_a_worker_that_dies_is_restarted_and_nothing_goes_backwards(serve:
 
 async def test_sigterm_lets_every_worker_finish_its_streams(serve: Serve, start_fake: StartFake) -> None:
     fake = await start_fake("m", behaviour=Behaviour(tokens=20, token_delay=0.05))
-    serve.write([{"id": "r0", "model": "m", "url": fake.url}])
+    serve.write([{"id": "r0", "model": "m", "url": fake.url}], "shutdown_delay_seconds = 0")
     await serve.start("--workers", "2")
 
     async def one_stream() -> bytes:
@@ -341,7 +341,7 @@ async def test_sighup_reloads_every_worker_and_sigterm_pushes_the_last_map(
     url, received, _ = receiver
     first = await start_fake("m", name="first")
     second = await start_fake("m", name="second")
-    push = f'usage_push_url = "{url}"'
+    push = f'usage_push_url = "{url}"\nshutdown_delay_seconds = 0'
     serve.write([{"id": "first", "model": "m", "url": first.url}], push)
     await serve.start("--workers", "2")
     serve.write([{"id": "second", "model": "m", "url": second.url}], push)

@@ -28,7 +28,10 @@ pytestmark = pytest.mark.slow
 
 def write_config(path: Path) -> tuple[int, int]:
     client, admin = free_port(), free_port()
-    path.write_text(f'listen = "127.0.0.1:{client}"\nadmin_listen = "127.0.0.1:{admin}"\ntick_seconds = 0.2\n')
+    path.write_text(
+        f'listen = "127.0.0.1:{client}"\nadmin_listen = "127.0.0.1:{admin}"\n'
+        "tick_seconds = 0.2\nshutdown_delay_seconds = 0\n"
+    )
     return client, admin
 
 

@@ -49,8 +49,9 @@ def test_the_kubernetes_kinds_validate_strictly() -> None:
             continue
         kubernetes_validate.validate(doc, kubernetes_validate.utils.latest_version(), strict=True)
         checked += 1
-    # Three Deployments, four Services, the ConfigMap, and the ServiceAccount, Role and RoleBinding.
-    assert checked == 11
+    # Three Deployments, four Services, the ConfigMap, the ServiceAccount, Role and RoleBinding, the
+    # routers' PodDisruptionBudget and NetworkPolicy, and the model cache's PersistentVolumeClaim.
+    assert checked == 14
 
 
 def test_every_scaled_object_matches_keda_s_fields() -> None:
@@ -126,7 +127,8 @@ def test_the_documented_router_settings_for_the_loop_are_valid_and_point_at_the_
     config = parse_config(tomllib.loads(router_block), "docs/kubernetes.md", environ={})
     service = by_name("router-scaler", "Service")
     http_port = {p["name"]: p["port"] for p in service["spec"]["ports"]}["http"]
-    assert config.wake_url == f"http://router-scaler.default.svc.cluster.local:{http_port}/wake"
+    # The Service's short name: it resolves in whatever namespace the overlay is applied to.
+    assert config.wake_url == f"http://{service['metadata']['name']}:{http_port}/wake"
     (scaled,) = kind("ScaledObject")
     model = scaled["spec"]["triggers"][0]["metadata"]["model"]
     assert config.models[model].cold_start_seconds > 0
@@ -139,7 +141,8 @@ def test_the_routers_hold_requests_for_the_scaled_model_and_wake_the_scaler(tmp_
     config = load_config(path, environ={})
     service = by_name("router-scaler", "Service")
     http_port = {p["name"]: p["port"] for p in service["spec"]["ports"]}["http"]
-    assert config.wake_url == f"http://router-scaler.default.svc.cluster.local:{http_port}/wake"
+    # The Service's short name: it resolves in whatever namespace the overlay is applied to.
+    assert config.wake_url == f"http://{service['metadata']['name']}:{http_port}/wake"
     (scaled,) = kind("ScaledObject")
     model = config.models[scaled["spec"]["triggers"][0]["metadata"]["model"]]
     (vllm,) = by_name(scaled["spec"]["scaleTargetRef"]["name"], "Deployment")["spec"]["template"]["spec"]["containers"]

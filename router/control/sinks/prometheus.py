@@ -193,6 +193,11 @@ class PrometheusSink:
         # The text for `snapshot`, once a scrape asked for it.
         self._text: tuple[UsageSnapshot, bytes] | None = None
 
+    @property
+    def records(self) -> Iterable[ReplicaUsage]:
+        """Every replica's record as of the newest snapshot (a snapshot itself may carry only those that changed)."""
+        return self._maps.records.values()
+
     def publish(self, snapshot: UsageSnapshot) -> None:
         maps = self._maps
         changes = maps.follow(snapshot)
@@ -409,12 +414,30 @@ class UsageCollector(Collector):
             for model, share in sorted(snapshot.saturation.items()):
                 saturation.add_metric([model], share)
             yield saturation
+        yield _not_serving(self._sink.records)
         yield _tallies(
             "router_client_write_stalls",
             "Streams cut off because the client read nothing for write_stall_timeout_seconds.",
             ["model"],
             (((model,), n) for model, n in snapshot.stalled.items()),
         )
+
+
+def _not_serving(records: Iterable[ReplicaUsage]) -> GaugeMetricFamily:
+    """Per model, its replicas whose /v1/models does not list it: each request sent there gets 404."""
+    family = GaugeMetricFamily(
+        "router_replicas_not_serving_model",
+        "Replicas whose /v1/models does not list the model the router sends them (their engine answers 404), "
+        "by model; only models with a replica whose listing was read.",
+        labels=["model"],
+    )
+    counts: dict[str, int] = {}
+    for r in records:
+        if r.serves_model is not None:
+            counts[r.model] = counts.get(r.model, 0) + (not r.serves_model)
+    for model, count in sorted(counts.items()):
+        family.add_metric([model], count)
+    return family
 
 
 def _tallies(

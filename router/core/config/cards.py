@@ -104,6 +104,26 @@ def engine_of(doc: object, model: str) -> str | None:
     return owner if isinstance(owner, str) and owner in ENGINES else None
 
 
+# Engines that answer under any model name, whatever their /v1/models lists:
+# llama.cpp's server and TGI ignore the request's `model`. vLLM refuses a name
+# it does not list with 404 (serving_engine.py, _check_model), as the fake does.
+ANY_NAME_ENGINES = frozenset({"llamacpp", "tgi"})
+
+
+def lists_model(doc: object, model: str, engine: str | None) -> bool | None:
+    """Whether a replica's /v1/models answer names `model`, the name the router sends it.
+
+    True: an entry's id is the name. False: none is, and its engine refuses
+    names it does not list (every request sent there gets 404). None: the
+    answer is no listing, or its engine answers under any name.
+    """
+    if not isinstance(doc, dict) or not isinstance(data := doc.get("data"), list):
+        return None
+    if any(isinstance(entry, dict) and entry.get("id") == model for entry in data):
+        return True
+    return None if engine in ANY_NAME_ENGINES else False
+
+
 def adapters_of(doc: object, model: str) -> frozenset[str]:
     """The LoRA adapters a replica of `model` serves, by its /v1/models answer.
 

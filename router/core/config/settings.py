@@ -174,6 +174,11 @@ class Config:
         "or env ROUTER_ADMIN_TOKEN; required on mutating admin calls when set",
         fallback=lambda env: env.get("ROUTER_ADMIN_TOKEN", ""),
     )
+    admin_token_reads: bool = _setting(
+        False,
+        check.boolean,
+        "require the admin token on reads too (usage, replicas, status, metrics); /healthz, /readyz stay open",
+    )
     # Only each key's SHA-256 is kept (router.core.config.tenants): never the key.
     api_keys: tuple[ClientKey, ...] = _setting(
         (), parse_api_keys, "client keys (Authorization: Bearer ...), or [api_keys.NAME] tables; empty = no client auth"
@@ -214,6 +219,11 @@ class Config:
     # So that one tenant's flood cannot fill a model's queue for the others.
     max_queued_per_tenant: int = _count(
         0, "per model and tenant (per worker); one more gets 429 rate_limit_exceeded; 0 = no bound"
+    )
+    shutdown_delay_seconds: float = _seconds(
+        5.0,
+        "SIGTERM: /readyz answers 503 while still serving this long, then the drain; 0 = drain at once",
+        minimum=0.0,
     )
     shutdown_grace_seconds: float = _seconds(30.0, "SIGTERM: how long requests in flight may finish", minimum=0.0)
     ejection_failures: int = _count(5, "failures in a row that eject a replica", minimum=1)
@@ -376,6 +386,8 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         raise where.error(
             "admin_listen", f"must differ from listen ({listen}): the client port and the admin API need two"
         )
+    if values["admin_token_reads"] and not values["admin_token"]:
+        raise where.error("admin_token_reads", "needs admin_token (or ROUTER_ADMIN_TOKEN): the token to require")
     replicas = parse_replicas(where, "replicas", raw.get("replicas", []))
     models = parse_models(where, raw.get("models", {}), {r.model for r in replicas})
     discovery = _discovery(where, raw["discovery"]) if "discovery" in raw else None

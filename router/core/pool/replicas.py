@@ -56,6 +56,7 @@ class Replica:
         "load",
         "prefills",
         "adapters",
+        "serves_model",
     )
 
     def __init__(self, config: ReplicaConfig, added_at: float) -> None:
@@ -88,6 +89,9 @@ class Replica:
         self.prefills: Prefills | None = None
         # The LoRA adapters its engine lists in /v1/models (router.core.pool.adapters).
         self.adapters: frozenset[str] = frozenset()
+        # Whether its /v1/models lists `model`, the name requests are sent under (router.core.config.cards,
+        # lists_model); None: not read, or its engine answers under any name.
+        self.serves_model: bool | None = None
 
     @property
     def state(self) -> ReplicaState:

@@ -152,7 +152,14 @@ def _combined(key: Key, parts: list[ReplicaUsage], memory: Memory) -> ReplicaUsa
             (r.engine_load for r in parts if r.engine_load is not None), key=lambda e: e.read_at, default=None
         ),
         saturated=any(r.saturated for r in parts),
+        # Each worker reads the cards itself: one that found the model missing says so for all.
+        serves_model=_serves(parts),
     )
+
+
+def _serves(parts: list[ReplicaUsage]) -> bool | None:
+    said = [r.serves_model for r in parts if r.serves_model is not None]
+    return None if not said else all(said)
 
 
 # The router's tallies, demand and queues, as combined from its workers'.

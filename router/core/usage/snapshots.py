@@ -78,6 +78,8 @@ class ReplicaUsage(NamedTuple):
     engine: str | None = None
     engine_load: EngineReading | None = None
     saturated: bool = False
+    # Whether its /v1/models lists the model the router sends it (Replica.serves_model); None: not said.
+    serves_model: bool | None = None
 
     def quiet_seconds(self, now: float) -> float | None:
         """Seconds since the last request, or None when no request is known."""
@@ -405,6 +407,7 @@ class Snapshotter:
                     if (load := r.load) is None
                     else EngineReading(load.waiting, load.running, load.kv, load.at + offset, load.source),
                     engines is not None and engines.saturated(r),
+                    r.serves_model,
                 ),
             )
             put(known[0], usage)

@@ -137,6 +137,7 @@ class Supervisor(Listening):
                 self.fleet,
                 self.sinks.latest,
                 admin_token=config.admin_token,
+                admin_token_reads=config.admin_token_reads,
                 # Ready while any worker serves: one restarting leaves the others.
                 # and not before the sources applied their first set.
                 is_ready=lambda: self.ready and bool(self.processes.live()) and sources_ready(self.sources),
@@ -383,6 +384,7 @@ async def serve_workers(
         supervisor,
         stop_server=supervisor.stop,
         grace_seconds=config.shutdown_grace_seconds,
+        delay_seconds=config.shutdown_delay_seconds,
         on_hup=supervisor.reload,
         on_ready=on_ready,
         listening=f", {workers} workers",

@@ -215,7 +215,25 @@ class FakeReplica:
                 {"error": {"message": "not an object", "type": "invalid_request_error", "param": None, "code": None}},
                 status=400,
             )
+        model = obj.get("model")
+        if model and not self.serves(model):
+            # vLLM's answer to a name it does not serve (serving_engine.py, _check_model); no name is its own.
+            return obj, web.json_response(
+                {
+                    "error": {
+                        "message": f"The model `{model}` does not exist.",
+                        "type": "NotFoundError",
+                        "param": None,
+                        "code": 404,
+                    }
+                },
+                status=404,
+            )
         return obj, None
+
+    def serves(self, model: object) -> bool:
+        """Whether it answers requests naming `model`: one of its models or of its LoRA adapters."""
+        return model in self.models or model in self.adapters
 
     def remember(self, request: web.Request, body: bytes) -> None:
         self.seen.append(Seen(request.path_qs, dict(request.headers), body))

@@ -42,7 +42,13 @@ SECURITY_FIELDS = {
     "runAsNonRoot", "runAsUser", "runAsGroup", "allowPrivilegeEscalation", "readOnlyRootFilesystem",
     "capabilities", "seccompProfile",
 }  # fmt: skip
-POD_FIELDS = {"containers", "volumes", "terminationGracePeriodSeconds", "serviceAccountName"}
+# automountServiceAccountToken: no API server runs here, so nothing is mounted either way (the
+# discovery overlays' routers run with their config less discovery); topologySpreadConstraints
+# place pods over nodes, and here is one host.
+POD_FIELDS = {
+    "containers", "volumes", "terminationGracePeriodSeconds", "serviceAccountName", "automountServiceAccountToken",
+    "topologySpreadConstraints",
+}  # fmt: skip
 
 
 def host_limits() -> tuple[int, int]:

@@ -3,7 +3,7 @@
 Two routers and `router scaler` run from deploy/kubernetes/keda as rendered:
 the routers' Deployment (with the overlay's router.toml: requests for the
 model held, `wake_url` at the scaler) under the headless Service's name
-(router-admin.default.svc.cluster.local, which the scaler resolves to both,
+(router-admin, which the scaler resolves to both,
 as `--servers-from-dns` in its args says), the scaler's Deployment under its
 Service's name. KEDA's stand-in (tests/scaler/keda_standin.py, from this
 checkout, mounted read-only into the image) keeps StreamIsActive open at the
@@ -32,8 +32,10 @@ from tests.deploy.container.podman import Podman, Running, run_spec, wait_ready
 from tests.deploy.manifests import ROOT, of_kind, render, router_toml
 from tests.scaler.helpers import Events, scaled
 
-HEADLESS = "router-admin.default.svc.cluster.local"
-SCALER = "router-scaler.default.svc.cluster.local"
+# The short names the overlay writes (resolved in the pods' own namespace), and the one with
+# a namespace: the ScaledObject's scalerAddress, which KEDA dials from its own.
+HEADLESS = "router-admin"
+SCALER = "router-scaler"
 
 
 def without_discovery(toml: str) -> str:
@@ -78,7 +80,9 @@ async def scaler_sees(scaler: Running, routers: int, timeout: float = 30) -> Non
     deadline = time.monotonic() + timeout
     while True:
         health = await scaler_health(scaler)
-        answering = [r for r in health["routers"] if r["ok"] and ":9090" in r["server"] and "svc" not in r["server"]]
+        answering = [
+            r for r in health["routers"] if r["ok"] and ":9090" in r["server"] and not r["server"].startswith(HEADLESS)
+        ]
         if len(answering) == routers and health["last_complete_merge_age_seconds"] is not None:
             return
         assert time.monotonic() < deadline, f"the scaler never merged {routers} routers: {health}"
@@ -145,13 +149,14 @@ async def test_the_keda_loop_scales_to_zero_and_back_with_every_part_in_a_contai
         )
         for which in ("a", "b")
     ]
+    (scaled_object,) = of_kind(docs, "ScaledObject")
+    address = scaled_object["spec"]["triggers"][0]["metadata"]["scalerAddress"].rsplit(":", 1)[0]
     scaler = run_spec(
-        podman, docs, "router-scaler", name=f"{network}-scaler", network=network, aliases=(SCALER,),
+        podman, docs, "router-scaler", name=f"{network}-scaler", network=network, aliases=(SCALER, address),
         secrets=secret_values, workdir=workdir,
     )  # fmt: skip
     for running in (*routers, scaler):
         wait_ready(podman, running)
-    (scaled_object,) = of_kind(docs, "ScaledObject")
     metadata: dict[str, Any] = scaled_object["spec"]["triggers"][0]["metadata"]
     model = metadata["model"]
     # The ScaledObject's timings are minutes; the stand-in's are the test loop's (tests/scaler/test_loop.py).

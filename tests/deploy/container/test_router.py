@@ -5,7 +5,7 @@ args (`--workers auto`), env (ROUTER_ADMIN_TOKEN from the Secret), ports,
 probes, securityContext (a read-only root, user 65532, no capabilities),
 the ConfigMap and the /tmp emptyDir, the 2-CPU and 1 GiB limits. Its
 replicas are fake replicas in containers of their own, named as the
-overlay's StatefulSet pods are (llama-0.vllm.default.svc.cluster.local), so
+overlay's StatefulSet pods are (llama-0.vllm, short names), so
 that its router.toml is used as shipped.
 """
 
@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.deploy.balancer import Backend, Balancer
 from tests.deploy.container.conftest import new_network
 from tests.deploy.container.podman import Podman, Running, fake_replica, run_spec, wait_ready
 from tests.deploy.manifests import container_of, named, render
@@ -53,7 +54,8 @@ def start_replicas(podman: Podman, image: str, network: str, docs: list[dict[str
     names = []
     for i in range(statefulset["spec"]["replicas"]):
         name = f"{network}-llama-{i}"
-        alias = f"llama-{i}.{service}.default.svc.cluster.local"
+        # The short name router.toml writes, as the pod's DNS search domains resolve it in any namespace.
+        alias = f"llama-{i}.{service}"
         podman(
             *("run", "--detach", "--pull", "never", "--name", name, "--network", network, "--network-alias", alias),
             *fake_replica(image, "--port", str(port), "--model", model),
@@ -231,3 +233,42 @@ def test_without_its_tmp_volume_workers_say_what_they_need_and_exit_2(
     (line,) = fleet.podman.logs(router.name).strip().splitlines()
     assert line.startswith("router: --workers needs a writable directory for its workers' sockets and state")
     assert "set TMPDIR" in line
+
+
+async def test_a_rolling_update_drops_nothing_for_a_client_pool(
+    fleet: Fleet, secret_values: dict[tuple[str, str], str], tmp_path: Path
+) -> None:
+    """Two router pods of the spec behind a Service-like balancer (probes /readyz, takes a failing pod out a
+    second late); `podman stop` one, as the kubelet stops a pod in a rollout: a pool of streaming clients
+    sees no error, and the stopped router exits 0 after its shutdown_delay_seconds."""
+    routers = [
+        run_spec(
+            fleet.podman,
+            fleet.docs,
+            "router",
+            name=f"{fleet.network}-rolling-{which}",
+            network=fleet.network,
+            secrets=secret_values,
+            workdir=tmp_path,
+        )
+        for which in ("a", "b")
+    ]
+    for router in routers:
+        wait_ready(fleet.podman, router)
+    a, b = routers
+    balancer = Balancer([Backend(r.url("http"), r.url("admin") + "/readyz") for r in routers])
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        probing = asyncio.create_task(balancer.probe(stop))
+        pool = [asyncio.create_task(balancer.client(session, chat("llama", max_tokens=8), stop)) for _ in range(6)]
+        await asyncio.sleep(2.0)
+        before = balancer.sent_to[a.url("http")]
+        await asyncio.to_thread(fleet.podman, "stop", "--time", str(int(a.grace)), a.name, timeout=120)
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.gather(probing, *pool)
+    assert fleet.podman.inspect(a.name)["State"]["ExitCode"] == 0, fleet.podman.logs(a.name)
+    assert "serving on for 5s" in fleet.podman.logs(a.name)
+    assert before > 0 and balancer.sent_to[b.url("http")] > 0
+    assert set(balancer.outcomes) == {"ok"}, balancer.outcomes
+    fleet.podman("rm", "--force", b.name, check=False)
