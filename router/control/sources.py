@@ -79,7 +79,8 @@ class ConfigFileSource:
         return
 
     async def reload(self, fleet: Fleet) -> bool:
-        """An invalid file changes nothing. Only the replicas are reloaded; other keys need a restart."""
+        """An invalid file changes nothing. The replicas are reloaded here (the client keys by
+        RouterServer.reload_keys); other settings need a restart."""
         if self.path is None:
             return False
         try:
@@ -99,8 +100,10 @@ class ConfigFileSource:
             len(diff["removed"]),
             len(diff["changed"]),
         )
-        if replace(fresh, replicas=(), source="") != replace(self.config, replicas=(), source=""):
-            log.warning("reload applied the replicas only; other changed settings need a restart")
+        if replace(fresh, replicas=(), api_keys=(), source="") != replace(
+            self.config, replicas=(), api_keys=(), source=""
+        ):
+            log.warning("reload applied the replicas and api_keys only; other changed settings need a restart")
         return True
 
 

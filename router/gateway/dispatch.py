@@ -14,7 +14,7 @@ import time
 
 from router.core.config.engines import ANTHROPIC_PATHS
 from router.core.config.settings import Config
-from router.core.config.tenants import ANYONE
+from router.core.config.tenants import ANYONE, ClientKey, PriorityClass
 from router.core.errors import BadRequest, ClientFacingError, ModelNotFound, quoted
 from router.core.pool.pool import Pool
 from router.gateway.access_log import AccessLog, Entry, current_entry
@@ -115,6 +115,12 @@ class Proxy:
                 writer.answer(self.not_found(request))
         else:
             writer.answer(self.not_found(request))
+
+    def apply_keys(self, keys: tuple[ClientKey, ...], classes: tuple[PriorityClass, ...]) -> None:
+        """SIGHUP's api_keys: checked from the next request on; what the replicas are not sent follows
+        (the client's key is theirs to see only while the router checks none)."""
+        self.keys.update(keys, classes)
+        self._forwarded = self.tunnels.forwarded = HeaderFilter(self.keys.drop | REQUEST_ID)
 
     def may_switch(self, request: Request) -> bool:
         """The server's upgrade check: a WebSocket upgrade on a path of upgrade_paths."""

@@ -24,6 +24,14 @@ class ApiKeys:
         # clients send theirs as X-Api-Key.
         self.drop = frozenset({b"authorization", b"x-api-key"}) if self._callers else frozenset()
 
+    def update(self, keys: tuple[ClientKey, ...], classes: tuple[PriorityClass, ...]) -> None:
+        """SIGHUP: the keys now configured, all at once (no request sees half of them). A request
+        already checked keeps the caller it was given: its tenant, class and weight to its end."""
+        found = callers(keys, classes)
+        self._callers = found
+        self.active = bool(found)
+        self.drop = frozenset({b"authorization", b"x-api-key"}) if found else frozenset()
+
     def check(self, request: Request) -> Caller:
         """Whose request it is, as its key says; Unauthorized without a known key (while keys are set)."""
         if not self._callers:

@@ -78,7 +78,7 @@ class Tunnels:
         self.pool = pool
         self.routes = routes
         self.keys = keys
-        self._forwarded = forwarded
+        self.forwarded = forwarded
         self._connect_timeout = config.connect_timeout_seconds
         self._head_timeout = config.first_byte_timeout_seconds
         self._idle = config.upstream_idle_timeout_seconds
@@ -150,7 +150,7 @@ class Tunnels:
                 b"\r\nX-Request-Id: ",
                 request.request_id,
                 b"\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n",
-                self._forwarded.framed(request.raw_headers),
+                self.forwarded.framed(request.raw_headers),
                 b"\r\n",
             )
         )

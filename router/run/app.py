@@ -17,6 +17,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import aiohttp
@@ -41,9 +42,9 @@ from router.control.sources import (
     sources_ready,
 )
 from router.core.clock import Clock, LoopClock
-from router.core.config.settings import Config
+from router.core.config.settings import Config, load_config
 from router.core.config.tenants import Queueing, unit_weight
-from router.core.errors import CannotListen
+from router.core.errors import CannotListen, ConfigError
 from router.core.pool.ejection import EjectionPolicy
 from router.core.pool.loads import Bounds, EngineView
 from router.core.pool.picking import Routing
@@ -115,6 +116,8 @@ class RouterServer(Listening):
         `clock`: the one clock of the pool, its holds and the wake calls (a fake one in tests)."""
         self.config = config
         self.worker_socket = worker_socket
+        # The file SIGHUP reads again (the replicas, and the keys: reload_keys).
+        self.config_path = config_path
         self.sources = sources if sources is not None else build_sources(config, config_path)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.started_at = wall()
@@ -369,10 +372,36 @@ class RouterServer(Listening):
         return web.Response(body=orjson.dumps(report(self.registry)), content_type="application/json")
 
     async def reload(self) -> bool:
-        """SIGHUP: every source reads its replica set again (the config file's [[replicas]]); the access log reopens."""
+        """SIGHUP: every source reads its replica set again (the config file's [[replicas]]), the client
+        keys are read again, and the access log reopens."""
         self.reopen_logs()
+        if self.config_path is not None:
+            self.reload_keys(self.config_path)
         assert self.fleet is not None, "start() first"
         return await reload_all(self.sources, self.fleet)
+
+    def reload_keys(self, path: str) -> bool:
+        """SIGHUP: `api_keys` (keys, tenants, their classes and weights) as the file says now, all at once.
+
+        An invalid file changes nothing. A request under way keeps the tenant it
+        started with. The priority classes are the running ones: a key naming a
+        class they do not have is refused with the whole file.
+        """
+        try:
+            fresh = load_config(path)
+            if fresh.priority_classes != self.config.priority_classes:
+                raise ConfigError(f"{path}: priority_classes changed: that needs a restart; the keys were kept")
+            if self.proxy is not None:
+                self.proxy.apply_keys(fresh.api_keys, self.config.priority_classes)
+        except ConfigError as exc:
+            log.error("api_keys not reloaded, nothing changed: %s", exc)  # noqa: TRY400 (the message says it all)
+            return False
+        if fresh.api_keys != self.config.api_keys:
+            log.info(
+                "reloaded api_keys: %d keys, %d tenants", len(fresh.api_keys), len({k.tenant for k in fresh.api_keys})
+            )
+        self.config = replace(self.config, api_keys=fresh.api_keys)
+        return True
 
     def reopen_logs(self) -> None:
         """After logrotate moved the access log away: what is gathered goes to the old file, then a new one."""

@@ -72,11 +72,11 @@ def worker_main(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         print(f"router worker {args.index}: {exc}", file=sys.stderr)
         return 2
-    uvloop.run(_run_worker(config, Path(args.runtime), args.index))
+    uvloop.run(_run_worker(config, Path(args.runtime), args.index, args.config))
     return 0
 
 
-async def _run_worker(config: Config, runtime: Path, index: int) -> None:
+async def _run_worker(config: Config, runtime: Path, index: int, config_path: str) -> None:
     paths = Paths(runtime, index)
     server = RouterServer(config, worker_socket=str(paths.socket))
     await server.start(before_clients=lambda: load_state(server, paths.state))
@@ -85,8 +85,14 @@ async def _run_worker(config: Config, runtime: Path, index: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    # The supervisor passes SIGHUP on: the replica set comes from it, the access log is this worker's.
-    loop.add_signal_handler(signal.SIGHUP, server.reopen_logs)
+
+    # The supervisor passes SIGHUP on: the replica set comes from it; the access log and the
+    # client keys are this worker's, read again from the file.
+    def reload() -> None:
+        server.reopen_logs()
+        server.reload_keys(config_path)
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     parent = os.getppid()
 
     async def orphaned() -> None:
