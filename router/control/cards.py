@@ -33,11 +33,13 @@ import asyncio
 import heapq
 import itertools
 import logging
+from collections.abc import Mapping
 
 import aiohttp
 import orjson
 
 from router.core.config.cards import Cards, adapters_of, engine_of, lists_model, read_card
+from router.core.config.upstream import Upstream
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica, ReplicaState
 
@@ -64,8 +66,11 @@ class CardReader:
         retry: float = 10.0,
         retry_cap: float = 600.0,
         refresh: float = 30.0,
+        credentials: Mapping[str, Upstream] | None = None,
     ) -> None:
         self.pool = pool
+        # Each model's engines' own key and headers: an engine with a key refuses /v1/models without it.
+        self._credentials = dict(credentials or {})
         self.session = session
         self.cards = cards
         self.every = every
@@ -95,7 +100,7 @@ class CardReader:
                 replica.base_url + "/v1/models",
                 timeout=self._timeout,
                 allow_redirects=False,
-                headers={"Accept-Encoding": "identity"},
+                headers=self._headers(replica),
             ) as resp:
                 if resp.status != 200:
                     return False
@@ -141,6 +146,13 @@ class CardReader:
             )
         elif was is False:
             log.info("replica %s: its /v1/models lists model %r again", replica.id, replica.model)
+
+    def _headers(self, replica: Replica) -> dict[str, str]:
+        upstream = replica.config.upstream or self._credentials.get(replica.model)
+        headers = {"Accept-Encoding": "identity"}
+        if upstream is not None:
+            headers.update(upstream.headers)
+        return headers
 
     def due(self, now: float) -> list[Replica]:
         """The replicas to read now: those that joined, then failed ones that showed life since."""

@@ -13,8 +13,8 @@ import asyncio
 import time
 
 from router.core.config.engines import ANTHROPIC_PATHS
-from router.core.config.settings import Config
-from router.core.config.tenants import ANYONE, ClientKey, PriorityClass
+from router.core.config.settings import Config, has_upstream
+from router.core.config.tenants import ANYONE
 from router.core.errors import BadRequest, ClientFacingError, ModelNotFound, quoted
 from router.core.pool.pool import Pool
 from router.gateway.access_log import AccessLog, Entry, current_entry
@@ -26,7 +26,7 @@ from router.gateway.catalog import Catalog, Routes
 from router.gateway.chain import Chain
 from router.gateway.forward import Forwarder, answer_failed
 from router.gateway.hold import HeldRequests
-from router.gateway.keys import ApiKeys
+from router.gateway.keys import CLIENT_KEY_HEADERS, ApiKeys
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.responses import ResponsesMemory
 from router.gateway.tunnel import Tunnels, asks_websocket
@@ -64,6 +64,7 @@ class Proxy:
             first_byte_timeout=config.first_byte_timeout_seconds,
             write_stall_timeout=config.write_stall_timeout_seconds,
             expose_replica=config.expose_replica_header,
+            credentials={name: m.upstream.lines for name, m in config.models.items() if m.upstream is not None},
         )
         self.forwarder = forwarder
         self.responses = ResponsesMemory(config.remembered_responses)
@@ -81,7 +82,8 @@ class Proxy:
         self.routed = frozenset(config.routed_paths)
         # Headers never passed to a replica as the client sent them: its key,
         # and X-Request-Id, which the router sets (the client's, checked, or its own).
-        self._forwarded = HeaderFilter(keys.drop | REQUEST_ID)
+        # ... and, once the engines have keys of their own, whatever key the client sent.
+        self._forwarded = HeaderFilter(keys.drop | withheld(config) | REQUEST_ID)
         # The GET paths whose WebSocket upgrades are routed by the query's model (config upgrade_paths).
         self.upgrades = frozenset(config.upgrade_paths)
         self.tunnels = Tunnels(config, pool, routes, keys, self._forwarded)
@@ -116,11 +118,11 @@ class Proxy:
         else:
             writer.answer(self.not_found(request))
 
-    def apply_keys(self, keys: tuple[ClientKey, ...], classes: tuple[PriorityClass, ...]) -> None:
+    def apply_keys(self, config: Config) -> None:
         """SIGHUP's api_keys: checked from the next request on; what the replicas are not sent follows
-        (the client's key is theirs to see only while the router checks none)."""
-        self.keys.update(keys, classes)
-        self._forwarded = self.tunnels.forwarded = HeaderFilter(self.keys.drop | REQUEST_ID)
+        (the client's key is theirs to see only while the router checks none and they hold none)."""
+        self.keys.update(config.api_keys, config.priority_classes)
+        self._forwarded = self.tunnels.forwarded = HeaderFilter(self.keys.drop | withheld(config) | REQUEST_ID)
 
     def may_switch(self, request: Request) -> bool:
         """The server's upgrade check: a WebSocket upgrade on a path of upgrade_paths."""
@@ -258,6 +260,12 @@ class Proxy:
             return _not_allowed(request, b"GET, HEAD" if request.path == "/v1/models" else b"POST")
         body = error_body(404, f"Unknown path: {request.path}", "invalid_request_error", "unknown_url")
         return Reply(404, body, [JSON])
+
+
+def withheld(config: Config) -> frozenset[bytes]:
+    """The client's key headers, once any engine has a key of its own to be sent instead: one
+    Authorization a request, the router's, never the client's beside it."""
+    return CLIENT_KEY_HEADERS if has_upstream(config) else frozenset()
 
 
 def _not_allowed(request: Request, allow: bytes) -> Reply:

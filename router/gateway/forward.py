@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from urllib.parse import quote
 
 from router.core.errors import (
@@ -124,8 +124,12 @@ class Forwarder:
         first_byte_timeout: float,
         write_stall_timeout: float,
         expose_replica: bool = False,
+        credentials: Mapping[str, bytes] | None = None,
     ) -> None:
         self.pool = pool
+        # Each model's engines' own key and headers, as sent ([models."NAME"] upstream_*); a
+        # replica's own (ReplicaConfig.upstream) comes first.
+        self._credentials = dict(credentials or {})
         self.client = client
         self.metrics = metrics
         self.ledgers = Ledgers(pool, metrics)
@@ -179,6 +183,10 @@ class Forwarder:
                 b"\r\nX-Request-Id: ",
                 request.request_id,
                 b"\r\nendpoint-load-metrics-format: TEXT\r\n" if orca else b"\r\n",
+                # The engine's own key and headers: the replica's, else its model's, else none.
+                own.lines
+                if (own := replica.config.upstream) is not None
+                else (creds.get(model, b"") if (creds := self._credentials) else b""),
                 call.headers,
                 b"Content-Length: %d\r\n\r\n" % len(body) if body or method == "POST" else b"\r\n",
             )

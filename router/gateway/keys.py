@@ -9,6 +9,9 @@ from router.core.errors import Unauthorized
 from router.gateway.answers import error_response
 from router.http.messages import Reply, Request
 
+# What a client sends its key in: OpenAI's clients Authorization, Anthropic's X-Api-Key.
+CLIENT_KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
+
 
 class ApiKeys:
     """The client keys, by SHA-256: whose requests each makes; consumed, never forwarded."""
@@ -22,7 +25,7 @@ class ApiKeys:
         self.active = bool(self._callers)
         # The router consumes the client's key; the replicas never see it. Anthropic's
         # clients send theirs as X-Api-Key.
-        self.drop = frozenset({b"authorization", b"x-api-key"}) if self._callers else frozenset()
+        self.drop = CLIENT_KEY_HEADERS if self._callers else frozenset()
 
     def update(self, keys: tuple[ClientKey, ...], classes: tuple[PriorityClass, ...]) -> None:
         """SIGHUP: the keys now configured, all at once (no request sees half of them). A request
@@ -30,7 +33,7 @@ class ApiKeys:
         found = callers(keys, classes)
         self._callers = found
         self.active = bool(found)
-        self.drop = frozenset({b"authorization", b"x-api-key"}) if found else frozenset()
+        self.drop = CLIENT_KEY_HEADERS if found else frozenset()
 
     def check(self, request: Request) -> Caller:
         """Whose request it is, as its key says; Unauthorized without a known key (while keys are set)."""

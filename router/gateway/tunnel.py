@@ -84,6 +84,8 @@ class Tunnels:
         self._idle = config.upstream_idle_timeout_seconds
         self._stall = config.write_stall_timeout_seconds
         self._attempts = config.max_attempts
+        # The engines' own keys and headers, as the forwarder sends them (router.core.config.upstream).
+        self._credentials = {name: m.upstream.lines for name, m in config.models.items() if m.upstream is not None}
 
     async def serve(self, request: Request, writer: Writer) -> None:
         try:
@@ -150,6 +152,7 @@ class Tunnels:
                 b"\r\nX-Request-Id: ",
                 request.request_id,
                 b"\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n",
+                own.lines if (own := replica.config.upstream) is not None else self._credentials.get(model, b""),
                 self.forwarded.framed(request.raw_headers),
                 b"\r\n",
             )

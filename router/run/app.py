@@ -46,7 +46,6 @@ from router.core.config.settings import Config, load_config
 from router.core.config.tenants import Queueing, unit_weight
 from router.core.errors import CannotListen, ConfigError
 from router.core.pool.ejection import EjectionPolicy
-from router.core.pool.loads import Bounds, EngineView
 from router.core.pool.picking import Routing
 from router.core.pool.pool import Limits, Pool
 from router.core.pool.tallies import WORKER_UNSERVED_NAMES
@@ -60,6 +59,7 @@ from router.gateway.wake import Waker
 from router.http.client import Client
 from router.http.protocol_errors import ProtocolErrorCollector
 from router.http.server import Server as ClientServer
+from router.run.readers import engine_view, start_readers
 from router.run.session import make_session
 from router.run.worker_metrics import METRICS_PATH, report
 
@@ -171,7 +171,12 @@ class RouterServer(Listening):
                 await self._alone(stack, admin_app, client, before_clients)
             else:
                 await self._worker(stack, self.worker_socket, admin_app, client, before_clients)
-            self._start_readers(stack)
+            assert self.proxy is not None
+            readers = start_readers(
+                stack, self.config, self.pool, session=self._session, cards=self.proxy.catalog.cards, clock=self.clock
+            )
+            self.cards, self.engines, self.health = readers
+            self._tasks.extend(readers.run())
             self._resources = stack.pop_all()
         self.ready = True
 
@@ -305,28 +310,6 @@ class RouterServer(Listening):
         self.client_address = _bound_client(self._client_listener)
         self.admin_address = ("", 0)
 
-    def _start_readers(self, stack: contextlib.AsyncExitStack) -> None:
-        """The background readers of the replicas, a router's and a worker's alike."""
-        config, loop = self.config, asyncio.get_running_loop()
-        assert self.proxy is not None
-        if config.model_cards:
-            # Each replica's /v1/models when it joins or shows life: the catalog's model cards.
-            self.cards = CardReader(self.pool, self._session, self.proxy.catalog.cards)
-            self._tasks.append(loop.create_task(self.cards.run()))
-        if config.engine_metrics_seconds > 0:
-            # Each engine's load, read while its model is busy (router/control/engines.py).
-            self.engines = engine_reader(stack, config, self.pool, self.clock)
-            self._tasks.append(loop.create_task(self.engines.run()))
-        if config.health_check_interval_seconds > 0:
-            self.health = HealthChecker(
-                self.pool,
-                self._session,
-                path=config.health_check_path,
-                interval=config.health_check_interval_seconds,
-                timeout=config.health_check_timeout_seconds,
-            )
-            self._tasks.append(loop.create_task(self.health.run()))
-
     async def stop(self) -> None:
         """Graceful: not ready, stop accepting, let requests finish, final push; then close what start() opened."""
         self.ready = False
@@ -381,27 +364,11 @@ class RouterServer(Listening):
         return await reload_all(self.sources, self.fleet)
 
     def reload_keys(self, path: str) -> bool:
-        """SIGHUP: `api_keys` (keys, tenants, their classes and weights) as the file says now, all at once.
-
-        An invalid file changes nothing. A request under way keeps the tenant it
-        started with. The priority classes are the running ones: a key naming a
-        class they do not have is refused with the whole file.
-        """
-        try:
-            fresh = load_config(path)
-            if fresh.priority_classes != self.config.priority_classes:
-                raise ConfigError(f"{path}: priority_classes changed: that needs a restart; the keys were kept")
-            if self.proxy is not None:
-                self.proxy.apply_keys(fresh.api_keys, self.config.priority_classes)
-        except ConfigError as exc:
-            log.error("api_keys not reloaded, nothing changed: %s", exc)  # noqa: TRY400 (the message says it all)
-            return False
-        if fresh.api_keys != self.config.api_keys:
-            log.info(
-                "reloaded api_keys: %d keys, %d tenants", len(fresh.api_keys), len({k.tenant for k in fresh.api_keys})
-            )
-        self.config = replace(self.config, api_keys=fresh.api_keys)
-        return True
+        """SIGHUP: `api_keys` as the file says now, all at once (reread_keys); False if the file is refused."""
+        fresh = reread_keys(path, self.config, self.proxy)
+        if fresh is not None:
+            self.config = fresh
+        return fresh is not None
 
     def reopen_logs(self) -> None:
         """After logrotate moved the access log away: what is gathered goes to the old file, then a new one."""
@@ -431,33 +398,25 @@ def freeze_start_up() -> None:
     gc.freeze()
 
 
-def engine_view(config: Config, clock: Clock) -> EngineView | None:
-    """How the engines' readings weigh in picks (router/core/pool/loads.py); None when they are not read."""
-    every = config.engine_metrics_seconds
-    if every <= 0:
+def reread_keys(path: str, config: Config, proxy: Proxy | None) -> Config | None:
+    """`api_keys` (keys, tenants, their classes and weights) from the file as it is now, applied to `proxy`.
+
+    An invalid file changes nothing (None). A request under way keeps the
+    tenant it started with. The priority classes are the running ones: a key
+    naming a class they do not have is refused with the whole file.
+    """
+    try:
+        fresh = load_config(path)
+        if fresh.priority_classes != config.priority_classes:
+            raise ConfigError(f"{path}: priority_classes changed: that needs a restart; the keys were kept")
+        if proxy is not None:
+            proxy.apply_keys(fresh)
+    except ConfigError as exc:
+        log.error("api_keys not reloaded, nothing changed: %s", exc)  # noqa: TRY400 (the message says it all)
         return None
-    default = Bounds(config.saturated_waiting, config.saturated_kv)
-    bounds = {
-        name: Bounds(
-            model.saturated_waiting if model.saturated_waiting is not None else default.waiting,
-            model.saturated_kv if model.saturated_kv is not None else default.kv,
-        )
-        for name, model in config.models.items()
-    }
-    # A reading three intervals old (and at least a second) says nothing any more.
-    return EngineView(clock.now, stale_after=max(1.0, 3 * every), bounds=bounds, default=default, fresh_for=every)
-
-
-def engine_reader(stack: contextlib.AsyncExitStack, config: Config, pool: Pool, clock: Clock) -> EngineReader:
-    """The reader of the engines' loads, on an upstream client of its own (its close on `stack`)."""
-    client = Client(
-        connect_timeout=min(config.connect_timeout_seconds, 2.0),
-        keepalive_seconds=config.upstream_keepalive_seconds,
-        idle_timeout=max(2.0, 2 * config.engine_metrics_seconds),
-        clock=clock,
-    )
-    stack.push_async_callback(client.close)
-    return EngineReader(pool, client, every=config.engine_metrics_seconds)
+    if fresh.api_keys != config.api_keys:
+        log.info("reloaded api_keys: %d keys, %d tenants", len(fresh.api_keys), len({k.tenant for k in fresh.api_keys}))
+    return replace(config, api_keys=fresh.api_keys)
 
 
 def waker_of(server: RouterServer, session: aiohttp.ClientSession) -> Waker:

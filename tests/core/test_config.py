@@ -171,8 +171,11 @@ def test_the_configuration_reference_says_what_the_code_declares() -> None:
         assert (comments.get(key) or "") == setting.help, key
     # The tables' keys too.
     from router.core.config.models import _MODEL_KEYS
+    from router.core.config.upstream import UPSTREAM_KEYS
 
-    assert set(documented["models"]["llama-3.1-8b"]) == _MODEL_KEYS
+    # The two ways to name an engine's key are exclusive, so the example shows one per table.
+    replica_upstream = set().union(*documented["replicas"]) & UPSTREAM_KEYS
+    assert set(documented["models"]["llama-3.1-8b"]) | replica_upstream == _MODEL_KEYS | UPSTREAM_KEYS
     from router.core.config.settings import _KUBERNETES_KEYS
 
     assert set(documented["discovery"]["kubernetes"]) == _KUBERNETES_KEYS

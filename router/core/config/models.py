@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from router.core.config import checks as check
+from router.core.config.upstream import UPSTREAM_KEYS, Upstream, parse_upstream
 
 # The picking policies a model may be routed by (each one of
 # router.core.pool.picking.POLICIES, a test holds the two the same): named
@@ -40,6 +42,8 @@ class ModelConfig:
     # top level's saturated_waiting and saturated_kv.
     saturated_waiting: float | None = None
     saturated_kv: float | None = None
+    # The engines' own API key and extra headers, for every replica of it (router.core.config.upstream).
+    upstream: Upstream | None = None
 
 
 _MODEL_KEYS = {
@@ -75,7 +79,9 @@ _OWN_HEADERS = frozenset(
 )
 
 
-def parse_models(where: check.Where, value: object, served: set[str]) -> Mapping[str, ModelConfig]:
+def parse_models(
+    where: check.Where, value: object, served: set[str], environ: Mapping[str, str] | None = None
+) -> Mapping[str, ModelConfig]:
     """The [models] tables, checked: each model's aliases, fallbacks (to models `served` or declared), routing."""
     if not isinstance(value, dict):
         raise where.error("models", f"must be a table, got {check.type_name(value)}")
@@ -84,7 +90,8 @@ def parse_models(where: check.Where, value: object, served: set[str]) -> Mapping
     out: dict[str, ModelConfig] = {}
     for name, raw in value.items():
         key = f'models."{name}"'
-        check.table(where, key, raw, _MODEL_KEYS)
+        check.table(where, key, raw, _MODEL_KEYS | UPSTREAM_KEYS)
+        upstream = parse_upstream(where, key, raw, os.environ if environ is None else environ)
         aliases = check.string_list(where, f"{key}.aliases", raw.get("aliases", []))
         fallbacks = check.string_list(where, f"{key}.fallbacks", raw.get("fallbacks", []))
         routing = check.string(where, f"{key}.routing", raw.get("routing", DEFAULT_ROUTING))
@@ -136,5 +143,6 @@ def parse_models(where: check.Where, value: object, served: set[str]) -> Mapping
             max_held=max_held,
             saturated_waiting=bounds["saturated_waiting"],
             saturated_kv=bounds["saturated_kv"],
+            upstream=upstream,
         )
     return MappingProxyType(out)

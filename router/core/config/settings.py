@@ -34,6 +34,7 @@ from router.core.config.tenants import (
     parse_api_keys,
     parse_priority_classes,
 )
+from router.core.config.upstream import UPSTREAM_KEYS, Upstream, parse_upstream
 from router.core.errors import ConfigError
 
 LabelValue = str | int | float | bool
@@ -63,6 +64,8 @@ class ReplicaConfig:
     # The engine it runs (one of ENGINES), whose load the router reads; None: recognised
     # from the names its /metrics exports, if it exports any.
     engine: str | None = None
+    # Its own API key and extra headers (router.core.config.upstream): the config file's only, never shown.
+    upstream: Upstream | None = None
 
     def as_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"id": self.id, "model": self.model, "url": self.url, "labels": dict(self.labels)}
@@ -327,18 +330,39 @@ def _labels(where: check.Where, key: str, value: object) -> Mapping[str, LabelVa
     return MappingProxyType(out)
 
 
-def parse_replicas(where: check.Where, key: str, value: object) -> tuple[ReplicaConfig, ...]:
-    """Validate a whole replica set (config file or endpoint push)."""
+def parse_replicas(
+    where: check.Where, key: str, value: object, environ: Mapping[str, str] | None = None
+) -> tuple[ReplicaConfig, ...]:
+    """Validate a whole replica set (config file or endpoint push). `environ`: the config file's
+    (its replicas may name upstream credentials); None for a push, which may not."""
     if not isinstance(value, list):
         raise where.error(key, f"must be an array of tables, got {check.type_name(value)}")
     seen: dict[str, int] = {}
-    return tuple(parse_replica(where, key, index, raw, seen) for index, raw in enumerate(value))
+    return tuple(parse_replica(where, key, index, raw, seen, environ=environ) for index, raw in enumerate(value))
 
 
-def parse_replica(where: check.Where, key: str, index: int, raw: object, seen: dict[str, int]) -> ReplicaConfig:
-    """Validate `key[index]`, one replica of a set; `seen`: the ids before it, by index (this one is added)."""
+def parse_replica(
+    where: check.Where,
+    key: str,
+    index: int,
+    raw: object,
+    seen: dict[str, int],
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> ReplicaConfig:
+    """Validate `key[index]`, one replica of a set; `seen`: the ids before it, by index (this one is added).
+    `environ` as parse_replicas'."""
     item_key = f"{key}[{index}]"
-    table = check.table(where, item_key, raw, _REPLICA_KEYS)
+    table = check.table(where, item_key, raw, _REPLICA_KEYS | UPSTREAM_KEYS)
+    upstream = None
+    if UPSTREAM_KEYS & table.keys():
+        if environ is None:
+            name = sorted(UPSTREAM_KEYS & table.keys())[0]
+            raise where.error(
+                f"{item_key}.{name}",
+                "is the config file's to set: a push may not make the router read its environment or files",
+            )
+        upstream = parse_upstream(where, item_key, table, environ)
     for name in ("id", "model", "url"):
         if name not in table:
             raise where.error(f"{item_key}.{name}", "is required")
@@ -350,6 +374,7 @@ def parse_replica(where: check.Where, key: str, index: int, raw: object, seen: d
         url=_replica_url(where, f"{item_key}.url", table["url"]),
         labels=_labels(where, f"{item_key}.labels", table.get("labels", {})),
         engine=_engine(where, f"{item_key}.engine", table.get("engine")),
+        upstream=upstream,
     )
 
 
@@ -388,8 +413,8 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         )
     if values["admin_token_reads"] and not values["admin_token"]:
         raise where.error("admin_token_reads", "needs admin_token (or ROUTER_ADMIN_TOKEN): the token to require")
-    replicas = parse_replicas(where, "replicas", raw.get("replicas", []))
-    models = parse_models(where, raw.get("models", {}), {r.model for r in replicas})
+    replicas = parse_replicas(where, "replicas", raw.get("replicas", []), env)
+    models = parse_models(where, raw.get("models", {}), {r.model for r in replicas}, env)
     discovery = _discovery(where, raw["discovery"]) if "discovery" in raw else None
     if discovery is not None and replicas:
         raise where.error("replicas", "cannot be used with [discovery.kubernetes], which owns the whole replica set")
@@ -463,6 +488,13 @@ def _discovery(where: check.Where, value: object) -> KubernetesDiscovery:
         labels_from=labels_from,
         kubeconfig=kubeconfig,
         selector_on=selector_on,
+    )
+
+
+def has_upstream(config: Config) -> bool:
+    """Whether any model or replica of the file has credentials of its own for its engines."""
+    return any(m.upstream is not None for m in config.models.values()) or any(
+        r.upstream is not None for r in config.replicas
     )
 
 

@@ -53,6 +53,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "router fake") -> int:
         metavar="NAME",
         help="a LoRA adapter loaded on the first model, listed in /v1/models with it as parent (repeatable)",
     )
+    parser.add_argument(
+        "--api-key", default="", help="refuse /v1 requests without 'Authorization: Bearer KEY', as vLLM's --api-key"
+    )
     parser.add_argument("--tokens", type=int, default=16, help="tokens per answer, at most")
     parser.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
     parser.add_argument("--first-token-delay", type=float, default=0.0, help="seconds before the first token")
@@ -185,6 +188,7 @@ async def _serve_forever(
         name=f"fake-{args.port}",
         tokenizer_path=args.tokenizer_path,
         adapters=list(args.adapters),
+        api_key=args.api_key,
     )
     if args.engine is not None:
         fake.engine_kind = args.engine

@@ -15,7 +15,7 @@ import itertools
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,8 @@ from router.tools.fake.inference import Inference
 from router.tools.fake.messages import Messages
 from router.tools.fake.responses import ResponsesApi
 from router.tools.fake.switches import Behaviour, Seen
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Loop turns from the accept of a connection to its handler's connection_made (asyncio: two), and a margin.
 _ACCEPT_TURNS = 4
@@ -92,6 +94,8 @@ class FakeReplica:
     max_body_bytes: int = 64 * 1024 * 1024
     # Fields of the model cards in this replica's /v1/models, as vLLM's carry them (max_model_len, root).
     card: dict[str, Any] = field(default_factory=dict)
+    # As vLLM's --api-key: every /v1 path refused 401 without "Authorization: Bearer <key>" ("": none).
+    api_key: str = ""
     # LoRA adapters loaded on its first model, listed in /v1/models as vLLM lists them (their base as `parent`).
     adapters: list[str] = field(default_factory=list)
     # A simulated engine (router.tools.fake.engine) that makes the tokens, and whose load
@@ -104,7 +108,7 @@ class FakeReplica:
 
     def app(self) -> web.Application:
         # aiohttp refuses a body of exactly client_max_size bytes.
-        app = web.Application(client_max_size=self.max_body_bytes + 1)
+        app = web.Application(client_max_size=self.max_body_bytes + 1, middlewares=[self._authenticated])
         inference, responses, echo = Inference(self), ResponsesApi(self), Echo(self)
         app.router.add_post("/v1/chat/completions", inference.chat)
         app.router.add_post("/v1/completions", inference.completions)
@@ -250,6 +254,14 @@ class FakeReplica:
         if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0:
             return min(wanted, self.behaviour.tokens)
         return self.behaviour.tokens
+
+    @web.middleware
+    async def _authenticated(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """vLLM's AuthenticationMiddleware: the /v1 paths want the server's key; /health, /metrics do not."""
+        key = self.api_key
+        if key and request.path.startswith("/v1") and request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     def cut_short(self, obj: dict[str, Any], n: int) -> bool:
         """Whether an answer of `n` tokens stopped at the request's limit (finish_reason "length", as an
