@@ -164,12 +164,12 @@ class Ledgers:
         if tokens is None:
             tallies.count_unknown_usage(model, call.caller.tenant)
         else:
-            completion = tokens.completion
-            tallies.count_tokens(model, call.caller.tenant, tokens.prompt, tokens.cached, completion)
+            prompt, completion, cached = tokens
+            tallies.count_tokens(model, call.caller.tenant, prompt, cached, completion)
             if entry is not None:
-                entry.prompt_tokens = tokens.prompt
+                entry.prompt_tokens = prompt
                 entry.completion_tokens = completion
-                entry.cached_tokens = tokens.cached
+                entry.cached_tokens = cached
             if first_chunk is not None and completion > 1:
                 self.metrics.observe_per_output_token(model, (last_chunk - first_chunk) / (completion - 1))
         if first_chunk is not None:

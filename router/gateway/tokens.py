@@ -16,69 +16,38 @@ Each shape the router passes carries its usage in its own place:
 
 Reading must cost next to nothing on the data path: no answer is parsed
 whole. The last `"usage"` of the bytes is found by a search in C, the object
-after it cut out by matching braces with `find`, and only that slice given to
-orjson. Whatever does not read as whole numbers (garbage, a huge or broken
+after it cut out by one regular expression (braces matched one level deep),
+and only that slice given to orjson. Whatever does not read as whole numbers (garbage, a huge or broken
 object, a float, a negative) is unknown: None, never 0.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import re
+from typing import Any
 
 import orjson
 
 _KEY = b'"usage"'
 # A usage object is a few hundred bytes; one past this is not one an engine wrote.
 MAX_USAGE_BYTES = 4096
-# Braces met before the object closes: usage nests two deep (its details).
-_MAX_BRACES = 16
 # A count past JSON's exact integers (2**53) is no count an engine made.
 _MAX_COUNT = 1 << 53
 # Where `"usage"` is looked for: a stream's last bytes (its usage event, then at most
 # `data: [DONE]`, or the few fields after usage in a response.completed), and the end
 # of a whole answer.
-TAIL_WINDOW = 2048
+TAIL_WINDOW = 1024
 WHOLE_WINDOW = 65536
-# Between the key and its object: a colon, and any JSON whitespace.
-_BETWEEN = frozenset(b" \t\r\n:")
 
 
-class Tokens(NamedTuple):
-    """What one answer says it took; `cached` None when it says nothing of its prompt cache.
+# What one answer says it took: (prompt, completion, cached), cached None when it says
+# nothing of its prompt cache. A plain tuple: made once per answer on the data path, where
+# a NamedTuple's or a dataclass's constructor (Python code) costs as much as the reading.
+Tokens = tuple[int, int, int | None]
 
-    A tuple rather than a dataclass: made once per answer on the data path, in C.
-    """
-
-    prompt: int
-    completion: int
-    cached: int | None
-
-
-def _object_at(data: bytes, start: int) -> bytes | None:
-    """The JSON object beginning at `data[start]` ('{'), by matching braces; None if it does not close in bounds."""
-    end = min(len(data), start + MAX_USAGE_BYTES)
-    close = data.find(b"}", start, end)
-    if close < 0:
-        return None
-    if data.find(b"{", start + 1, close) < 0:
-        # Flat (its details null or absent): the common case, two searches.
-        return data[start : close + 1]
-    depth = 0
-    at = start
-    for _ in range(_MAX_BRACES):
-        close = data.find(b"}", at, end)
-        if close < 0:
-            return None
-        opening = data.find(b"{", at, close)
-        if opening >= 0:
-            depth += 1
-            at = opening + 1
-        else:
-            depth -= 1
-            at = close + 1
-            if depth == 0:
-                return data[start:at]
-    return None
+# After the key: the colon, and the object, flat or with objects one deep inside (its details).
+# The two character classes and the braces are disjoint, so the match is linear.
+_OBJECT = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})")
 
 
 def usage_object(data: bytes, *, last: bool = True, within: int = 0) -> dict[str, Any] | None:
@@ -95,16 +64,11 @@ def usage_object(data: bytes, *, last: bool = True, within: int = 0) -> dict[str
     if at <= 0 or data[at - 1] == 0x5C:
         return None
     at += 7  # len(_KEY)
-    size = len(data)
-    while at < size and data[at] in _BETWEEN:
-        at += 1
-    if at >= size or data[at] != 0x7B:
-        return None
-    raw = _object_at(data, at)
-    if raw is None:
+    found = _OBJECT.match(data, at, at + MAX_USAGE_BYTES)
+    if found is None:
         return None
     try:
-        usage = orjson.loads(raw)
+        usage = orjson.loads(found.group(1))
     except orjson.JSONDecodeError:
         return None
     return usage if type(usage) is dict else None
@@ -130,7 +94,12 @@ def tokens_of(usage: dict[str, Any]) -> Tokens | None:
         completion = usage.get("completion_tokens", 0)
         if type(prompt) is not int or type(completion) is not int or not 0 <= prompt < _MAX_COUNT > completion >= 0:
             return None
-        return Tokens(prompt, completion, _detail(usage, "prompt_tokens_details", "cached_tokens"))
+        # Inline, not _detail(): a Python call here costs as much as the rest.
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if type(details) is dict else None
+        if type(cached) is not int or not 0 <= cached < _MAX_COUNT:
+            cached = None
+        return (prompt, completion, cached)
     if "input_tokens" in usage:
         prompt = _count(usage["input_tokens"])
         completion = _count(usage.get("output_tokens"))
@@ -142,8 +111,8 @@ def tokens_of(usage: dict[str, Any]) -> Tokens | None:
             written = _count(usage.get("cache_creation_input_tokens") or 0)
             if read is None or written is None:
                 return None
-            return Tokens(prompt + read + written, completion, read)
-        return Tokens(prompt, completion, _detail(usage, "input_tokens_details", "cached_tokens"))
+            return (prompt + read + written, completion, read)
+        return (prompt, completion, _detail(usage, "input_tokens_details", "cached_tokens"))
     return None
 
 
