@@ -117,3 +117,15 @@ async def test_a_stream_that_did_not_ask_for_usage_gets_none_and_is_unknown(
     assert status["tenants"] == [
         {"tenant": "a", "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "unknown_requests": 1}
     ]
+
+
+async def test_with_two_workers_the_supervisor_sums_every_workers_tokens(serve: Serve, start_fake: StartFake) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(tokens=2))
+    serve.write([{"id": "r0", "model": "m", "url": fake.url}], "count_tokens = true\n" + KEYS)
+    await serve.start("--workers", "2")
+    # Each request on its own connection, so that both workers take some.
+    for _ in range(12):
+        async with openai_sdk(serve, "sk-alpha") as client:
+            await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+    found = await token_samples(serve, until=24)
+    assert found == {("m", "a", "prompt"): 48, ("m", "a", "cached"): 0, ("m", "a", "completion"): 24}
