@@ -216,7 +216,8 @@ def main() -> int:
     parser.add_argument(
         "--count-tokens",
         action="store_true",
-        help="also run the working tree reading every answer's usage (count_tokens = true: router-tokens)",
+        help="also run the working tree reading every answer's usage (count_tokens = true: router-tokens; "
+        "with --compiled, its compiled build too: router-compiled-tokens)",
     )
     parser.add_argument(
         "--compiled",
@@ -254,6 +255,10 @@ def main() -> int:
                 results["router-compiled"] = measure(
                     "router-compiled", tree, tmp, fake_url, args.requests, keep=args.profile
                 )
+                if args.count_tokens:
+                    results["router-compiled-tokens"] = measure(
+                        "router-compiled-tokens", tree, tmp, fake_url, args.requests, "count_tokens = true\n"
+                    )
             if args.access_log:
                 logged = f'access_log = "{tmp / "access.log"}"\n'
                 results["router-logged"] = measure("router-logged", None, tmp, fake_url, args.requests, logged)
@@ -290,6 +295,8 @@ def main() -> int:
         base = results["router-varied"] if name in ("router-session", "router-prefix") else now
         # Engine-aware picks are read against the same simulated engine with reading off.
         base = results["router-engines-off"] if name == "router-engines" else base
+        # The compiled build reading usage is read against the compiled build not reading it.
+        base = results["router-compiled"] if name == "router-compiled-tokens" else base
         ratios = (
             ""
             if figures is base

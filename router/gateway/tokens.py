@@ -36,7 +36,7 @@ _MAX_COUNT = 1 << 53
 # Where `"usage"` is looked for: a stream's last bytes (its usage event, then at most
 # `data: [DONE]`, or the few fields after usage in a response.completed), and the end
 # of a whole answer.
-TAIL_WINDOW = 1024
+TAIL_WINDOW = 512
 WHOLE_WINDOW = 65536
 
 
