@@ -257,10 +257,9 @@ class Forwarder:
     ) -> None:
         """A whole stream's tokens, read from its last reads (and its first), to the ledgers."""
         ended = time.perf_counter()
-        tokens = stream_tokens(last, first)
-        if tokens is None and len(last) < TAIL_WINDOW:
-            # The usage event split over the last two reads, or followed by [DONE] in a read of its own.
-            tokens = stream_tokens(before_last[-TAIL_WINDOW:] + last, first)
+        # The usage event may be split over the last two reads, or followed by [DONE] in a read of its own.
+        tail = last if len(last) >= TAIL_WINDOW else before_last[-TAIL_WINDOW:] + last
+        tokens = stream_tokens(tail, first)
         self.ledgers.tokens(call, model, tokens, first_chunk=None if first is None else first_at, last_chunk=ended)
 
     def _read_orca(self, replica: Replica, resp: Response) -> None:

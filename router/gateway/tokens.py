@@ -64,11 +64,20 @@ def usage_object(data: bytes, *, last: bool = True, within: int = 0) -> dict[str
     if at <= 0 or data[at - 1] == 0x5C:
         return None
     at += 7  # len(_KEY)
-    found = _OBJECT.match(data, at, at + MAX_USAGE_BYTES)
-    if found is None:
-        return None
+    raw: bytes | None = None
+    if data[at : at + 2] == b":{":
+        # Compact JSON, as engines write it, and a flat object (its details null or absent):
+        # two searches in C, cheaper than the expression's per-byte matching.
+        close = data.find(b"}", at, at + MAX_USAGE_BYTES)
+        if close > 0 and data.find(b"{", at + 2, close) < 0:
+            raw = data[at + 1 : close + 1]
+    if raw is None:
+        found = _OBJECT.match(data, at, at + MAX_USAGE_BYTES)
+        if found is None:
+            return None
+        raw = found.group(1)
     try:
-        usage = orjson.loads(found.group(1))
+        usage = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
     return usage if type(usage) is dict else None

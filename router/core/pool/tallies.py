@@ -149,7 +149,7 @@ class Tallies:
 
     def count_unknown_usage(self, model: str, tenant: str) -> None:
         """An answer of `model` for `tenant` said nothing readable of its tokens."""
-        key = self._tenant_key(model, tenant)
+        key = (model, tenant) if tenant in self.token_tenants else self._tenant_key(model, tenant)
         self.usage_unknown[key] = self.usage_unknown.get(key, 0) + 1
 
     def token_counts(self) -> dict[tuple[str, str, str], int]:
