@@ -16,8 +16,9 @@ Each shape the router passes carries its usage in its own place:
 
 Reading must cost next to nothing on the data path: no answer is parsed
 whole. The last `"usage"` of the bytes is found by a search in C, the object
-after it cut out by one regular expression (braces matched one level deep),
-and only that slice given to orjson. Whatever does not read as whole numbers (garbage, a huge or broken
+after it cut out (a flat one by two more searches, one with details by a
+regular expression matching braces one level deep), and only that slice
+given to orjson. Whatever does not read as whole numbers (garbage, a huge or broken
 object, a float, a negative) is unknown: None, never 0.
 """
 
