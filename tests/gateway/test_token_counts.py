@@ -226,3 +226,25 @@ async def test_nothing_is_read_nor_counted_unless_count_tokens_is_on(
     assert samples(text, "router_tokens_total") == {}
     assert samples(text, "router_tokens_unknown_requests_total") == {}
     assert samples(text, "router_time_to_first_token_seconds_count") == {}
+
+
+async def test_a_stored_response_read_again_is_not_counted_a_second_time(
+    start_fake: StartFake, start_router: StartRouter, tmp_path: Path
+) -> None:
+    _, server = await router_with(start_fake, start_router, tmp_path, tokens=3)
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer sk-alpha"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        body = orjson.dumps({"model": "m", "input": "hi", "max_output_tokens": 3})
+        async with session.post(server.client_url + "/v1/responses", data=body) as resp:
+            assert resp.status == 200
+            made = await resp.json()
+        async with session.get(server.client_url + f"/v1/responses/{made['id']}") as resp:
+            assert resp.status == 200
+            assert (await resp.json())["usage"]["output_tokens"] == 3
+    await wait_for(lambda: len(access_log_lines(tmp_path / "access.log")) == 2)
+    # Both requests have ended: the tallies they wrote are whole.
+    assert server.pool.tallies.tokens == {("m", "a"): [4, 0, 3]}
+    assert server.pool.tallies.usage_unknown == {}
+    made_line, read_line = access_log_lines(tmp_path / "access.log")
+    assert (made_line["prompt_tokens"], made_line["completion_tokens"]) == (4, 3)
+    assert (read_line["prompt_tokens"], read_line["completion_tokens"]) == (None, None)
