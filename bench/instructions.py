@@ -8,8 +8,9 @@ counts the same for the same code and inputs, whatever else the machine
 does). Each router (the working tree, and each REF as `router@REF`) runs
 under callgrind with instrumentation off; after a warm-up, it is switched on
 for exactly `--requests` requests and off again. Reported: instructions per
-request for short requests (non-streaming chat, 16 tokens) and for 64-chunk
-streams, and each REF's ratio to the working tree. The fake replica and the
+request for short requests (non-streaming chat, 16 tokens), for 64-chunk
+streams, and for the same streams with their usage asked for
+(`stream_options.include_usage`), and each REF's ratio to the working tree. The fake replica and the
 load generator run outside valgrind.
 """
 
@@ -36,6 +37,14 @@ from bench.compare import checkout, compiled_tree, free_port, router_config, wai
 WORKLOADS = {
     "short": {"model": "fast", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16},
     "stream": {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": True},
+    # The same stream with its usage asked for (a usage chunk before [DONE]): what reading it costs.
+    "stream-usage": {
+        "model": "fast",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 64,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    },
 }
 
 
@@ -209,6 +218,12 @@ def main() -> int:
         "(router-engines-off) as its baseline",
     )
     parser.add_argument(
+        "--count-tokens",
+        action="store_true",
+        help="also run the working tree reading every answer's usage (count_tokens = true: router-tokens; "
+        "with --compiled, its compiled build too: router-compiled-tokens)",
+    )
+    parser.add_argument(
         "--compiled",
         action="store_true",
         help="also run the working tree's compiled build (scripts/compiled build: router-compiled), "
@@ -244,9 +259,17 @@ def main() -> int:
                 results["router-compiled"] = measure(
                     "router-compiled", tree, tmp, fake_url, args.requests, keep=args.profile
                 )
+                if args.count_tokens:
+                    results["router-compiled-tokens"] = measure(
+                        "router-compiled-tokens", tree, tmp, fake_url, args.requests, "count_tokens = true\n"
+                    )
             if args.access_log:
                 logged = f'access_log = "{tmp / "access.log"}"\n'
                 results["router-logged"] = measure("router-logged", None, tmp, fake_url, args.requests, logged)
+            if args.count_tokens:
+                results["router-tokens"] = measure(
+                    "router-tokens", None, tmp, fake_url, args.requests, "count_tokens = true\n"
+                )
             if args.hold_configured:
                 hold = "".join(f'[models."{m}"]\ncold_start_seconds = 60\n' for m in ("fast", "slow", "sleepy"))
                 results["router-hold"] = measure("router-hold", None, tmp, fake_url, args.requests, hold)
@@ -269,23 +292,28 @@ def main() -> int:
         print(json.dumps(results))
         return 0
     now = results["router"]
-    print("| router | instructions per short request | per 64-chunk stream |")
-    print("| --- | --- | --- |")
+    print("| router | instructions per short request | per 64-chunk stream | per stream with its usage |")
+    print("| --- | --- | --- | --- |")
     for name, figures in results.items():
         # A routing run is read against least_loaded with the same requests.
         base = results["router-varied"] if name in ("router-session", "router-prefix") else now
         # Engine-aware picks are read against the same simulated engine with reading off.
         base = results["router-engines-off"] if name == "router-engines" else base
+        # The compiled build reading usage is read against the compiled build not reading it.
+        base = results["router-compiled"] if name == "router-compiled-tokens" else base
         ratios = (
             ""
             if figures is base
-            else " ({}: {:.3f}x, {:.3f}x)".format(
+            else " ({}: {:.3f}x, {:.3f}x, {:.3f}x)".format(
                 "working tree" if base is now else next(k for k, v in results.items() if v is base),
                 base["short"] / figures["short"],
                 base["stream"] / figures["stream"],
+                base["stream-usage"] / figures["stream-usage"],
             )
         )
-        print(f"| {name} | {figures['short']:,.0f} | {figures['stream']:,.0f}{ratios} |")
+        print(
+            f"| {name} | {figures['short']:,.0f} | {figures['stream']:,.0f} | {figures['stream-usage']:,.0f}{ratios} |"
+        )
     return 0
 
 

@@ -94,6 +94,30 @@ class NotServing:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantTokens:
+    """A tenant's tokens since the router started, over every model, as its answers said them."""
+
+    tenant: str
+    prompt_tokens: int
+    # Of the prompt tokens, those the engines read from their prefix cache (as far as they said).
+    cached_tokens: int
+    completion_tokens: int
+    # Answers that said nothing readable of their tokens: not in the sums above.
+    unknown_requests: int
+
+
+def tenant_tokens(snapshot: UsageSnapshot) -> tuple[TenantTokens, ...]:
+    """Per tenant, the snapshot's tokens and unknown answers summed over the models."""
+    sums: dict[str, list[int]] = {}
+    kinds = {"prompt": 0, "cached": 1, "completion": 2}
+    for (_, tenant, kind), n in snapshot.tokens.items():
+        sums.setdefault(tenant, [0, 0, 0, 0])[kinds[kind]] += n
+    for (_, tenant), n in snapshot.usage_unknown.items():
+        sums.setdefault(tenant, [0, 0, 0, 0])[3] += n
+    return tuple(TenantTokens(tenant, *figures) for tenant, figures in sorted(sums.items()))
+
+
+@dataclass(frozen=True, slots=True)
 class FleetStatus:
     """The fleet summary of GET /api/v1/status and router ctl status."""
 
@@ -108,6 +132,7 @@ class FleetStatus:
     held: tuple[HeldFor, ...] = ()
     queue: tuple[QueuedFor, ...] = ()
     not_serving: tuple[NotServing, ...] = ()
+    tenants: tuple[TenantTokens, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -241,6 +266,7 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
             if q.queued > 0
         ),
         not_serving=tuple(not_serving),
+        tenants=tenant_tokens(snapshot),
     )
 
 

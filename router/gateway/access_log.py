@@ -37,7 +37,9 @@ class Entry:
         "attempts",
         "bytes_in",
         "bytes_out",
+        "cached_tokens",
         "client",
+        "completion_tokens",
         "held_seconds",
         "hold_outcome",
         "id",
@@ -46,6 +48,7 @@ class Entry:
         "outcome",
         "path",
         "priority",
+        "prompt_tokens",
         "queued_for",
         "queued_seconds",
         "replica",
@@ -82,6 +85,11 @@ class Entry:
         # shutdown: router_hold_outcomes_total's outcomes); None if never held.
         self.hold_outcome: str | None = None
         self.ttfb_seconds: float | None = None
+        # The tokens its answer said it took (router.gateway.tokens); None: it said nothing
+        # readable (a stream whose client did not ask for usage), or nothing was answered.
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.cached_tokens: int | None = None
         # ok, client_gone, upstream_reset, stalled, timeout, error; overflow, shutdown (a hold's)
         self.outcome = "ok"
 
@@ -107,6 +115,9 @@ class Entry:
                 "queued_for": self.queued_for,
                 "hold": self.hold_outcome,
                 "ttfb_seconds": None if self.ttfb_seconds is None else round(self.ttfb_seconds, 4),
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens,
                 "duration_seconds": round(now - self.started, 4),
                 "outcome": self.outcome,
             }

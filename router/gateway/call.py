@@ -8,11 +8,13 @@ that name leads to; and, per attempt, the `target` tried, which a fallback
 makes another model still (the body it is sent under is `body_for(target)`,
 written once per target). A request naming a LoRA adapter has the adapter as
 `requested` and `adapter`, and its base model as `model`. What the access log says of the request is its
-`entry`, None when there is no access log.
+`entry`, None when there is no access log. `metered`: its answer's tokens are
+counted (router.gateway.tokens); not a stored response read again.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from router.core.config.tenants import ANYONE, Caller
@@ -31,10 +33,12 @@ class Call:
         "caller",
         "entry",
         "headers",
+        "metered",
         "model",
         "parsed",
         "request",
         "requested",
+        "started",
         "stream",
         "writer",
     )
@@ -51,6 +55,7 @@ class Call:
         entry: Entry | None,
         caller: Caller = ANYONE,
         adapter: str | None = None,
+        started: float | None = None,
     ) -> None:
         self.request = request
         self.writer = writer
@@ -71,6 +76,9 @@ class Call:
         self.adapter = adapter
         if adapter is not None:
             self._bodies = {model: request.body}
+        # When it arrived (time.perf_counter()): a stream's time to first token runs from here.
+        self.started = time.perf_counter() if started is None else started
+        self.metered = True
 
     def body_for(self, target: str) -> bytes:
         """The body as `target` must get it: the client's own bytes, or re-encoded under `target`'s name

@@ -65,6 +65,7 @@ class Proxy:
             write_stall_timeout=config.write_stall_timeout_seconds,
             expose_replica=config.expose_replica_header,
             credentials={name: m.upstream.lines for name, m in config.models.items() if m.upstream is not None},
+            count_tokens=config.count_tokens,
         )
         self.forwarder = forwarder
         self.responses = ResponsesMemory(config.remembered_responses)
@@ -214,6 +215,7 @@ class Proxy:
                 entry,
                 caller,
                 adapter,
+                started,
             )
             if request.path == "/v1/responses" and (previous := obj.get("previous_response_id")) is not None:
                 if not isinstance(previous, str):
@@ -246,6 +248,8 @@ class Proxy:
                 entry.model = replica.model
             headers = self._forwarded.framed(request.raw_headers)
             call = Call(request, writer, {}, replica.model, replica.model, False, headers, entry)
+            # The response again, not a new one: its tokens were counted when it was made.
+            call.metered = False
             try:
                 failed = await self.forwarder.attempt(call, replica, replica.model)
             finally:

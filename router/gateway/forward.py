@@ -38,6 +38,7 @@ from router.gateway.call import Call
 from router.gateway.codings import StreamDecoder, decoded
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.outcomes import Failed, Ledgers, Outcome
+from router.gateway.tokens import TAIL_WINDOW, stream_tokens, whole_answer_tokens
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
 from router.http.headers import RESPONSE_HEADERS
 from router.http.messages import Reply
@@ -112,6 +113,30 @@ def _is_sse(resp: Response) -> bool:
     return (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
 
 
+def count_stream(
+    ledgers: Ledgers, call: Call, model: str, *, before_last: bytes, last: bytes, first: bytes | None, first_at: float
+) -> None:
+    """A whole stream's tokens, read from its last reads (and its first), to the ledgers."""
+    ended = time.perf_counter()
+    # The usage event may be split over the last two reads, or followed by [DONE] in a read of its own.
+    tail = last if len(last) >= TAIL_WINDOW else before_last[-TAIL_WINDOW:] + last
+    tokens = stream_tokens(tail, first)
+    ledgers.tokens(call, model, tokens, first_chunk=None if first is None else first_at, last_chunk=ended)
+
+
+def read_orca(pool: Pool, replica: Replica, resp: Response) -> None:
+    """The engine's load in the answer's ORCA header, to the pool; the header itself, off the client's answer."""
+    headers = resp.headers
+    for index, (name, value) in enumerate(headers):
+        if len(name) == 21 and name.lower() == b"endpoint-load-metrics":
+            del headers[index]
+            reading = from_orca(value)
+            loads = pool.engine_loads
+            if reading is not None and loads is not None:
+                loads.record(replica, reading.waiting, reading.running, reading.kv, "orca")
+            return
+
+
 class Forwarder:
     """One attempt at a time: a request sent to one replica, its answer classified and passed to the client."""
 
@@ -125,6 +150,7 @@ class Forwarder:
         write_stall_timeout: float,
         expose_replica: bool = False,
         credentials: Mapping[str, bytes] | None = None,
+        count_tokens: bool = False,
     ) -> None:
         self.pool = pool
         # Each model's engines' own key and headers, as sent ([models."NAME"] upstream_*); a
@@ -137,6 +163,8 @@ class Forwarder:
         self._write_stall_timeout = write_stall_timeout
         # X-Router-Replica on the answers replicas give (config expose_replica_header).
         self._expose_replica = expose_replica
+        # Each answer's usage read (config count_tokens): off, nothing of it runs.
+        self._count_tokens = count_tokens
 
     async def attempt(
         self,
@@ -219,7 +247,7 @@ class Forwarder:
             ttfb = time.perf_counter() - began
             status = resp.status
             if orca:
-                self._read_orca(replica, resp)
+                read_orca(self.pool, replica, resp)
             if status in RETRY_STATUSES:
                 return await self._refused(entry, replica, resp, model, ttfb=ttfb, probe=probe)
             self.ledgers.record(entry, replica, model, Outcome.ANSWERED, status=status, ttfb=ttfb)
@@ -253,6 +281,8 @@ class Forwarder:
                     if text is not None:
                         remember(text)
                 call.writer.answer(Reply(status, data, out_headers, resp.reason_bytes))
+                if self._count_tokens and call.metered and status < 300:
+                    self.ledgers.tokens(call, model, whole_answer_tokens(data))
             else:
                 call.writer.answer(replica_answer(status, resp.reason_bytes, data, out_headers))
             return None
@@ -260,18 +290,6 @@ class Forwarder:
             # Back to the pool after a complete answer; closed if the answer
             # was cut short, so a half-read stream never lingers.
             resp.release()
-
-    def _read_orca(self, replica: Replica, resp: Response) -> None:
-        """The engine's load in the answer's ORCA header, to the pool; the header itself, off the client's answer."""
-        headers = resp.headers
-        for index, (name, value) in enumerate(headers):
-            if len(name) == 21 and name.lower() == b"endpoint-load-metrics":
-                del headers[index]
-                reading = from_orca(value)
-                loads = self.pool.engine_loads
-                if reading is not None and loads is not None:
-                    loads.record(replica, reading.waiting, reading.running, reading.kv, "orca")
-                return
 
     async def _refused(
         self, entry: Entry | None, replica: Replica, resp: Response, model: str, *, ttfb: float, probe: bool
@@ -314,6 +332,26 @@ class Forwarder:
             last = chunk
             return write(chunk)
 
+        # Counting tokens keeps the read before the last too (a reference, no copy): what a
+        # stream says of its tokens is in its last events, maybe split over two reads, or
+        # followed by [DONE] in a read of its own. Its first read (an Anthropic stream's
+        # prompt, the time to first token) is taken by a `write` that then steps aside:
+        # nothing more runs per chunk (router.gateway.tokens).
+        before_last = b""
+        first: bytes | None = None
+        first_at = 0.0
+        counting = self._count_tokens and call.metered
+        piped = sink
+        if counting:
+
+            def counting_sink(chunk: bytes) -> bool:
+                nonlocal last, before_last
+                before_last = last
+                last = chunk
+                return write(chunk)
+
+            piped = counting_sink
+
         try:
             # A known length passes through as a length, the writer holding the
             # body to it (an event stream's length is not kept: it may end in an
@@ -326,8 +364,19 @@ class Forwarder:
             remembering: _Remembering | None = None
             if remember is not None:
                 write = remembering = _Remembering(write, remember, resp.header(b"content-encoding"))
+            if counting:
+                passing = write
+
+                def first_write(chunk: bytes) -> bool:
+                    nonlocal write, first, first_at
+                    first = chunk
+                    first_at = time.perf_counter()
+                    write = passing
+                    return passing(chunk)
+
+                write = first_write
             try:
-                await resp.pipe(sink, writer.drain)
+                await resp.pipe(piped, writer.drain)
             except ConnectionBroken as exc:
                 # Bytes already reached the client: no retry, and the answer
                 # must look broken, never complete: an SSE stream gets an
@@ -335,6 +384,9 @@ class Forwarder:
                 # without the last-chunk; any other body just closes.
                 self.ledgers.record(entry, replica, replica.model, Outcome.CUT_OFF, reason="reset")
                 log.warning("replica %s broke off an answer: %s", replica.id, exc)
+                if counting:
+                    # A broken answer says nothing of its tokens: unknown.
+                    self.ledgers.tokens(call, replica.model, None)
                 if entry is not None:
                     entry.outcome = "timeout" if isinstance(exc, UpstreamIdle) else "upstream_reset"
                 # A stream under a content coding (gzip) gets no event: plain
@@ -353,10 +405,22 @@ class Forwarder:
             if remembering is not None:
                 remembering.end()
             writer.end()
+            if counting and resp.status < 300:
+                count_stream(
+                    self.ledgers,
+                    call,
+                    replica.model,
+                    before_last=before_last,
+                    last=last,
+                    first=first,
+                    first_at=first_at,
+                )
         except WriteStalled:
             if entry is not None:
                 entry.outcome = "stalled"
             self.pool.tallies.client_stalled(replica.model)
+            if counting:
+                self.ledgers.tokens(call, replica.model, None)
             log.warning(
                 "cut off a client that read nothing of its %s stream for %gs", replica.model, self._write_stall_timeout
             )
@@ -365,4 +429,6 @@ class Forwarder:
             # caller closes the half-read upstream connection at once.
             if entry is not None:
                 entry.outcome = "client_gone"
+            if counting:
+                self.ledgers.tokens(call, replica.model, None)
             writer.close_after()

@@ -1,4 +1,4 @@
-"""The data path's histograms: two observed per request, by model, the rest when a request waits."""
+"""The data path's histograms: two observed per request and two per stream, by model; the rest when one waits."""
 
 from __future__ import annotations
 
@@ -81,6 +81,23 @@ class DataPathMetrics:
             (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry,
         )
+        # A stream's first body bytes (vLLM's first chunk holds the first token) and the mean gap
+        # between its tokens after that: vLLM's own request-level TTFT and TPOT, seen from the
+        # router, so that they include its queueing and the network. One observation per stream
+        # each, never per chunk: a per-chunk observation would cost more than the stream's bytes.
+        self.first_token = ModelHistogram(
+            "router_time_to_first_token_seconds",
+            "Streams: from arrival to the first chunk of the answer, by model.",
+            (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry,
+        )
+        self.per_output_token = ModelHistogram(
+            "router_time_per_output_token_seconds",
+            "Streams whose answer said its completion tokens: from the first chunk to the last, "
+            "over the tokens after the first, by model.",
+            (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5),
+            registry,
+        )
         self.held = Histogram(
             "router_held_seconds",
             "How long requests held for a cold model waited before a replica answered, by model.",
@@ -98,6 +115,8 @@ class DataPathMetrics:
         )
         self.observe_duration = self.duration.observe
         self.observe_first_byte = self.first_byte.observe
+        self.observe_first_token = self.first_token.observe
+        self.observe_per_output_token = self.per_output_token.observe
 
     def observe_held(self, model: str, seconds: float) -> None:
         self.held.labels(model).observe(seconds)

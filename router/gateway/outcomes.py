@@ -24,7 +24,9 @@ from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica
 from router.gateway.access_log import Entry
 from router.gateway.answers import error_response
+from router.gateway.call import Call
 from router.gateway.metrics import DataPathMetrics
+from router.gateway.tokens import Tokens
 from router.http.messages import Reply
 
 # These answers say the replica is unwell. A 500 is left out on purpose:
@@ -145,6 +147,33 @@ class Ledgers:
             _attempted(entry, replica, model, None)
             pool.count_failure(replica, "timeout" if outcome is Outcome.SILENT else "reset")
             pool.record_failure(replica)
+
+    def tokens(
+        self,
+        call: Call,
+        model: str,
+        tokens: Tokens | None,
+        *,
+        first_chunk: float | None = None,
+        last_chunk: float = 0.0,
+    ) -> None:
+        """What an answer of `model` to `call` said it took, to the tallies, the access log and the
+        stream histograms: `first_chunk` and `last_chunk` (time.perf_counter()) of a stream."""
+        tallies = self.pool.tallies
+        entry = call.entry
+        if tokens is None:
+            tallies.count_unknown_usage(model, call.caller.tenant)
+        else:
+            prompt, completion, cached = tokens
+            tallies.count_tokens(model, call.caller.tenant, prompt, cached, completion)
+            if entry is not None:
+                entry.prompt_tokens = prompt
+                entry.completion_tokens = completion
+                entry.cached_tokens = cached
+            if first_chunk is not None and completion > 1:
+                self.metrics.observe_per_output_token(model, (last_chunk - first_chunk) / (completion - 1))
+        if first_chunk is not None:
+            self.metrics.observe_first_token(model, first_chunk - call.started)
 
     def count_tried(self, entry: Entry | None, probes: list[Failed], model: str) -> None:
         """Probes of `model` that were not a held request's after all: attempts and upstream errors, as any."""

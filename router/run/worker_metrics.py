@@ -25,6 +25,8 @@ Mode = Literal["sum", "max", "latest"]
 MODES: dict[str, Mode] = {
     "router_request_duration_seconds": "sum",
     "router_time_to_first_byte_seconds": "sum",
+    "router_time_to_first_token_seconds": "sum",
+    "router_time_per_output_token_seconds": "sum",
     "router_client_protocol_errors": "sum",
     "router_upstream_protocol_errors": "sum",
     "router_held_seconds": "sum",

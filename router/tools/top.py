@@ -1,8 +1,10 @@
 """`router ctl top`: a live view of one router, read from its admin API each second.
 
 Like top and k9s: a header with the router's own rates, a row per model
-(replicas ready, in flight, queued, held) and a row per replica (state, in
-flight, requests and errors per second, proven quiet time, last use). Keys
+(replicas ready, in flight, queued, held), a row per replica (state, in
+flight, requests and errors per second, proven quiet time, last use) and,
+once answers have said their tokens, a row per tenant (tokens per second,
+and its prompt, cached and completion tokens and unknown answers so far). Keys
 sort the replicas; `q` quits. Without a terminal it prints plain frames, one
 each interval, as `top -b` does; `--once` prints one and exits.
 
@@ -77,6 +79,18 @@ class ModelRow:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantRow:
+    """One tenant's tokens (GET /api/v1/status `tenants`); its rate None until two reads."""
+
+    tenant: str
+    tokens_per_second: float | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    unknown_requests: int
+
+
+@dataclass(frozen=True, slots=True)
 class Frame:
     """One screen of router ctl top, made from one snapshot of the documents."""
 
@@ -86,6 +100,7 @@ class Frame:
     replicas: tuple[Row, ...]
     models: tuple[ModelRow, ...]
     unserved: Mapping[str, int] = field(default_factory=dict)
+    tenants: tuple[TenantRow, ...] = ()
     # Set when this read failed: the frame is the last good one, said to be stale.
     problem: str = ""
 
@@ -113,10 +128,11 @@ class Frame:
             "models": [_fields(m) for m in self.models],
             "replicas": [_fields(r) for r in self.replicas],
             "unserved": dict(self.unserved),
+            "tenants": [_fields(t) for t in self.tenants],
         }
 
 
-def _fields(obj: Row | ModelRow) -> dict[str, Any]:
+def _fields(obj: Row | ModelRow | TenantRow) -> dict[str, Any]:
     return {name: getattr(obj, name) for name in obj.__slots__}
 
 
@@ -126,8 +142,10 @@ def build_frame(
     *,
     previous: Mapping[str, Mapping[str, Any]] | None,
     elapsed: float | None,
+    previous_tokens: Mapping[str, int] | None = None,
 ) -> Frame:
-    """A frame from GET /api/v1/replicas and /api/v1/status; rates from `previous` rows read `elapsed` s before."""
+    """A frame from GET /api/v1/replicas and /api/v1/status; rates from `previous` rows (and each
+    tenant's `previous_tokens`, prompt and completion) read `elapsed` s before."""
     now = status["generated_at"]
     replicas = []
     for r in rows:
@@ -176,6 +194,15 @@ def build_frame(
                 requests_per_second=None if any(x is None for x in rates) else sum(x for x in rates if x is not None),
             )
         )
+    tenants = []
+    for t in status.get("tenants", []):
+        tokens = t["prompt_tokens"] + t["completion_tokens"]
+        tokens_before = (previous_tokens or {}).get(t["tenant"])
+        rate = None
+        if tokens_before is not None and elapsed and tokens >= tokens_before:
+            rate = (tokens - tokens_before) / elapsed
+        fields = ("prompt_tokens", "cached_tokens", "completion_tokens", "unknown_requests")
+        tenants.append(TenantRow(t["tenant"], rate, *(t[name] for name in fields)))
     return Frame(
         router=status["router"],
         generated_at=now,
@@ -183,7 +210,13 @@ def build_frame(
         replicas=tuple(replicas),
         models=tuple(models),
         unserved=dict(status.get("unserved", {})),
+        tenants=tuple(tenants),
     )
+
+
+def tokens_by_tenant(status: Mapping[str, Any]) -> dict[str, int]:
+    """Each tenant's prompt and completion tokens in a status document: the next frame's rates start here."""
+    return {t["tenant"]: t["prompt_tokens"] + t["completion_tokens"] for t in status.get("tenants", [])}
 
 
 def sort_rows(rows: Sequence[Row], key: str, *, reverse: bool = False) -> list[Row]:
@@ -294,6 +327,25 @@ def render(
     lines += _table(headers, rows, [False, False, False, *([True] * (len(headers) - 3))], width, [0, 1])
     if any(r.saturated for r in frame.replicas):
         lines.append("* saturated: its engine's queue or KV cache is at its model's bounds")
+    if frame.tenants:
+        lines.append("")
+        lines += _table(
+            ["TENANT", "TOK/S", "PROMPT", "CACHED", "COMPLETION", "UNKNOWN"],
+            [
+                [
+                    t.tenant,
+                    _rate(t.tokens_per_second),
+                    str(t.prompt_tokens),
+                    str(t.cached_tokens),
+                    str(t.completion_tokens),
+                    str(t.unknown_requests),
+                ]
+                for t in frame.tenants
+            ],
+            [False, True, True, True, True, True],
+            width,
+            [0],
+        )
     lines += ["", f"sort: {name} ({direction})  keys: " + " ".join(SORT_KEYS) + " sort (again: reverse), q quit"]
     return [line[:width] for line in lines]
 
@@ -306,6 +358,7 @@ class Sampler:
         self.idle_for = idle_for
         self.clock = clock
         self.previous: dict[str, Mapping[str, Any]] | None = None
+        self.previous_tokens: dict[str, int] | None = None
         self.read_at: float | None = None
         self.last: Frame | None = None
 
@@ -320,8 +373,9 @@ class Sampler:
             return self.last
         at = self.clock()
         elapsed = None if self.read_at is None else at - self.read_at
-        frame = build_frame(rows, status, previous=self.previous, elapsed=elapsed)
+        frame = build_frame(rows, status, previous=self.previous, elapsed=elapsed, previous_tokens=self.previous_tokens)
         self.previous = {r["id"]: r for r in rows}
+        self.previous_tokens = tokens_by_tenant(status)
         self.read_at = at
         self.last = frame
         return frame

@@ -387,6 +387,20 @@ class UsageCollector(Collector):
             ["model", "outcome"],
             snapshot.affinity.items(),
         )
+        yield _tallies(
+            "router_tokens",
+            "Tokens the answers said they took (their usage), by model, tenant and kind: prompt, cached "
+            "(of the prompt, read from the engine's prefix cache), completion.",
+            ["model", "tenant", "kind"],
+            snapshot.tokens.items(),
+        )
+        yield _tallies(
+            "router_tokens_unknown_requests",
+            "Answers that said nothing readable of their tokens (a stream whose client did not ask for "
+            "usage, a broken or odd usage): unknown, not counted as 0.",
+            ["model", "tenant"],
+            snapshot.usage_unknown.items(),
+        )
         held = GaugeMetricFamily(
             "router_held_requests", "Requests held now, waiting for a replica of a cold model.", labels=["model"]
         )

@@ -264,6 +264,10 @@ class Config:
     access_log: str = _setting(
         "", check.optional_path, 'off; "-" for stdout, or a file (reopened on SIGHUP): one JSON line a request'
     )
+    # Reading each answer's usage costs a few thousand instructions a request: only when asked.
+    count_tokens: bool = _setting(
+        False, check.boolean, "read each answer's usage: router_tokens_total, the access log's tokens (docs/tokens.md)"
+    )
     # Scale from zero: told when a model's first request is held, so that it can start a replica.
     wake_url: str = _setting(
         "", check.optional_url, 'optional: POST {"router", "model", "held", "since"} here when a request is held'

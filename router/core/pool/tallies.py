@@ -25,6 +25,14 @@ WORKER_UNSERVED_NAMES = 10_000
 # run longer, and 256 bytes covers both. Entries times bytes bounds the tally.
 MAX_NAME_BYTES = 256
 OTHER_MODELS = "__other__"
+# Tenants are the names of api_keys' tables, so the config bounds them; a
+# deployment with thousands of keys would still make thousands of series per
+# model and kind. Past this many distinct tenants (the first ones seen keep
+# their own), tokens are tallied under OTHER_TENANTS.
+MAX_TOKEN_TENANTS = 100
+OTHER_TENANTS = "__other__"
+# The kinds of router_tokens_total, in the order Tallies.tokens keeps them.
+TOKEN_KINDS = ("prompt", "cached", "completion")
 
 
 def bounded_unserved(counts: Mapping[str, int], kept: dict[str, None]) -> dict[str, int]:
@@ -67,7 +75,10 @@ class Tallies:
         "overloaded",
         "retries",
         "stalled",
+        "token_tenants",
+        "tokens",
         "unserved",
+        "usage_unknown",
     )
 
     def __init__(self, max_unserved_names: int = MAX_UNSERVED_NAMES) -> None:
@@ -88,6 +99,12 @@ class Tallies:
         self.retries: dict[str, int] = {}
         self.fallbacks: dict[tuple[str, str], int] = {}
         self.unserved: dict[str, int] = {}
+        # Tokens the answers said they took, by (model, tenant): [prompt, cached, completion]
+        # (TOKEN_KINDS), added to in place: one lookup per answer.
+        self.tokens: dict[tuple[str, str], list[int]] = {}
+        # Answers that said nothing of their tokens (or nothing readable), by (model, tenant): unknown, not 0.
+        self.usage_unknown: dict[tuple[str, str], int] = {}
+        self.token_tenants: set[str] = set()
 
     def retried(self, model: str) -> None:
         self.retries[model] = self.retries.get(model, 0) + 1
@@ -109,6 +126,39 @@ class Tallies:
     def hold_probed(self, model: str, outcome: str) -> None:
         key = (model, outcome)
         self.hold_probes[key] = self.hold_probes.get(key, 0) + 1
+
+    def _tenant_key(self, model: str, tenant: str) -> tuple[str, str]:
+        tenants = self.token_tenants
+        if tenant not in tenants:
+            if len(tenants) >= MAX_TOKEN_TENANTS:
+                tenant = OTHER_TENANTS
+            else:
+                tenants.add(tenant)
+        return (model, tenant)
+
+    def count_tokens(self, model: str, tenant: str, prompt: int, cached: int | None, completion: int) -> None:
+        """An answer of `model` for `tenant` said it took these tokens (`cached` None: it did not say)."""
+        key = (model, tenant) if tenant in self.token_tenants else self._tenant_key(model, tenant)
+        counts = self.tokens.get(key)
+        if counts is None:
+            counts = self.tokens[key] = [0, 0, 0]
+        counts[0] += prompt
+        if cached is not None:
+            counts[1] += cached
+        counts[2] += completion
+
+    def count_unknown_usage(self, model: str, tenant: str) -> None:
+        """An answer of `model` for `tenant` said nothing readable of its tokens."""
+        key = (model, tenant) if tenant in self.token_tenants else self._tenant_key(model, tenant)
+        self.usage_unknown[key] = self.usage_unknown.get(key, 0) + 1
+
+    def token_counts(self) -> dict[tuple[str, str, str], int]:
+        """The tokens by (model, tenant, kind), as the snapshot keeps them."""
+        return {
+            (model, tenant, kind): n
+            for (model, tenant), counts in self.tokens.items()
+            for kind, n in zip(TOKEN_KINDS, counts, strict=True)
+        }
 
     def unserved_request(self, model: str) -> None:
         if model not in self.unserved and (len(self.unserved) >= self.max_unserved_names or not keepable_name(model)):

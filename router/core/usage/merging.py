@@ -88,7 +88,18 @@ class Memory:
                 del store[key]
 
 
-_TALLIES = ("retries", "fallbacks", "unserved", "stalled", "overloaded", "hold_outcomes", "hold_probes", "affinity")
+_TALLIES = (
+    "retries",
+    "fallbacks",
+    "unserved",
+    "stalled",
+    "overloaded",
+    "hold_outcomes",
+    "hold_probes",
+    "affinity",
+    "tokens",
+    "usage_unknown",
+)
 
 
 def _key(r: ReplicaUsage) -> Key:
@@ -232,6 +243,8 @@ def _snapshot(
         hold_outcomes=MappingProxyType(tallies["hold_outcomes"]),
         hold_probes=MappingProxyType(tallies["hold_probes"]),
         affinity=MappingProxyType(tallies["affinity"]),
+        tokens=MappingProxyType(tallies["tokens"]),
+        usage_unknown=MappingProxyType(tallies["usage_unknown"]),
         demand=MappingProxyType(demand),
         queued=MappingProxyType(queued),
         queues=MappingProxyType(queues),

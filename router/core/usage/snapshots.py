@@ -91,12 +91,16 @@ class ReplicaUsage(NamedTuple):
 # The snapshot's per-model tallies keyed by a model name, those keyed by a
 # pair, and a replica's fields that are mappings: the JSON codec's shape.
 TALLIES_BY_MODEL = ("retries", "unserved", "stalled", "overloaded")
-TALLIES_BY_PAIR = ("fallbacks", "hold_outcomes", "hold_probes", "affinity")
+TALLIES_BY_PAIR = ("fallbacks", "hold_outcomes", "hold_probes", "affinity", "usage_unknown")
 REPLICA_MAPPINGS = ("labels", "responses", "errors")
 
 
 def _pairs(rows: list[list[Any]]) -> Mapping[tuple[str, str], int]:
     return MappingProxyType({(a, b): n for a, b, n in rows})
+
+
+def _triples(rows: list[list[Any]]) -> Mapping[tuple[str, str, str], int]:
+    return MappingProxyType({(a, b, c): n for a, b, c, n in rows})
 
 
 class EngineReading(NamedTuple):
@@ -146,6 +150,10 @@ class UsageSnapshot:
     hold_probes: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
     # Session and prefix routing's first picks, by (model, outcome): hit, spill, none.
     affinity: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
+    # Tokens the answers said they took, by (model, tenant, kind): prompt, cached, completion.
+    tokens: Mapping[tuple[str, str, str], int] = field(default_factory=lambda: MappingProxyType({}))
+    # Answers that said nothing readable of their tokens, by (model, tenant).
+    usage_unknown: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
     demand: Mapping[str, Demand] = field(default_factory=lambda: MappingProxyType({}))
     # Requests waiting now for a slot under the limits (max_in_flight, max_in_flight_per_replica), by model.
     queued: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
@@ -199,6 +207,7 @@ class UsageSnapshot:
             "seq": self.seq,
             **{name: [[a, b, n] for (a, b), n in getattr(self, name).items()] for name in TALLIES_BY_PAIR},
             **{name: dict(getattr(self, name)) for name in TALLIES_BY_MODEL},
+            "tokens": [[*key, n] for key, n in self.tokens.items()],
             "demand": {model: list(d) for model, d in self.demand.items()},
             "queued": dict(self.queued),
             "queues": [[*key, *figures] for key, figures in self.queues.items()],
@@ -219,6 +228,8 @@ class UsageSnapshot:
             hold_outcomes=_pairs(doc["hold_outcomes"]),
             hold_probes=_pairs(doc["hold_probes"]),
             affinity=_pairs(doc["affinity"]),
+            tokens=_triples(doc.get("tokens", [])),
+            usage_unknown=_pairs(doc.get("usage_unknown", [])),
             retries=MappingProxyType(doc["retries"]),
             unserved=MappingProxyType(doc["unserved"]),
             stalled=MappingProxyType(doc["stalled"]),
@@ -471,6 +482,8 @@ class Snapshotter:
                     if n
                 }
             ),
+            tokens=MappingProxyType(tallies.token_counts()),
+            usage_unknown=MappingProxyType(dict(tallies.usage_unknown)),
             demand=MappingProxyType(demand),
             queued=MappingProxyType(pool.queued()),
             queues=MappingProxyType(

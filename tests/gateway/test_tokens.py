@@ -1,0 +1,127 @@
+"""Reading an answer's usage from its bytes: every shape the router passes, and what is not a count."""
+
+from __future__ import annotations
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.core.pool.tallies import MAX_TOKEN_TENANTS, OTHER_TENANTS, Tallies
+from router.gateway.tokens import MAX_USAGE_BYTES, stream_tokens, tokens_of, whole_answer_tokens
+
+
+def chunk(doc: object) -> bytes:
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+def test_a_whole_answers_usage_gives_prompt_completion_and_cached_tokens() -> None:
+    body = orjson.dumps(
+        {
+            "id": "chatcmpl-1",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
+            "usage": {
+                "prompt_tokens": 40,
+                "completion_tokens": 7,
+                "total_tokens": 47,
+                "prompt_tokens_details": {"cached_tokens": 32},
+            },
+            "kv_transfer_params": None,
+        }
+    )
+    assert whole_answer_tokens(body) == (40, 7, 32)
+
+
+def test_an_answer_that_says_nothing_of_its_cache_has_cached_unknown_not_zero() -> None:
+    body = b'{"usage": {"prompt_tokens": 4, "completion_tokens": 16, "total_tokens": 20}}'
+    assert whole_answer_tokens(body) == (4, 16, None)
+
+
+def test_an_embeddings_usage_has_no_completion_tokens_and_counts_none() -> None:
+    assert whole_answer_tokens(b'{"data": [], "usage": {"prompt_tokens": 3, "total_tokens": 3}}') == (3, 0, None)
+
+
+def test_usage_written_by_the_model_inside_its_text_is_not_read() -> None:
+    text = '"usage": {"prompt_tokens": 999, "completion_tokens": 999}'
+    body = orjson.dumps({"choices": [{"message": {"content": text}}]})
+    assert whole_answer_tokens(body) is None
+
+
+def test_a_streams_usage_chunk_before_done_is_read_from_its_tail() -> None:
+    tail = chunk({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 64}}) + b"data: [DONE]\n\n"
+    assert stream_tokens(tail, None) == (5, 64, None)
+
+
+def test_a_stream_without_usage_or_with_usage_null_is_unknown() -> None:
+    assert stream_tokens(b"data: [DONE]\n\n", None) is None
+    assert stream_tokens(chunk({"choices": [{"delta": {}}], "usage": None}) + b"data: [DONE]\n\n", None) is None
+
+
+def test_the_responses_apis_completed_event_gives_input_output_and_cached_tokens() -> None:
+    usage = {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 12, "total_tokens": 21}
+    event = {"type": "response.completed", "response": {"id": "resp_1", "output": [], "usage": usage, "user": None}}
+    tail = b"event: response.completed\n" + chunk(event)
+    assert stream_tokens(tail, None) == (9, 12, 4)
+
+
+def test_anthropics_stream_takes_its_prompt_from_message_start_and_output_from_message_delta() -> None:
+    start = {
+        "type": "message_start",
+        "message": {"id": "msg_1", "usage": {"input_tokens": 6, "cache_read_input_tokens": 10, "output_tokens": 0}},
+    }
+    first = b"event: message_start\n" + chunk(start)
+    delta = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 20}}
+    tail = b"event: message_delta\n" + chunk(delta) + b"event: message_stop\n" + chunk({"type": "message_stop"})
+    # Anthropic's input_tokens leaves out what was read from the cache: the prompt is both.
+    assert stream_tokens(tail, first) == (16, 20, 10)
+
+
+def test_an_anthropic_whole_answer_counts_cache_writes_in_the_prompt() -> None:
+    usage = {"input_tokens": 3, "cache_creation_input_tokens": 5, "cache_read_input_tokens": 0, "output_tokens": 2}
+    assert tokens_of(usage) == (8, 2, 0)
+
+
+def test_message_delta_alone_without_its_start_is_unknown() -> None:
+    assert stream_tokens(chunk({"type": "message_delta", "usage": {"output_tokens": 20}}), None) is None
+
+
+def test_counts_that_are_not_whole_non_negative_numbers_are_unknown() -> None:
+    for bad in (1.5, -1, True, "4", None, [4], {"n": 4}, 1 << 60):
+        assert tokens_of({"prompt_tokens": bad, "completion_tokens": 1}) is None, bad
+        assert tokens_of({"prompt_tokens": 1, "completion_tokens": bad}) is None, bad
+        assert tokens_of({"input_tokens": 1, "output_tokens": bad}) is None, bad
+        assert tokens_of({"input_tokens": 1, "output_tokens": 1, "cache_read_input_tokens": bad}) in (
+            None,
+            (1, 1, 0),  # a falsy null or 0 is none read
+        ), bad
+
+
+def test_a_garbage_a_cut_and_a_huge_usage_are_unknown() -> None:
+    assert whole_answer_tokens(b'{"usage": {"prompt_tokens": 4, "completion_tokens": ') is None
+    assert whole_answer_tokens(b'{"usage": {"prompt_tokens": 4,, "completion_tokens": 1}}') is None
+    assert whole_answer_tokens(b'{"usage": "many"}') is None
+    padding = " " * MAX_USAGE_BYTES
+    assert whole_answer_tokens(b'{"usage": {"prompt_tokens": 4,%b"completion_tokens": 1}}' % padding.encode()) is None
+    deep = b'{"usage": {"a": ' + b'{"b": ' * 40 + b"1" + b"}" * 40 + b', "prompt_tokens": 1, "completion_tokens": 1}}'
+    assert whole_answer_tokens(deep) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600), st.one_of(st.none(), st.binary(max_size=200)))
+def test_any_bytes_read_as_tokens_or_unknown_and_never_raise(data: bytes, first: bytes | None) -> None:
+    for text in (data, b'{"usage": ' + data, b'data: {"choices": [], "usage": {' + data):
+        for found in (whole_answer_tokens(text), stream_tokens(text, first)):
+            assert found is None or (found[0] >= 0 and found[1] >= 0)
+
+
+def test_tenants_past_the_bound_are_tallied_together_and_the_first_keep_their_own() -> None:
+    tallies = Tallies()
+    for i in range(MAX_TOKEN_TENANTS + 5):
+        tallies.count_tokens("m", f"t{i}", 10, None, 1)
+    tallies.count_unknown_usage("m", "late")
+    tallies.count_tokens("m", "t0", 5, 2, 1)
+    counts = tallies.token_counts()
+    assert counts["m", "t0", "prompt"] == 15
+    assert counts["m", "t0", "cached"] == 2
+    assert counts["m", OTHER_TENANTS, "prompt"] == 50
+    assert tallies.usage_unknown == {("m", OTHER_TENANTS): 1}
+    assert len({tenant for _, tenant, _ in counts}) == MAX_TOKEN_TENANTS + 1
