@@ -19,7 +19,7 @@ from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 
 # Raw HTTP servers standing in for replicas, for the upstream client's tests.
-from tests.helpers import Serve, free_port, raw_server  # noqa: F401
+from tests.helpers import Serve, raw_server  # noqa: F401
 from tests.http.harness import Handler, Harness, StartServer, Stub, serving
 
 # Each test on the loop its code runs on in production, under a deadline of its own (tests/loops.py).
@@ -75,8 +75,8 @@ async def start_raw() -> AsyncIterator[StartRaw]:
 
 @pytest.fixture
 async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
-    """`router serve` as a real process (tests/helpers.py's Serve); killed at the end."""
-    process = Serve(tmp_path / "router.toml", free_port(), free_port())
+    """`router serve` as a real process on port 0 (tests/helpers.py's Serve); killed at the end."""
+    process = Serve(tmp_path / "router.toml")
     yield process
     if process.process is not None:
         process.output()

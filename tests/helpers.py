@@ -10,11 +10,13 @@ import asyncio
 import contextlib
 import io
 import os
+import re
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,17 +67,77 @@ async def post_cut(url: str, body: bytes) -> tuple[int, bytes, bool]:
 
 
 def free_port() -> int:
+    """A port free a moment ago: only for a program that must be told its port before it listens.
+
+    Bound, closed and named, the port may be taken by anything before the
+    program binds it; whatever can bind port 0 and say where it listens does.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
+def held_socket() -> socket.socket:
+    """A port of the test's own while it holds this socket, bound with SO_REUSEADDR and never listening.
+
+    For a program that must be told its port before it listens: connections
+    to the port are refused, no other test's listener can take it, and the
+    program can still bind it (Linux lets sockets that all set SO_REUSEADDR
+    share a port while none listens). `listen()` on it shows that nothing
+    listens there. The caller closes it.
+    """
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@contextlib.contextmanager
+def held_port() -> Iterator[socket.socket]:
+    """held_socket() for as long as the block runs."""
+    with held_socket() as sock:
+        yield sock
+
+
+def said(process: subprocess.Popen[bytes], pattern: re.Pattern[str], seen: list[str] | None = None) -> re.Match[str]:
+    """The first line of the process's standard output that matches `pattern`, read as it comes.
+
+    Blocking: the test's timeout ends a process that never says it. The lines
+    read go to `seen`; AssertionError with them if it exits without saying it.
+    """
+    assert process.stdout is not None
+    lines = seen if seen is not None else []
+    for raw in process.stdout:
+        lines.append(raw.decode(errors="replace"))
+        if (match := pattern.search(lines[-1])) is not None:
+            return match
+    raise AssertionError(f"it exited ({process.wait()}) without saying {pattern.pattern!r}: {''.join(lines)}")
+
+
+# How often the waits below look again: often enough to add little to a test, seldom enough
+# to leave the loop its work (an async check is a request or a scrape: less often).
+POLL_SECONDS = 0.01
+CHECK_SECONDS = 0.05
+
+
 async def wait_for(condition: Any, timeout: float = 5.0) -> None:
+    """Until `condition()` is true; AssertionError past `timeout`."""
     deadline = time.perf_counter() + timeout
     while not condition():
         if time.perf_counter() > deadline:
             raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(POLL_SECONDS)
+
+
+async def until(
+    check: Callable[[], Awaitable[bool]], *, timeout: float = 5.0, what: str = "condition not met in time"
+) -> None:
+    """Until the async `check()` is true (a request's answer, a scrape); AssertionError(`what`) past `timeout`."""
+    deadline = time.perf_counter() + timeout
+    while not await check():
+        if time.perf_counter() > deadline:
+            raise AssertionError(what)
+        await asyncio.sleep(CHECK_SECONDS)
 
 
 def access_log_lines(path: Path) -> list[dict[str, Any]]:
@@ -111,19 +173,37 @@ def run_ctl(*args: str) -> tuple[int, str]:
     return code, buffer.getvalue()
 
 
-class Serve:
-    def __init__(self, path: Path, client: int, admin: int) -> None:
-        self.path = path
-        self.client_url = f"http://127.0.0.1:{client}"
-        self.admin_url = f"http://127.0.0.1:{admin}"
-        self.process: subprocess.Popen[bytes] | None = None
-        self._output: str | None = None
+# `router serve`'s line once both its ports listen (router/run/app.py), at info whatever --log-level says.
+LISTENING = re.compile(r"router listening on (http://\S+) \(clients[^)]*\) and (http://\S+) \(admin\)")
 
-    def write(self, replicas: list[dict[str, str]], extra: str = "") -> None:
+
+class Serve:
+    """`router serve` as a process, on port 0 unless told its ports: where it listens is read from its output."""
+
+    def __init__(self, path: Path, client: int = 0, admin: int = 0) -> None:
+        self.path = path
+        self.ports = (client, admin)
+        self.process: subprocess.Popen[bytes] | None = None
+        self._lines: list[str] = []
+        self._reader: threading.Thread | None = None
+        self._urls: tuple[str, str] | None = None
+
+    @property
+    def client_url(self) -> str:
+        assert self._urls is not None, "the router has not said where it listens yet"
+        return self._urls[0]
+
+    @property
+    def admin_url(self) -> str:
+        assert self._urls is not None, "the router has not said where it listens yet"
+        return self._urls[1]
+
+    def write(self, replicas: list[dict[str, str]], extra: str = "", *, tick_seconds: float = 0.1) -> None:
+        client, admin = self.ports
         lines = [
-            f'listen = "{self.client_url.removeprefix("http://")}"',
-            f'admin_listen = "{self.admin_url.removeprefix("http://")}"',
-            "tick_seconds = 0.1",
+            f'listen = "127.0.0.1:{client}"',
+            f'admin_listen = "127.0.0.1:{admin}"',
+            f"tick_seconds = {tick_seconds}",
             extra,
         ]
         for r in replicas:
@@ -131,33 +211,63 @@ class Serve:
         self.path.write_text("\n".join(lines) + "\n")
 
     async def start(self, *args: str) -> None:
-        self.process = subprocess.Popen(
+        """Starts it and waits until it says where it listens, then until it is ready."""
+        process = self.process = subprocess.Popen(
             [sys.executable, "-m", "router", "serve", "--config", str(self.path), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 20
+        loop = asyncio.get_running_loop()
+        listening: asyncio.Future[tuple[str, str] | None] = loop.create_future()
+
+        def said(urls: tuple[str, str] | None) -> None:
+            if not listening.done():
+                listening.set_result(urls)
+
+        # Its output drained as it comes (a full pipe would stop the router), read by a thread:
+        # the pipe is a blocking file of subprocess.Popen's.
+        def read() -> None:
+            assert process.stdout is not None
+            urls: tuple[str, str] | None = None
+            for raw in process.stdout:
+                line = raw.decode(errors="replace")
+                self._lines.append(line)
+                if urls is None and (match := LISTENING.search(line)) is not None:
+                    urls = (match.group(1), match.group(2))
+                    with contextlib.suppress(RuntimeError):  # the test's loop closed first
+                        loop.call_soon_threadsafe(said, urls)
+            if urls is None:
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(said, None)
+
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+        async with asyncio.timeout(20):
+            self._urls = await listening
+        assert self._urls is not None, self.output()
+
+        async def ready() -> bool:
+            assert process.poll() is None, self.output()
+            try:
+                async with session.get(self.admin_url + "/readyz") as resp:
+                    return resp.status == 200
+            except aiohttp.ClientError:
+                return False
+
         async with aiohttp.ClientSession() as session:
-            while True:
-                try:
-                    async with session.get(self.admin_url + "/readyz") as resp:
-                        if resp.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                assert time.monotonic() < deadline, "router did not become ready"
-                assert self.process.poll() is None, self.output()
-                await asyncio.sleep(0.05)
+            await until(ready, timeout=20, what="the router did not become ready")
 
     def output(self) -> str:
         """Everything the process printed; kills it first if it still runs."""
         assert self.process is not None
-        if self._output is None:
-            if self.process.poll() is None:
-                self.process.kill()
-            out, _ = self.process.communicate(timeout=10)
-            self._output = out.decode()
-        return self._output
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        return "".join(self._lines)
 
     def signal(self, sig: int) -> None:
         assert self.process is not None

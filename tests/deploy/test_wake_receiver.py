@@ -24,7 +24,6 @@ import pytest
 
 from tests.conftest import StartRouter
 from tests.deploy.receiver import wake_receiver
-from tests.helpers import free_port
 
 
 def alive(pid: int) -> bool:
@@ -49,20 +48,19 @@ async def test_the_receiver_stops_its_engine_and_the_engine_s_children_on_sigter
 ) -> None:
     """Started with SIGINT ignored, as a background job of a non-interactive shell is: SIGINT stops it all the same."""
     server = await start_router([], models={"m": {"cold_start_seconds": 30}})
-    port = free_port()
     child_pid_file = tmp_path / "engine-child.pid"
     engine = (
         f"sh -c '{sys.executable} -m router.tools.fake --port {{port}} --model m & echo $! > {child_pid_file}; wait'"
     )
     child: int | None = None
-    args = ("--listen", f"127.0.0.1:{port}", "--router-admin", server.admin_url)
+    args = ("--listen", "127.0.0.1:0", "--router-admin", server.admin_url)
     try:
         async with wake_receiver(
             *args, "--model", f"m={engine}", "--stop-grace-seconds", "10", ignoring_sigint=True
         ) as receiver:
             async with aiohttp.ClientSession() as session:
                 wake = {"router": "r", "model": "m", "held": 1, "since": time.time()}
-                async with session.post(f"http://127.0.0.1:{port}/wake", json=wake) as resp:
+                async with session.post(receiver.url, json=wake) as resp:
                     assert resp.status == 200, await resp.text()
             started = await receiver.line()
             match = re.search(r"started m on port (\d+) \(pid (\d+)\)", started)

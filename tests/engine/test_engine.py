@@ -76,6 +76,7 @@ def engine_argv(port: int) -> list[str]:
 
 
 def start_engine(log_dir: Path, name: str, port: int | None = None) -> Engine:
+    # llama.cpp's server is told its port and does not say which it took: the one place left to free_port.
     port = port or free_port()
     log = log_dir / f"{name}.log"
     with log.open("wb") as out:
@@ -261,6 +262,7 @@ async def test_the_engines_own_error_answers(engines: tuple[Engine, Engine], sta
 async def test_a_replica_still_loading_its_model_is_routed_around(
     engines: tuple[Engine, Engine], start_router: StartRouter, tmp_path: Path
 ) -> None:
+    # The engine that will load there later is told its port (start_engine below), so the port is named first.
     port = free_port()
     server = await start_router(
         [

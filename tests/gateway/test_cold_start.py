@@ -470,17 +470,22 @@ async def test_the_example_wake_receiver_starts_a_replica_and_the_held_request_i
     import sys
 
     from tests.deploy.receiver import wake_receiver
-    from tests.helpers import free_port
+    from tests.helpers import held_port
 
-    port = free_port()
-    server = await start_router([], models={"m": {"cold_start_seconds": 30}}, wake_url=f"http://127.0.0.1:{port}/wake")
-    async with wake_receiver(
-        *("--listen", f"127.0.0.1:{port}", "--router-admin", server.admin_url),
-        *("--model", f"m={sys.executable} -m router.tools.fake --port {{port}} --model m"),
-    ) as receiver:
-        raw = await ask(server)
-        assert raw.parse().choices[0].message.content == "tok0 tok1 "
-        assert float(raw.headers["x-router-held-seconds"]) > 0
-        assert [c.model for c in server.pool.configs()] == ["m"]
-        # Stopped with SIGINT, as in a terminal: the engine it started goes with it.
-        assert await receiver.stop(signal.SIGINT) == 0
+    # The router names the receiver (wake_url) and the receiver the router (--router-admin): the
+    # receiver first, on port 0, told the router's admin port, which the test holds until the router takes it.
+    with held_port() as admin:
+        admin_listen = f"127.0.0.1:{admin.getsockname()[1]}"
+        async with wake_receiver(
+            *("--listen", "127.0.0.1:0", "--router-admin", f"http://{admin_listen}"),
+            *("--model", f"m={sys.executable} -m router.tools.fake --port {{port}} --model m"),
+        ) as receiver:
+            server = await start_router(
+                [], models={"m": {"cold_start_seconds": 30}}, wake_url=receiver.url, admin_listen=admin_listen
+            )
+            raw = await ask(server)
+            assert raw.parse().choices[0].message.content == "tok0 tok1 "
+            assert float(raw.headers["x-router-held-seconds"]) > 0
+            assert [c.model for c in server.pool.configs()] == ["m"]
+            # Stopped with SIGINT, as in a terminal: the engine it started goes with it.
+            assert await receiver.stop(signal.SIGINT) == 0

@@ -6,8 +6,6 @@ import asyncio
 import re
 import resource
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from router.tools.bench import run_load
 from router.tools.fake import Behaviour
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
 from tests.fake_clock import FakeClock
-from tests.helpers import CHAT, free_port, post, post_cut, wait_for
+from tests.helpers import CHAT, Serve, post, post_cut, wait_for
 
 
 async def slow_reader(host: str, port: int, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -156,47 +154,23 @@ def rss_bytes(pid: int) -> int:
 
 
 @pytest.mark.slow
-async def test_a_soak_of_20000_requests_grows_rss_by_less_than_20_mb(start_fake: StartFake, tmp_path: Path) -> None:
+async def test_a_soak_of_20000_requests_grows_rss_by_less_than_20_mb(start_fake: StartFake, serve: Serve) -> None:
     fakes = [await start_fake("m") for _ in range(2)]
-    client_port, admin_port = free_port(), free_port()
-    config = tmp_path / "router.toml"
-    lines = [f'listen = "127.0.0.1:{client_port}"', f'admin_listen = "127.0.0.1:{admin_port}"', "tick_seconds = 0.5"]
-    for i, fake in enumerate(fakes):
-        lines += ["[[replicas]]", f'id = "r{i}"', 'model = "m"', f'url = "{fake.url}"']
-    config.write_text("\n".join(lines) + "\n")
+    serve.write([{"id": f"r{i}", "model": "m", "url": fake.url} for i, fake in enumerate(fakes)], tick_seconds=0.5)
     for fake in fakes:
         fake.record = False
-    process = subprocess.Popen(
-        [sys.executable, "-m", "router", "serve", "--config", str(config)], stderr=subprocess.DEVNULL
-    )
-    try:
-        url = f"http://127.0.0.1:{client_port}"
-        await wait_for_http(f"http://127.0.0.1:{admin_port}/readyz")
-        samples = []
-        for batch in range(10):
-            result = await run_load(
-                url, model="m", concurrency=16, requests=2000, duration=60, stream=batch % 2 == 1, max_tokens=8
-            )
-            assert (result.requests, result.errors) == (2000, 0)
-            samples.append(rss_bytes(process.pid))
-        assert samples[-1] - samples[0] < 20 * 2**20, samples
-    finally:
-        process.terminate()
-        process.wait(timeout=40)
-
-
-async def wait_for_http(url: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while True:
-            try:
-                async with session.get(url) as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+    await serve.start()
+    assert serve.process is not None
+    samples = []
+    for batch in range(10):
+        result = await run_load(
+            serve.client_url, model="m", concurrency=16, requests=2000, duration=60, stream=batch % 2 == 1, max_tokens=8
+        )
+        assert (result.requests, result.errors) == (2000, 0)
+        samples.append(rss_bytes(serve.process.pid))
+    assert samples[-1] - samples[0] < 20 * 2**20, samples
+    serve.process.terminate()
+    serve.process.wait(timeout=40)
 
 
 @pytest.mark.slow

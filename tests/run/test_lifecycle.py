@@ -119,3 +119,22 @@ async def test_a_config_without_replicas_starts_ready_and_a_push_fills_it(serve:
     serve.signal(signal.SIGTERM)
     assert serve.process is not None
     assert serve.process.wait(timeout=15) == 0
+
+
+async def test_router_serve_says_where_it_listens_at_any_log_level(serve: Serve, start_fake: StartFake) -> None:
+    """On port 0 its ports are known only from its output: at `--log-level warning` (the benchmarks') it says them."""
+    fake = await start_fake("m")
+    serve.write([{"id": "r0", "model": "m", "url": fake.url}])
+    await serve.start("--log-level", "warning")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(serve.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
+    ):
+        assert resp.status == 200
+    output = serve.output()
+    assert (
+        f"INFO router.listening: router listening on {serve.client_url} (clients) and {serve.admin_url} (admin)"
+        in output
+    )
+    # The rest of the info lines stay quiet, as asked.
+    assert [line for line in output.splitlines() if " INFO " in line and "router.listening" not in line] == []

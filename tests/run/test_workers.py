@@ -294,7 +294,7 @@ async def test_workers_refuse_a_port_that_something_else_listens_on(serve: Serve
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        serve.client_url = f"http://127.0.0.1:{port}"
+        serve.ports = (port, 0)
         serve.write([{"id": "r0", "model": "m", "url": fake.url}])
         done = subprocess.run(
             [sys.executable, "-m", "router", "serve", "--config", str(serve.path), "--workers", "2"],

@@ -7,6 +7,8 @@ called over a real channel exactly as KEDA calls an external scaler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -18,22 +20,42 @@ from aiohttp import web
 
 from router.scaler.externalscaler_pb2 import GetMetricsRequest, ScaledObjectRef
 from router.scaler.main import Scaler
-from tests.helpers import Serve, free_port
+from tests.helpers import Serve, held_port
 
 if TYPE_CHECKING:
     # Only in the generated stubs: what ExternalScalerStub is over an asyncio channel.
     from router.scaler.externalscaler_pb2_grpc import ExternalScalerAsyncStub
 
 
-class Routers:
-    """Two `router serve` processes (router-a, router-b) with the same replicas, tick 0.1 s."""
+# `router scaler`'s line once both its ports listen (router/scaler/main.py), at info whatever --log-level says.
+SCALER_LISTENING = re.compile(r"router scaler: gRPC on (\S+), HTTP on (\S+), polling")
 
-    def __init__(self, folder: Path) -> None:
-        self.all = [Serve(folder / f"router-{name}.toml", free_port(), free_port()) for name in ("a", "b")]
+
+async def scaler_listening(stderr: asyncio.StreamReader) -> tuple[str, str]:
+    """Where a `router scaler` process listens (its gRPC address, its HTTP URL), read from its standard error."""
+    seen = []
+    async for line in stderr:
+        seen.append(line.decode(errors="replace"))
+        if (match := SCALER_LISTENING.search(seen[-1])) is not None:
+            return match.group(1), match.group(2)
+    raise AssertionError("router scaler exited without saying where it listens: " + "".join(seen))
+
+
+class Routers:
+    """Two `router serve` processes (router-a, router-b) with the same replicas, tick 0.1 s.
+
+    Their ports are held from the start (tests/helpers.py's held_port): a scaler
+    is given their admin addresses before they listen, and a router restarted
+    comes back where the scaler polls, a port nothing else could take meanwhile.
+    """
+
+    def __init__(self, folder: Path, stack: contextlib.ExitStack) -> None:
+        ports = [stack.enter_context(held_port()).getsockname()[1] for _ in range(4)]
+        self.all = [Serve(folder / f"router-{name}.toml", *ports[i * 2 : i * 2 + 2]) for i, name in enumerate("ab")]
 
     @property
     def admins(self) -> list[str]:
-        return [r.admin_url.removeprefix("http://") for r in self.all]
+        return [f"127.0.0.1:{r.ports[1]}" for r in self.all]
 
     def write(self, replicas: list[dict[str, str]], extra: str = "") -> None:
         for router, name in zip(self.all, ("router-a", "router-b"), strict=True):
@@ -55,8 +77,7 @@ class Routers:
         """Kills the router (its output read and its pipes closed); start() brings it back on the same ports."""
         router = self.all[index]
         router.output()
-        client, admin = (int(url.rsplit(":", 1)[1]) for url in (router.client_url, router.admin_url))
-        self.all[index] = Serve(router.path, client, admin)
+        self.all[index] = Serve(router.path, *router.ports)
 
     async def restart(self, index: int) -> None:
         self.stop(index)

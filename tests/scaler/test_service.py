@@ -28,7 +28,7 @@ from router.scaler.main import STOP_GRACE_SECONDS
 from router.scaler.view import metric_name
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake
-from tests.helpers import StartRaw, free_port, samples
+from tests.helpers import StartRaw, samples
 from tests.scaler.helpers import (
     Keda,
     Routers,
@@ -38,6 +38,7 @@ from tests.scaler.helpers import (
     metric,
     never_answer,
     ref,
+    scaler_listening,
     until,
 )
 
@@ -354,11 +355,15 @@ async def test_streams_that_clients_leave_end_on_the_scaler_and_leave_no_task_be
 
 
 async def test_sigterm_ends_the_command_promptly_with_streams_open(refused_url: Any) -> None:
-    grpc_port, http_port = free_port(), free_port()
-    argv = ["--server", refused_url().removeprefix("http://"), "--listen", f"127.0.0.1:{grpc_port}"]
-    argv += ["--http-listen", f"127.0.0.1:{http_port}", "--log-level", "warning"]
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "router", "scaler", *argv, cwd=ROOT)
-    channel = aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+    argv = ["--server", refused_url().removeprefix("http://"), "--listen", "127.0.0.1:0"]
+    argv += ["--http-listen", "127.0.0.1:0", "--log-level", "warning"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router", "scaler", *argv, cwd=ROOT, stderr=asyncio.subprocess.PIPE
+    )
+    assert proc.stderr is not None
+    # Port 0 for both: the one line it says at --log-level warning names them.
+    grpc_address, _ = await scaler_listening(proc.stderr)
+    channel = aio.insecure_channel(grpc_address)
     try:
         stub = ExternalScalerStub(channel)
         await channel.channel_ready()

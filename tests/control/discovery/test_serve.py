@@ -16,7 +16,7 @@ import pytest
 from tests.control.discovery.harness import Pods, fleet_pod, model_slice, service_slice
 from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi
 from tests.control.discovery.recorded import NS, SELECTOR
-from tests.helpers import CHAT, Serve, free_port, samples
+from tests.helpers import CHAT, Serve, held_socket, samples
 
 # A real `router serve`, one process or a supervisor and its workers --------------------------
 
@@ -28,7 +28,9 @@ async def test_router_serve_discovers_through_a_plain_http_kubeconfig_and_waits_
 ) -> None:
     """Not ready before the API answers; then the set, 409 on pushes, the gauge; with --workers one watch only."""
     kube = FakeKubernetesApi(bookmark_seconds=0.2)
-    kube.port = free_port()
+    # Refused until the API listens, on this port: held by the test, never to be taken by another.
+    api = held_socket()
+    kube.port = api.getsockname()[1]
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(kube.kubeconfig())
     a, b = await pods.add("pod-a"), await pods.add("pod-b")
@@ -94,6 +96,7 @@ async def test_router_serve_discovers_through_a_plain_http_kubeconfig_and_waits_
     finally:
         later.cancel()
         await kube.stop()
+        api.close()
 
 
 def test_router_serve_says_when_there_is_no_kubernetes_api_to_ask(tmp_path: Path) -> None:

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from tests.deploy.manifests import ROOT, Doc
-from tests.helpers import free_port
 
 
 def fake_replica(image: str, *options: str) -> list[str]:
@@ -196,10 +195,9 @@ def run_spec(
     for key in env:
         # The value from the environment given to podman: not on its command line.
         argv += ["--env", key]
-    ports = {}
     for port in container.get("ports", []):
-        ports[port["name"]] = free_port()
-        argv += ["--publish", f"127.0.0.1:{ports[port['name']]}:{port['containerPort']}"]
+        # No host port: podman takes a free one, read back once the container runs.
+        argv += ["--publish", f"127.0.0.1::{port['containerPort']}"]
     limits = container.get("resources", {}).get("limits", {})
     if "cpu" in limits:
         argv += ["--cpus", cpus(str(limits["cpu"]))]
@@ -256,6 +254,10 @@ def run_spec(
     finally:
         for key in env:
             podman.env.pop(key, None)
+    ports = {}
+    for port in container.get("ports", []):
+        published = podman("port", name, f"{port['containerPort']}/tcp").stdout.split()[0]
+        ports[port["name"]] = int(published.rsplit(":", 1)[1])
     return Running(name, ports, container, float(pod.get("terminationGracePeriodSeconds", 30)), mounts, env)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -20,7 +21,6 @@ import aiohttp
 import yaml
 
 from tests.deploy.observability.needs import program
-from tests.helpers import free_port
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 
@@ -39,11 +39,14 @@ def scrape_config(targets: Mapping[str, Sequence[str]], rule_file: str, interval
     return config
 
 
+# Prometheus' line once its web port listens (the exporter toolkit's, at info).
+LISTENING = re.compile(r'msg="Listening on" address=(\S+)')
+
+
 class Prometheus:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = ""
         self.process: subprocess.Popen[bytes] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._log: BinaryIO | None = None
@@ -59,14 +62,23 @@ class Prometheus:
                 program("prometheus"),
                 f"--config.file={self.folder / 'prometheus.yml'}",
                 f"--storage.tsdb.path={self.folder / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--log.level=warn",
+                # Port 0: the log's "Listening on" line names the port (at info, hence the level).
+                "--web.listen-address=127.0.0.1:0",
+                "--log.level=info",
             ],
             stdout=subprocess.DEVNULL,
             stderr=self._log,
         )
         self._session = aiohttp.ClientSession()
         deadline = time.monotonic() + 30
+        while not self.url:
+            assert self.process.poll() is None, self.log()
+            if (match := LISTENING.search((self.folder / "prometheus.log").read_text(errors="replace"))) is not None:
+                self.url = f"http://{match.group(1)}"
+                break
+            assert time.monotonic() < deadline, "prometheus did not say where it listens: " + self.log()
+            # Its log is a file: nothing to await but its next look.
+            await asyncio.sleep(0.05)
         while True:
             assert self.process.poll() is None, self.log()
             try:

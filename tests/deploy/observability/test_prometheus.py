@@ -50,7 +50,7 @@ from router.tools.fake import Behaviour, FakeReplica
 from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice
 from tests.deploy.observability.dashboard import load, queries, substitute
 from tests.deploy.observability.prometheus import DEPLOY, Prometheus, scrape_config
-from tests.helpers import Serve, StartRaw, fixed, free_port
+from tests.helpers import Serve, StartRaw, fixed, held_socket
 
 if TYPE_CHECKING:
     from router.scaler.externalscaler_pb2_grpc import ExternalScalerAsyncStub
@@ -89,13 +89,14 @@ class Fleet:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.a = Serve(folder / "router-a.toml", free_port(), free_port())
-        self.b = Serve(folder / "router-b.toml", free_port(), free_port())
+        # The admin ports held (tests/helpers.py's held_port): the scaler is told them before the routers listen.
+        self.held: list[socket.socket] = [held_socket(), held_socket()]
+        self.a = Serve(folder / "router-a.toml", 0, self.held[0].getsockname()[1])
+        self.b = Serve(folder / "router-b.toml", 0, self.held[1].getsockname()[1])
         self.fakes: dict[str, FakeReplica] = {}
         self.kube = FakeKubernetesApi(bookmark_seconds=0.5)
         self.scaler: Scaler | None = None
         self.channel: aio.Channel | None = None
-        self.held: list[socket.socket] = []
         self.tasks: list[asyncio.Task[None]] = []
         self.stopping = asyncio.Event()
         self.session: aiohttp.ClientSession | None = None
@@ -103,7 +104,7 @@ class Fleet:
 
     @property
     def admins(self) -> list[str]:
-        return [self.a.admin_url.removeprefix("http://"), self.b.admin_url.removeprefix("http://")]
+        return [f"127.0.0.1:{self.a.ports[1]}", f"127.0.0.1:{self.b.ports[1]}"]
 
     async def fake(self, rid: str, model: str, **behaviour: Any) -> FakeReplica:
         fake = FakeReplica(models=(model,), name=rid, record=False, behaviour=Behaviour(**behaviour))
@@ -147,7 +148,7 @@ class Fleet:
         self.a.path.write_text(
             "\n".join(
                 [
-                    f'listen = "{self.a.client_url.removeprefix("http://")}"',
+                    'listen = "127.0.0.1:0"',
                     f'admin_listen = "{self.admins[0]}"',
                     'router_name = "router-a"',
                     "tick_seconds = 0.5",
@@ -175,7 +176,7 @@ class Fleet:
         labels = {"app.kubernetes.io/part-of": "llm-fleet", "router.llm/model": "kube"}
         self.kube.put(endpoint_slice("kube-abc", [Endpoint("kube-0", "127.0.0.1")], labels=labels, port=port))
         self.b.path.write_text(
-            f'listen = "{self.b.client_url.removeprefix("http://")}"\n'
+            'listen = "127.0.0.1:0"\n'
             f'admin_listen = "{self.admins[1]}"\n'
             'router_name = "router-b"\ntick_seconds = 0.5\n'
             f'[discovery.kubernetes]\nselector = "{SELECTOR}"\nport = "http"\nkubeconfig = "{kubeconfig}"\n'
