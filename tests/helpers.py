@@ -140,6 +140,27 @@ async def until(
         await asyncio.sleep(CHECK_SECONDS)
 
 
+async def tick(server: RouterServer, ticks: int = 1) -> None:
+    """Until the router's usage ticker has ticked `ticks` times more.
+
+    A tick takes its snapshot and publishes it in one synchronous step, so
+    what happened before the call is in every snapshot published after it:
+    the usage document, the pushes, the metrics read from the snapshot.
+    """
+    ticker = server.ticker
+    assert ticker is not None
+    target = ticker.ticks + ticks
+    await wait_for(lambda: ticker.ticks >= target)
+
+
+async def until_cancelled() -> None:
+    """What a stand-in that has fallen silent does: nothing, until its test ends it.
+
+    Not a long sleep: a sleep's length would say something a test means never to end.
+    """
+    await asyncio.Event().wait()
+
+
 def access_log_lines(path: Path) -> list[dict[str, Any]]:
     """The access log's lines so far, parsed (none before the file is made)."""
     return [orjson.loads(line) for line in path.read_bytes().splitlines() if line] if path.exists() else []

@@ -17,7 +17,7 @@ from router.run.app import RouterServer
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.fake_clock import FakeClock
-from tests.helpers import CHAT, get_json, post, run_ctl, samples, scrape, wait_for
+from tests.helpers import CHAT, get_json, post, run_ctl, samples, scrape, tick, wait_for
 
 
 async def admin(
@@ -187,7 +187,7 @@ async def test_consecutive_failures_eject_and_the_replica_comes_back(
         await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
         sent += 1
         assert sent < 200
-    await asyncio.sleep(0.1)
+    await tick(server)
     text = await scrape(server)
     key = (("model", "m"), ("replica", "bad"))
     assert samples(text, "router_replica_ejections_total")[key] == 1.0
@@ -268,6 +268,7 @@ async def test_status_summarizes_models_gpus_and_demand(start_fake: StartFake, s
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "a"}))
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "b"}))
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "wanted"}))
+    # Real time: idle_for is measured against the router's wall clock.
     await asyncio.sleep(0.3)
     status = await get_json(server.admin_url + "/api/v1/status?idle_for=0.2")
     models = {m["model"]: m for m in status["models"]}
@@ -414,6 +415,7 @@ async def test_every_view_says_the_same_about_idle_at_several_ages(
     )
     # r1 used now, r0 a moment before the views are read, r2 never: watched only.
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "m1"}))
+    # Real time: the ages the views compare are the router's wall clock's.
     await asyncio.sleep(1.2)
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "m0"}))
     await asyncio.sleep(0.1)

@@ -21,7 +21,7 @@ import orjson
 import pytest
 
 from tests.conftest import StartRouter
-from tests.helpers import protocol_errors, wait_for
+from tests.helpers import protocol_errors, until, until_cancelled, wait_for
 from tests.wire import (
     JSON_OK,
     Exchange,
@@ -157,7 +157,8 @@ async def test_bytes_on_an_idle_pooled_connection_never_become_the_next_answer(
     async def answer(exchange: Exchange) -> None:
         await exchange.write(json_answer())
         if exchange.index == 1:
-            # Long after the answer, on the now idle connection: an answer nobody asked for.
+            # Long after the answer, on the now idle connection: an answer nobody asked for
+            # (real time: after the router has taken the connection back as idle).
             await asyncio.sleep(0.1)
             await exchange.write(json_answer(evil))
 
@@ -166,7 +167,12 @@ async def test_bytes_on_an_idle_pooled_connection_never_become_the_next_answer(
     async with await Wire.open(server.client_address) as wire:
         wire.send(post())
         assert (await wire.answer()).body == JSON_OK
-        await asyncio.sleep(0.3)
+
+        async def unsolicited() -> bool:
+            return (await protocol_errors(server.admin_url, "upstream")).get("unsolicited_bytes") == 1
+
+        # The bytes nobody asked for are seen on the idle connection before the next request.
+        await until(unsolicited)
         wire.send(post())
         assert (await wire.answer()).body == JSON_OK
     assert (await protocol_errors(server.admin_url, "upstream")).get("unsolicited_bytes") == 1
@@ -217,7 +223,7 @@ async def test_a_stream_that_falls_silent_ends_with_an_error_event_after_the_idl
 ) -> None:
     async def answer(exchange: Exchange) -> None:
         await exchange.write(sse_head() + chunk(b"data: {}\n\n"))
-        await asyncio.sleep(30)
+        await until_cancelled()
 
     replica = await start_raw(answer)
     server = await start_router([entry(replica.url)], upstream_idle_timeout_seconds=0.5)
@@ -240,7 +246,7 @@ async def test_a_body_shorter_than_its_length_then_silence_is_answered_after_the
         await exchange.write(
             b'HTTP/1.1 %d Whatever\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"a"' % status
         )
-        await asyncio.sleep(30)
+        await until_cancelled()
 
     replica = await start_raw(answer)
     server = await start_router([entry(replica.url)], upstream_idle_timeout_seconds=0.5)
@@ -265,8 +271,9 @@ async def test_an_endless_or_huge_replica_head_is_a_502_tried_once(
         else:
             for _ in range(2000):
                 await exchange.write(b"a" * 100)
+                # Real time: each piece in a read of its own, as a slow replica's come.
                 await asyncio.sleep(0.001)
-        await asyncio.sleep(30)
+        await until_cancelled()
 
     first = await start_raw(answer)
     second = await start_raw(answer)
@@ -287,6 +294,7 @@ async def test_early_hints_past_64_kib_are_a_502_tried_once(start_raw: StartRaw,
     async def answer(exchange: Exchange) -> None:
         for _ in range(100):
             await exchange.write(hint)
+            # Real time: each head in a read of its own.
             await asyncio.sleep(0.002)
         await exchange.write(json_answer())
 
@@ -319,7 +327,7 @@ async def test_a_replica_switching_protocols_is_a_502_without_a_traceback(
 ) -> None:
     async def answer(exchange: Exchange) -> None:
         await exchange.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
-        await asyncio.sleep(30)
+        await until_cancelled()
 
     caplog.set_level(logging.WARNING)
     replica = await start_raw(answer)

@@ -104,6 +104,7 @@ class Live:
         deadline = time.monotonic() + 5.0
         # The router notices the close at once; the replica may still be reading a forwarded request.
         while (client_server.connections or self.fake.active) and time.monotonic() < deadline:
+            # Polled: settled is no event either side signals, and may not come (then the deadline).
             await asyncio.sleep(0.002)
         return list(self.fake.seen), self._refusals() - self._refusals_before
 

@@ -12,6 +12,7 @@ never holds a request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import aiohttp
@@ -24,7 +25,7 @@ from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from router.tools.fake.engine import Engine, EngineParams
 from tests.conftest import StartRouter
-from tests.helpers import get_json, wait_for
+from tests.helpers import get_json, until, wait_for
 
 FAST = 20.0
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -72,12 +73,17 @@ async def test_each_engines_load_is_read_under_its_own_names_while_its_model_is_
         ]
         try:
             await wait_for(lambda: fake.metrics_reads > 0, timeout=10)
-            for _ in range(200):
+            row: dict[str, Any] = {}
+
+            async def busy() -> bool:
+                nonlocal row
                 row = (await rows(server))["r0"]
                 load = row["engine_load"]
-                if load is not None and load["running"] == 2 and load["waiting"] >= 1:
-                    break
-                await asyncio.sleep(0.05)
+                return load is not None and load["running"] == 2 and load["waiting"] >= 1
+
+            with contextlib.suppress(AssertionError):  # the assertions below say what was seen
+                await until(busy, timeout=10)
+            load = row["engine_load"]
             assert row["engine"] == kind
             assert load is not None and load["running"] == 2 and load["waiting"] >= 1, row
             assert load["source"] == ("loads" if kind == "sglang" else "metrics")

@@ -137,7 +137,8 @@ async def test_a_batch_request_aged_past_max_queue_seconds_goes_before_later_int
     async with busy(priority_classes=classes) as router:
         router.ask("aged", "sk-flood")
         await router.queued(1)
-        # Past its class's max_queue_seconds on the router's clock (the loop's) before the flood comes.
+        # Past its class's max_queue_seconds on the router's clock (the loop's) before the flood comes:
+        # real time, for that clock is the loop's.
         await asyncio.sleep(0.3)
         for i in range(3):
             router.ask(f"chat{i}", "sk-chat")

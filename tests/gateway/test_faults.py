@@ -17,7 +17,7 @@ from router.tools.bench import run_load
 from router.tools.fake import Behaviour
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
 from tests.fake_clock import FakeClock
-from tests.helpers import CHAT, Serve, post, post_cut, wait_for
+from tests.helpers import CHAT, Serve, post, post_cut, tick, wait_for
 
 
 async def slow_reader(host: str, port: int, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -46,6 +46,7 @@ async def test_a_slow_reader_is_cut_off_alone_and_memory_stays_bounded(
     received = 0
     for _ in range(30):  # 1 byte every 10 ms
         received += len(await reader.read(1))
+        # Real time: a slow reader is one that reads slowly by the clock the router's stall bound counts on.
         await asyncio.sleep(0.01)
     # The replica is held back too: its stream waits on the router, not in it.
     assert big.active == 1
@@ -111,6 +112,7 @@ async def test_endpoint_pushes_every_100ms_under_load_lose_nothing(
                 async with session.put(server.admin_url + "/api/v1/endpoints", json=body) as resp:
                     assert resp.status == 200
                     acknowledged.append((time.monotonic(), {f.name for f in chosen}))
+                # Real time: pushes spread over the load, as a discovery source's come.
                 await asyncio.sleep(0.1)
 
     async def client(session: aiohttp.ClientSession) -> None:
@@ -124,6 +126,7 @@ async def test_endpoint_pushes_every_100ms_under_load_lose_nothing(
             tasks = []
             for _ in range(100):  # 50 requests/s for 2 s
                 tasks.append(asyncio.ensure_future(client(session)))
+                # Real time: a steady rate of requests under the pushes.
                 await asyncio.sleep(0.02)
             await asyncio.gather(*tasks)
 
@@ -230,7 +233,7 @@ async def test_the_series_count_stays_flat_while_replicas_churn(
             async with session.put(server.admin_url + "/api/v1/endpoints", json=body) as resp:
                 assert resp.status == 200
             await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
-            await asyncio.sleep(0.05)
+            await tick(server)
             text = await scrape(server)
             counts.append(sum(1 for line in text.splitlines() if line.startswith("router_replica_watching")))
             named = set(re.findall(r'replica="([^"]+)"', text))
@@ -282,7 +285,7 @@ async def test_after_injected_faults_the_counters_equal_what_was_injected(
         assert (await post(url, orjson.dumps(CHAT)))[0] == 200
         sent += 1
         assert sent < 300
-    await asyncio.sleep(0.1)
+    await tick(server)
     text = await scrape(server)
     errors = samples(text, "router_upstream_errors_total")
     assert errors == {

@@ -543,6 +543,7 @@ async def test_a_replica_closing_idle_connections_never_fails_a_request(
             async with session.post(server.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp:
                 assert resp.status == 200
                 await resp.read()
+            # Real time: each request comes as the replica's keep-alive timer (its clock) runs out.
             await asyncio.sleep(gap)
     assert in_flight(server) == {"r0": 0}
 

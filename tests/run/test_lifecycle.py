@@ -13,7 +13,7 @@ import pytest
 
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake
-from tests.helpers import CHAT, Serve, wait_for
+from tests.helpers import CHAT, Serve, until, wait_for
 
 
 async def endpoints(serve: Serve) -> Any:
@@ -36,7 +36,12 @@ async def test_sigterm_finishes_streams_in_flight_then_exits_0(
         await stream.content.readany()
         signalled = time.time()
         serve.signal(signal.SIGTERM)
-        await asyncio.sleep(0.2)
+
+        async def unready() -> bool:
+            async with session.get(serve.admin_url + "/readyz") as resp:
+                return resp.status == 503
+
+        await until(unready)
         async with session.get(serve.admin_url + "/readyz") as resp:
             assert resp.status == 503
         with pytest.raises(aiohttp.ClientConnectionError):
@@ -82,10 +87,11 @@ async def test_sighup_reloads_the_replicas_and_a_bad_file_changes_nothing(serve:
     await serve.start()
     serve.write([{"id": "a", "model": "m", "url": a.url}, {"id": "b", "model": "m", "url": b.url}])
     serve.signal(signal.SIGHUP)
-    deadline = time.monotonic() + 10
-    while [r["id"] for r in (await endpoints(serve))["replicas"]] != ["a", "b"]:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
+
+    async def reloaded() -> bool:
+        return [r["id"] for r in (await endpoints(serve))["replicas"]] == ["a", "b"]
+
+    await until(reloaded, timeout=10)
     serve.path.write_text(serve.path.read_text() + "colour = 'red'\n")
     serve.signal(signal.SIGHUP)
     await asyncio.sleep(0.5)

@@ -18,7 +18,7 @@ from router.gateway.answers import server_error
 from router.http.messages import Reply, Request
 from router.http.server import Server
 from router.http.writer import Writer
-from tests.helpers import wait_for
+from tests.helpers import until_cancelled, wait_for
 from tests.http.harness import StartServer, Stub, serving
 from tests.wire import CHAT, Wire, post, stream_post
 
@@ -190,7 +190,7 @@ async def test_a_handler_cancelled_when_its_client_leaves_lets_go_of_its_body(st
 
     async def handler(request: Request, writer: Writer) -> None:
         began.set()
-        await asyncio.sleep(30)
+        await until_cancelled()
 
     server = await start_server(handler)
     async with await Wire.open(server.address) as wire:
@@ -207,7 +207,7 @@ async def test_shutdown_cancels_what_still_runs_after_its_grace() -> None:
     async def handler(request: Request, writer: Writer) -> None:
         began.set()
         try:
-            await asyncio.sleep(30)
+            await until_cancelled()
         except asyncio.CancelledError:
             cancelled.set()
             raise

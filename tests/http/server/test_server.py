@@ -17,7 +17,7 @@ import orjson
 
 from router.http.messages import Reply, Request
 from router.http.writer import Writer
-from tests.helpers import CHAT
+from tests.helpers import CHAT, until_cancelled
 from tests.http.harness import StartServer, Stub
 from tests.wire import Wire
 
@@ -255,7 +255,7 @@ async def test_what_a_handler_writes_after_its_client_left_goes_nowhere(start_se
     async def handler(request: Request, writer: Writer) -> None:
         began.set()
         try:
-            await asyncio.sleep(30)
+            await until_cancelled()
         except asyncio.CancelledError:
             if request.path == "/whole":
                 writer.answer(Reply(200, b"late", []))
