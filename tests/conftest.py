@@ -145,6 +145,7 @@ async def receiver() -> AsyncIterator[tuple[str, list[dict[str, Any]], dict[str,
         switches["most_active"] = max(switches["most_active"], switches["active"])
         try:
             received.append(await request.json())
+            # Real time: a slow receiver is slow by the clock the pushes' timeouts count on.
             await asyncio.sleep(switches["delay"])
             return web.Response(status=switches["status"])
         finally:

@@ -278,6 +278,10 @@ class Serve:
         async with aiohttp.ClientSession() as session:
             await until(ready, timeout=20, what="the router did not become ready")
 
+    async def says(self, text: str, timeout: float = 10) -> None:
+        """Until a line it printed has `text` in it."""
+        await wait_for(lambda: any(text in line for line in self._lines), timeout=timeout)
+
     def output(self) -> str:
         """Everything the process printed; kills it first if it still runs."""
         assert self.process is not None

@@ -418,7 +418,7 @@ async def test_every_view_says_the_same_about_idle_at_several_ages(
     # Real time: the ages the views compare are the router's wall clock's.
     await asyncio.sleep(1.2)
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "m0"}))
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # r0's age, on the same clock
     # Ages now: r0 ~0.1 s, r1 ~1.3 s, r2 watched ~1.3 s and never used.
     for window, idle, unknown in ((0.5, {"r1", "r2"}, 0), (3.0, set(), 1)):
         status = await get_json(server.admin_url + f"/api/v1/status?idle_for={window}")

@@ -96,6 +96,7 @@ def wait_ready(engine: Engine, timeout: float = 60.0) -> None:
             pass
         if engine.process.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"engine did not start: {engine.log.read_text()[-2000:]}")
+        # Polled: llama.cpp has no health route, and says nothing when it has loaded.
         time.sleep(0.1)
 
 
@@ -201,6 +202,7 @@ async def test_the_usage_map_stamps_the_replica_that_served_and_a_long_generatio
         began = time.time()
         first = await resp.content.readany()
         assert resp.status == 200, first
+        # Real time: a second of a real engine's stream, for the usage map's stamp to move.
         await asyncio.sleep(1.0)
         assert {r.id: r.in_flight for r in server.pool} == {"a": 0, "b": 1}, await resp.read()
         usage = await get_json(server.admin_url + "/api/v1/usage")

@@ -305,12 +305,15 @@ async def test_a_held_stream_is_served_as_a_stream(start_fake: StartFake, start_
 @pytest.fixture
 async def wake_receiver() -> AsyncIterator[tuple[str, list[dict[str, Any]], dict[str, Any]]]:
     calls: list[dict[str, Any]] = []
-    switches: dict[str, Any] = {"delay": 0.0, "status": 200, "auth": []}
+    switches: dict[str, Any] = {"silent": False, "status": 200, "auth": []}
+    # A silent receiver answers nothing until the test is over (then, to no one).
+    over = asyncio.Event()
 
     async def wake(request: web.Request) -> web.Response:
         calls.append(await request.json())
         switches["auth"].append(request.headers.get("Authorization"))
-        await asyncio.sleep(switches["delay"])
+        if switches["silent"]:
+            await over.wait()
         return web.Response(status=switches["status"])
 
     app = web.Application()
@@ -321,6 +324,7 @@ async def wake_receiver() -> AsyncIterator[tuple[str, list[dict[str, Any]], dict
     await site.start()
     host, port = runner.addresses[0][:2]
     yield f"http://{host}:{port}/wake", calls, switches
+    over.set()
     await runner.cleanup()
 
 
@@ -364,7 +368,7 @@ async def test_a_wake_receiver_down_or_slow_changes_nothing_on_the_data_path(
     wake_receiver: tuple[str, list[dict[str, Any]], dict[str, Any]],
 ) -> None:
     url, _, switches = wake_receiver
-    switches["delay"] = 10.0  # slower than the call's timeout
+    switches["silent"] = True  # slower than the call's timeout
     fake = await start_fake("m")
     slow = await start_router([], models=COLD, wake_url=url, wake_cooldown_seconds=0.2)
     down = await start_router([], models=COLD, wake_url="http://127.0.0.1:9", wake_cooldown_seconds=0.2)

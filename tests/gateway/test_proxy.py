@@ -571,7 +571,7 @@ async def test_a_release_on_one_model_never_wakes_another_models_waiter(
     a1, b1 = ask("a", 20), ask("b", 3)  # a0 busy for 2 s, b0 for 0.3 s
     await wait_for(lambda: in_flight(server) == {"a0": 1, "b0": 1})
     a2 = ask("a", 1)  # waits: the oldest waiter
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: server.pool.queues.waiting("a") == 1)
     began = time.perf_counter()
     b2 = ask("b", 1)  # waits behind it
     status, _, _ = await b2

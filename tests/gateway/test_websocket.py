@@ -105,7 +105,8 @@ async def test_a_draining_router_waits_for_an_open_session(start_fake: StartFake
     async with aiohttp.ClientSession() as session, session.ws_connect(ws_url(server)) as ws:
         await ws.receive_bytes()
         stopping = asyncio.get_running_loop().create_task(server.stop())
-        await asyncio.sleep(0.2)
+        # Into the drain: it no longer accepts, and waits for what is open.
+        await wait_for(lambda: not server.ready and server._client_listener is None)
         # Still carried while the router drains.
         await ws.send_str("still here")
         assert await ws.receive_str() == "still here"

@@ -20,7 +20,8 @@ from aiohttp import web
 
 from router.scaler.externalscaler_pb2 import GetMetricsRequest, ScaledObjectRef
 from router.scaler.main import Scaler
-from tests.helpers import Serve, held_port
+from tests.helpers import Serve, held_port, wait_for
+from tests.helpers import until as wait
 
 if TYPE_CHECKING:
     # Only in the generated stubs: what ExternalScalerStub is over an asyncio channel.
@@ -114,10 +115,7 @@ async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
 
 async def until(check: Callable[[], Awaitable[bool]], timeout: float = 15.0) -> float:
     """Polls `check` until it is true; the time.time() at which it was; AssertionError past `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
+    await wait(check, timeout=timeout)
     return time.time()
 
 
@@ -139,11 +137,15 @@ class Stream:
 
     async def wait_for(self, value: bool, timeout: float = 15.0) -> float:
         """Waits until the newest value is `value`; the time.time() it arrived."""
-        deadline = time.monotonic() + timeout
-        while self.last is not value:
+
+        def turned() -> bool:
             assert not self._task.done() or self._task.exception() is None, self._task.exception()
-            assert time.monotonic() < deadline, f"StreamIsActive did not turn {value}: {self.values}"
-            await asyncio.sleep(0.01)
+            return self.last is value
+
+        try:
+            await wait_for(turned, timeout=timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"StreamIsActive did not turn {value}: {self.values}") from exc
         return self.values[-1][0]
 
     async def close(self) -> None:
@@ -234,14 +236,21 @@ class Events:
         self, match: Callable[[dict[str, Any]], bool], *, after: float = 0.0, timeout: float = 20.0
     ) -> dict[str, Any]:
         """The first event at or after `after` (Unix seconds) that matches."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for event in self.seen:
-                if event["t"] >= after and match(event):
-                    return event
+
+        def found() -> dict[str, Any] | None:
+            return next((event for event in self.seen if event["t"] >= after and match(event)), None)
+
+        def seen() -> bool:
             assert self.process.returncode is None, f"the stand-in exited: {self.seen}"
-            assert time.monotonic() < deadline, f"no such event: {self.seen}"
-            await asyncio.sleep(0.02)
+            return found() is not None
+
+        try:
+            await wait_for(seen, timeout=timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"no such event: {self.seen}") from exc
+        event = found()
+        assert event is not None
+        return event
 
 
 def scaled(to: int) -> Callable[[dict[str, Any]], bool]:

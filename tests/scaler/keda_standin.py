@@ -167,10 +167,12 @@ class KedaStandIn:
                     await self._seen(answer.result, "StreamIsActive")
             except grpc.aio.AioRpcError as exc:
                 emit("stream_broken", code=exc.code().name)
+            # Real time: KEDA's pollingInterval, which this process of its own keeps as KEDA does.
             await asyncio.sleep(self.args.polling_interval)
 
     async def _poll(self, stub: ExternalScalerAsyncStub) -> None:
         while True:
+            # Real time: KEDA's pollingInterval, which this process of its own keeps as KEDA does.
             await asyncio.sleep(self.args.polling_interval)
             try:
                 answer = await stub.IsActive(self.ref, timeout=10)
@@ -181,6 +183,7 @@ class KedaStandIn:
 
     async def _cooldown(self) -> None:
         while True:
+            # Real time: KEDA's cooldownPeriod is counted on the wall clock.
             await asyncio.sleep(0.05)
             since = self.inactive_since
             if since is not None and time.time() - since >= self.args.cooldown:
@@ -190,6 +193,7 @@ class KedaStandIn:
 
     async def _hpa(self, stub: ExternalScalerAsyncStub, name: str, target: float) -> None:
         while True:
+            # Real time: KEDA's pollingInterval, which this process of its own keeps as KEDA does.
             await asyncio.sleep(self.args.polling_interval)
             if self.deployment.replicas == 0 or not self.active:
                 continue

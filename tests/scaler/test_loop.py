@@ -23,6 +23,7 @@ import aiohttp
 import orjson
 import pytest
 
+from tests.helpers import until
 from tests.scaler.helpers import Events, Routers, scaled, scaler_listening
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,16 +41,16 @@ async def process(*argv: str, **kwargs: Any) -> AsyncIterator[asyncio.subprocess
 
 
 async def wait_healthy(url: str, proc: asyncio.subprocess.Process) -> None:
-    deadline = time.monotonic() + 20
     async with aiohttp.ClientSession() as session:
-        while True:
+
+        async def healthy() -> bool:
+            assert proc.returncode is None, "router scaler exited"
             with contextlib.suppress(aiohttp.ClientError):
                 async with session.get(url + "/healthz") as resp:
-                    if resp.status == 200:
-                        return
-            assert proc.returncode is None, "router scaler exited"
-            assert time.monotonic() < deadline, "router scaler did not come up"
-            await asyncio.sleep(0.05)
+                    return resp.status == 200
+            return False
+
+        await until(healthy, timeout=20, what="router scaler did not come up")
 
 
 async def ask(client_url: str, *, max_tokens: int, stream: bool = False) -> tuple[int, dict[str, str], float]:

@@ -176,6 +176,7 @@ async def test_a_stopped_router_makes_the_model_active_until_it_is_back_and_watc
     assert samples(text, "router_scaler_incomplete_polls_total")[()] >= 1
     # The merge age grows while a router is missing.
     first_age = samples(text, "router_scaler_last_complete_merge_age_seconds")[()]
+    # Real time: the age is the scaler's wall clock's.
     await asyncio.sleep(0.5)
     later = samples(await scaler_metrics(scaler.http_url), "router_scaler_last_complete_merge_age_seconds")[()]
     assert later > first_age
@@ -327,6 +328,7 @@ async def test_stream_metric_spec_sends_the_spec_and_stays_open(
     assert (spec.metricName, spec.targetSizeFloat) == (metric_name("llama-3.1-8b"), 4.0)
     # Nothing more, and not ended, until the scaler stops; then it ends cleanly.
     more = asyncio.ensure_future(anext(answers))
+    # Real time: that nothing comes is no event; a while of nothing is what can be seen.
     await asyncio.sleep(0.3)
     assert not more.done()
     await scaler.stop()

@@ -64,6 +64,19 @@ async def in_sync(server: RouterServer, wanted: dict[str, tuple[str, str]], time
     await wait_for(lambda: router_set(server) == wanted, timeout)
 
 
+async def delivered(kube: FakeKubernetesApi) -> None:
+    """Until every open watch has sent the changes put so far: a churn goes at the pace its watches carry it."""
+    await wait_for(lambda: all(w.queue.empty() for w in kube.watches))
+
+
+async def cut(kube: FakeKubernetesApi, kind: str | None = None) -> None:
+    """Ends the open watches (of `kind`, or all), as the API server does at its timeout, and waits
+    until the source has opened another: each cut is one the source saw end."""
+    before = set(kube.watches)
+    kube.close_watches(kind)
+    await wait_for(lambda: any(w not in before and (kind is None or w.resource.kind == kind) for w in kube.watches))
+
+
 async def traffic(server: RouterServer, models: Iterable[str], n: int = 6) -> None:
     """Requests for every model; all must succeed."""
     for model in models:

@@ -270,4 +270,5 @@ def wait_ready(podman: Podman, running: Running, probe: str = "readinessProbe", 
             raise PodmanError(f"{running.name} exited {state['ExitCode']}: {podman.logs(running.name)}")
         if time.monotonic() > deadline:
             raise PodmanError(f"{running.name} never passed its {probe}: {podman.logs(running.name)}")
+        # Polled, as the kubelet polls a probe.
         time.sleep(0.1)

@@ -30,6 +30,7 @@ import aiohttp
 
 from tests.deploy.container.podman import Podman, Running, run_spec, wait_ready
 from tests.deploy.manifests import ROOT, of_kind, render, router_toml
+from tests.helpers import until
 from tests.scaler.helpers import Events, scaled
 
 HEADLESS = "router-admin.default.svc.cluster.local"
@@ -75,14 +76,13 @@ async def scaler_health(scaler: Running) -> dict[str, Any]:
 
 async def scaler_sees(scaler: Running, routers: int, timeout: float = 30) -> None:
     """Until a round of the scaler's merged every router its DNS name gives, as an operator checks /healthz."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    async def merged() -> bool:
         health = await scaler_health(scaler)
         answering = [r for r in health["routers"] if r["ok"] and ":9090" in r["server"] and "svc" not in r["server"]]
-        if len(answering) == routers and health["last_complete_merge_age_seconds"] is not None:
-            return
-        assert time.monotonic() < deadline, f"the scaler never merged {routers} routers: {health}"
-        await asyncio.sleep(0.2)
+        return len(answering) == routers and health["last_complete_merge_age_seconds"] is not None
+
+    await until(merged, timeout=timeout, what=f"the scaler never merged {routers} routers")
 
 
 @contextlib.asynccontextmanager

@@ -8,7 +8,6 @@ and the rules' queries meet.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import re
 import subprocess
@@ -21,6 +20,7 @@ import aiohttp
 import yaml
 
 from tests.deploy.observability.needs import program
+from tests.helpers import until, wait_for
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 
@@ -71,24 +71,28 @@ class Prometheus:
         )
         self._session = aiohttp.ClientSession()
         deadline = time.monotonic() + 30
-        while not self.url:
-            assert self.process.poll() is None, self.log()
-            if (match := LISTENING.search((self.folder / "prometheus.log").read_text(errors="replace"))) is not None:
+        process = self.process
+
+        def said() -> bool:
+            # Its log is a file: nothing to await but the next look.
+            assert process.poll() is None, self.log()
+            match = LISTENING.search((self.folder / "prometheus.log").read_text(errors="replace"))
+            if match is not None:
                 self.url = f"http://{match.group(1)}"
-                break
-            assert time.monotonic() < deadline, "prometheus did not say where it listens: " + self.log()
-            # Its log is a file: nothing to await but its next look.
-            await asyncio.sleep(0.05)
-        while True:
-            assert self.process.poll() is None, self.log()
+            return bool(self.url)
+
+        await wait_for(said, timeout=30)
+        session = self._session
+
+        async def ready() -> bool:
+            assert self.process is not None and self.process.poll() is None, self.log()
             try:
-                async with self._session.get(self.url + "/-/ready") as resp:
-                    if resp.status == 200:
-                        return
+                async with session.get(self.url + "/-/ready") as resp:
+                    return resp.status == 200
             except aiohttp.ClientError:
-                pass
-            assert time.monotonic() < deadline, "prometheus did not become ready: " + self.log()
-            await asyncio.sleep(0.1)
+                return False
+
+        await until(ready, timeout=max(1.0, deadline - time.monotonic()), what="prometheus did not become ready")
 
     def log(self) -> str:
         path = self.folder / "prometheus.log"

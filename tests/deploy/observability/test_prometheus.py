@@ -50,7 +50,7 @@ from router.tools.fake import Behaviour, FakeReplica
 from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice
 from tests.deploy.observability.dashboard import load, queries, substitute
 from tests.deploy.observability.prometheus import DEPLOY, Prometheus, scrape_config
-from tests.helpers import Serve, StartRaw, fixed, held_socket
+from tests.helpers import Serve, StartRaw, fixed, held_socket, until
 
 if TYPE_CHECKING:
     from router.scaler.externalscaler_pb2_grpc import ExternalScalerAsyncStub
@@ -296,6 +296,8 @@ async def run_load(fleet: Fleet, prom: Prometheus) -> None:
 
     fleet.loop(0.3, chat, sessions, tell_keda)
     fleet.loop(1.0, lambda: fleet.ask(a, "fb"), lambda: fleet.ask(a, "ghost"), lambda: fleet.ask(b, "kube"))
+    # Real time, here and below: Prometheus scrapes and evaluates on its own clock, and the
+    # rates the alerts read are over real seconds of traffic.
     await asyncio.sleep(1)
     await fleet.drain("solo0")
     # Held: no replica of cold yet; the router calls wake_url (the scaler) and waits.
@@ -308,6 +310,7 @@ async def run_load(fleet: Fleet, prom: Prometheus) -> None:
         await fleet.ask(a, "junk")
     # More at once than the limits let through: some wait, some are refused after the queue timeout.
     await asyncio.gather(*(fleet.ask(a, "chat", stream=True) for _ in range(16)))
+    # Held long enough to count as a cold start in the hold histogram's seconds.
     await asyncio.sleep(2)
     cold = ("cold0", "cold", fleet.fakes["cold0"].url)
     await fleet.push([cold])
@@ -315,6 +318,7 @@ async def run_load(fleet: Fleet, prom: Prometheus) -> None:
     # Scaled to zero and back once more: a histogram's first observation makes its series, the second a rate.
     await fleet.push([])
     held = asyncio.create_task(fleet.ask(a, "cold"))
+    # Real time again: the second hold's seconds.
     await asyncio.sleep(2)
     await fleet.push([cold])
     assert await held == 200
@@ -324,18 +328,20 @@ async def run_load(fleet: Fleet, prom: Prometheus) -> None:
 
 async def firing(prom: Prometheus, timeout: float = 20.0) -> dict[str, list[dict[str, str]]]:
     """The alerts firing once every rule has fired (each rule's alerts' labels), or an AssertionError."""
-    deadline = time.monotonic() + timeout
-    while True:
+    rules: list[dict[str, Any]] = []
+
+    async def all_fired() -> bool:
+        # Polled: Prometheus evaluates its rules on its own clock, with nothing to wait on.
+        nonlocal rules
         groups = (await prom.api("rules", type="alert"))["groups"]
         rules = [rule for group in groups for rule in group["rules"]]
-        state = {rule["name"]: rule["state"] for rule in rules}
-        if all(s == "firing" for s in state.values()):
-            return {
-                rule["name"]: [alert["labels"] for alert in rule["alerts"] if alert["state"] == "firing"]
-                for rule in rules
-            }
-        assert time.monotonic() < deadline, f"not every rule fired: {state}"
-        await asyncio.sleep(0.5)
+        return all(rule["state"] == "firing" for rule in rules)
+
+    try:
+        await until(all_fired, timeout=timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"not every rule fired: { {rule['name']: rule['state'] for rule in rules} }") from exc
+    return {rule["name"]: [alert["labels"] for alert in rule["alerts"] if alert["state"] == "firing"] for rule in rules}
 
 
 def has_number(result: dict[str, Any]) -> bool:
@@ -359,10 +365,11 @@ async def test_every_dashboard_query_and_alert_rule_evaluates_over_a_real_fleet(
         {"router": fleet.admins, "router-scaler": [fleet.scaler.http_url.removeprefix("http://")]}, "alerts.yml"
     )
     await prometheus.start(config, shrink(rules))
-    deadline = time.monotonic() + 15
-    while set((await prometheus.targets_up()).values()) != {"up"}:
-        assert time.monotonic() < deadline, await prometheus.targets_up()
-        await asyncio.sleep(0.2)
+
+    async def all_up() -> bool:
+        return set((await prometheus.targets_up()).values()) == {"up"}
+
+    await until(all_up, timeout=15)
     began = time.time()
     await run_load(fleet, prometheus)
 

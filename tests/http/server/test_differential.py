@@ -78,6 +78,7 @@ class LiveServer:
         deadline = time.monotonic() + 5.0
         # The server notices the close at once, and cancels what it was answering.
         while self.server.connections and time.monotonic() < deadline:
+            # Polled: settled is no event the server signals, and may not come (then the deadline).
             await asyncio.sleep(0.002)
         return self.stub.inference, self._refusals() - self._refusals_before
 

@@ -187,6 +187,7 @@ async def test_a_body_trickling_a_byte_at_a_time_gets_408_at_its_deadline(start_
         async def trickle() -> None:
             for byte in data[head_end:]:
                 wire.send(bytes([byte]))
+                # Real time: one byte at a time, against the server's own body timer.
                 await asyncio.sleep(0.05)
 
         trickler = asyncio.create_task(trickle())
@@ -209,7 +210,7 @@ async def test_bodies_buffered_across_connections_are_capped(start_server: Start
     try:
         # The first upload reserves its length; the second would pass the cap.
         slow[0].send(post(body)[:-10])
-        await asyncio.sleep(0.1)
+        await wait_for(lambda: server.server.budget.held > 0)
         async with await Wire.open(server.address) as wire:
             began = time.perf_counter()
             wire.send(post(body)[:-10])
@@ -254,6 +255,7 @@ async def test_an_endless_header_line_is_refused_as_it_arrives(start_server: Sta
         async def endless() -> None:
             while True:
                 wire.send(b"a" * 512)
+                # Real time: an endless head, sent as a slow client sends it, against the server's head timer.
                 await asyncio.sleep(0.001)
 
         sender = asyncio.create_task(endless())
@@ -312,6 +314,7 @@ async def test_a_client_pipelining_without_end_holds_at_most_one_request_ahead(s
         most = 0
         for _ in range(40):
             writer.write(one * 2000)
+            # Real time: pipelined requests faster than they are answered, a batch at a time.
             await asyncio.sleep(0.005)
             for connection in client_server.connections:
                 most = max(most, len(connection.pending))
@@ -331,6 +334,7 @@ async def test_a_pipelined_requests_body_is_read_once_the_one_ahead_is_answered(
         wire.send(post() + post() + third[:head_end])
         for _ in range(2):
             assert (await wire.answer()).status == 200
+        # Real time: a pause within the body, shorter than the server's body timer.
         await asyncio.sleep(0.3)
         wire.send(third[head_end:])
         assert (await wire.answer(timeout=1.5)).status == 200
@@ -348,6 +352,7 @@ async def test_endless_trailers_are_refused_as_they_arrive(start_server: StartSe
         async def endless() -> None:
             while True:
                 wire.send(b"a" * 1024)
+                # Real time: an endless head, sent as a slow client sends it, against the server's head timer.
                 await asyncio.sleep(0.001)
 
         sender = asyncio.create_task(endless())
@@ -371,6 +376,7 @@ async def test_an_announced_length_takes_no_share_of_the_body_budget_until_its_b
             # Together they promise 99,000 of the 100,000 bytes and send none:
             # no one else may be refused for what never came.
             wire.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Length: 33000\r\n\r\n")
+        # Real time: the server signals nothing when it has read (and reserved) what was sent.
         await asyncio.sleep(0.1)
         async with await Wire.open(server.address) as wire:
             wire.send(post(orjson.dumps({**CHAT, "pad": "x" * 2000})))
