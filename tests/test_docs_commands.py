@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tests.support.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import RefusedUrl
-from tests.helpers import Serve, get_json
+from tests.support.clients import get_json
+from tests.support.processes import Serve
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 

@@ -19,8 +19,9 @@ from router.core.usage.snapshots import Ticker, UsageSnapshot
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.fake_clock import FakeClock
-from tests.helpers import CHAT, get_json, post, run_ctl, samples, scrape, tick, wait_for
+from tests.support.clients import CHAT, get_json, post, run_ctl, samples, scrape
+from tests.support.clock import FakeClock
+from tests.support.waiting import tick, wait_for
 
 
 async def two_replicas(start_fake: StartFake, start_router: StartRouter, **settings: Any) -> RouterServer:

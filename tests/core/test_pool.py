@@ -13,8 +13,8 @@ from router.core.pool.ejection import EjectionPolicy
 from router.core.pool.picking import LeastLoaded
 from router.core.pool.pool import Limits, Pool
 from router.core.pool.replicas import ReplicaState
-from tests.fake_clock import FakeClock
-from tests.helpers import wait_for
+from tests.support.clock import FakeClock
+from tests.support.waiting import wait_for
 
 
 def configs(model: str, n: int, prefix: str = "r") -> list[ReplicaConfig]:

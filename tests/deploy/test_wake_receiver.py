@@ -22,8 +22,8 @@ import aiohttp
 import pytest
 
 from tests.conftest import StartRouter
-from tests.deploy.receiver import wake_receiver
-from tests.helpers import until, wait_for
+from tests.support.receiver import wake_receiver
+from tests.support.waiting import until, wait_for
 
 
 def alive(pid: int) -> bool:

@@ -26,7 +26,9 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from router.run.app import RouterServer
 from tests.conftest import StartRouter
-from tests.helpers import free_port, get_json, post, wait_for
+from tests.support.clients import get_json, post
+from tests.support.processes import free_port
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = Path(os.environ.get("ROUTER_ENGINE_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))

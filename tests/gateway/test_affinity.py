@@ -21,7 +21,8 @@ from router.gateway.affinity import prompt_text
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import CHAT, in_flight, samples, scrape, tick
+from tests.support.clients import CHAT, in_flight, samples, scrape
+from tests.support.waiting import tick
 
 KEYS = [affinity_key(f"session-{i}".encode()) for i in range(10_000)]
 

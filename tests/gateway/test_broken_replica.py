@@ -21,8 +21,9 @@ import orjson
 import pytest
 
 from tests.conftest import StartRouter
-from tests.helpers import protocol_errors, until, until_cancelled, wait_for
-from tests.wire import (
+from tests.support.clients import protocol_errors
+from tests.support.waiting import until, until_cancelled, wait_for
+from tests.support.wire import (
     JSON_OK,
     Exchange,
     StartRaw,

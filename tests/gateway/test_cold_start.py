@@ -5,7 +5,7 @@ model declared with `cold_start_seconds` and no replica (scaled to zero), a
 replica pushed that still refuses connections or answers 503 while it loads,
 a wake receiver that is slow or down, a burst, a shutdown. Where the clock
 decides (a probe's pause, the deadline, the wake cooldown) the router runs
-on a fake clock (tests/fake_clock.py) that the test moves; the rules
+on a fake clock (tests/support/clock.py) that the test moves; the rules
 themselves are tested without sockets in tests/core/test_coldstart.py.
 """
 
@@ -29,10 +29,12 @@ from router.core.pool.waiters import PROBE_CAP_SECONDS
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.fake_clock import FakeClock
-from tests.helpers import CHAT, Serve, samples, until, wait_for
-from tests.helpers import scrape as scrape_now
-from tests.wire import Exchange, StartRaw
+from tests.support.clients import CHAT, samples
+from tests.support.clients import scrape as scrape_now
+from tests.support.clock import FakeClock
+from tests.support.processes import Serve
+from tests.support.waiting import until, wait_for
+from tests.support.wire import Exchange, StartRaw
 
 COLD = {"m": {"cold_start_seconds": 10}}
 
@@ -477,8 +479,8 @@ async def test_the_example_wake_receiver_starts_a_replica_and_the_held_request_i
     """deploy/scale-from-zero/wake_receiver.py, docs/scale-from-zero.md's example, end to end."""
     import sys
 
-    from tests.deploy.receiver import wake_receiver
-    from tests.helpers import held_port
+    from tests.support.processes import held_port
+    from tests.support.receiver import wake_receiver
 
     # The router names the receiver (wake_url) and the receiver the router (--router-admin): the
     # receiver first, on port 0, told the router's admin port, which the test holds until the router takes it.

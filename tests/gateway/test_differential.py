@@ -1,4 +1,4 @@
-"""The client port through the router, fuzzed against h11 (tests/http/differential.py): what reaches the replica.
+"""The client port through the router, fuzzed against h11 (tests/support/differential.py): what reaches the replica.
 
 The same streams and the same verdict as the server's own fuzz
 (tests/http/server/test_differential.py), with a router in front of a fake
@@ -23,8 +23,9 @@ from router.core.config.settings import parse_config
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica, Seen
 from tests.conftest import replica_entry
-from tests.http.differential import HOP_BY_HOP, MAX_BODY, Parsed, check
-from tests.http.streams import PINNED, streams
+from tests.support.differential import check
+from tests.support.h11_reference import HOP_BY_HOP, MAX_BODY, Parsed
+from tests.support.streams import PINNED, streams
 
 T = TypeVar("T")
 

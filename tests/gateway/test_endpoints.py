@@ -29,7 +29,9 @@ from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from router.tools.fake.echo import ECHOED
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.helpers import CHAT, Serve, access_log_lines, wait_for
+from tests.support.clients import CHAT, access_log_lines
+from tests.support.processes import Serve
+from tests.support.waiting import wait_for
 
 
 def sdk(server: RouterServer) -> openai.AsyncOpenAI:

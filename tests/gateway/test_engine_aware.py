@@ -25,7 +25,8 @@ from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from router.tools.fake.engine import Engine, EngineParams
 from tests.conftest import StartRouter
-from tests.helpers import get_json, until, wait_for
+from tests.support.clients import get_json
+from tests.support.waiting import until, wait_for
 
 FAST = 20.0
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]

@@ -17,7 +17,8 @@ import pytest
 from router.run.app import RouterServer
 from router.tools.fake import FakeReplica
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import CHAT, get_json, in_flight, post, samples, scrape, wait_for
+from tests.support.clients import CHAT, get_json, in_flight, post, samples, scrape
+from tests.support.waiting import wait_for
 
 KEYS = {
     "flood": {"key": "sk-flood", "tenant": "a", "priority": "batch"},

@@ -16,8 +16,10 @@ import pytest
 from router.tools.bench import run_load
 from router.tools.fake import Behaviour
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.fake_clock import FakeClock
-from tests.helpers import CHAT, Serve, post, post_cut, tick, wait_for
+from tests.support.clients import CHAT, post, post_cut
+from tests.support.clock import FakeClock
+from tests.support.processes import Serve
+from tests.support.waiting import tick, wait_for
 
 
 async def slow_reader(host: str, port: int, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -222,7 +224,7 @@ async def test_1000_concurrent_streams_succeed_or_get_a_fast_503_and_nothing_lea
 async def test_the_series_count_stays_flat_while_replicas_churn(
     start_fake: StartFake, start_router: StartRouter
 ) -> None:
-    from tests.helpers import scrape
+    from tests.support.clients import scrape
 
     fake = await start_fake("m")
     server = await start_router([replica_entry("r-0", fake)], tick_seconds=0.02)
@@ -245,7 +247,7 @@ async def test_the_series_count_stays_flat_while_replicas_churn(
 async def test_after_injected_faults_the_counters_equal_what_was_injected(
     start_fake: StartFake, start_router: StartRouter, refused_url: RefusedUrl
 ) -> None:
-    from tests.helpers import samples, scrape
+    from tests.support.clients import samples, scrape
 
     loading = await start_fake("m", name="loading", behaviour=Behaviour(fail_status=503))
     flaky = await start_fake("m", name="flaky", behaviour=Behaviour(reset_after_chunks=0))

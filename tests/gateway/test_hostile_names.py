@@ -14,8 +14,9 @@ from pathlib import Path
 import orjson
 
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import get_json, samples, scrape, tick, wait_for
-from tests.wire import CHAT, Exchange, StartRaw, Wire, json_answer, post
+from tests.support.clients import get_json, samples, scrape
+from tests.support.waiting import tick, wait_for
+from tests.support.wire import CHAT, Exchange, StartRaw, Wire, json_answer, post
 
 
 def _asking_for(model: str) -> bytes:

@@ -14,7 +14,8 @@ from multidict import CIMultiDict
 
 from router.tools.fake import Behaviour
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.helpers import CHAT, in_flight, post, post_cut, samples, scrape, wait_for
+from tests.support.clients import CHAT, in_flight, post, post_cut, samples, scrape
+from tests.support.waiting import wait_for
 
 
 async def test_async_sdk_chat_and_completions_get_the_replicas_answers(

@@ -22,7 +22,9 @@ import pytest
 from router.core.pool.replicas import Replica
 from router.run.app import RouterServer
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.helpers import StartRaw, access_log_lines, fixed, get_json, wait_for
+from tests.support.clients import access_log_lines, get_json
+from tests.support.raw_server import StartRaw, fixed
+from tests.support.waiting import wait_for
 
 # RFC 6455 4.2.2: the accept key is the client's key and this GUID, hashed.
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"

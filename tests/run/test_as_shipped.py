@@ -26,7 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import StartFake
-from tests.helpers import Serve, get_json, until, wait_for
+from tests.support.clients import get_json
+from tests.support.processes import Serve
+from tests.support.waiting import until, wait_for
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 HELLO: list[MessageParam] = [{"role": "user", "content": "hi"}]

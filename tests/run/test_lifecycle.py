@@ -13,7 +13,9 @@ import pytest
 
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake
-from tests.helpers import CHAT, Serve, until, wait_for
+from tests.support.clients import CHAT
+from tests.support.processes import Serve
+from tests.support.waiting import until, wait_for
 
 
 async def endpoints(serve: Serve) -> Any:

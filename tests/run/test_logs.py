@@ -10,8 +10,8 @@ import pytest
 from router.http.messages import Reply, Request
 from router.http.writer import Writer
 from router.run.logs import RequestIdFilter
-from tests.http.harness import StartServer
-from tests.wire import Wire
+from tests.support.http_harness import StartServer
+from tests.support.wire import Wire
 
 log = logging.getLogger("router.test")
 

@@ -24,7 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.run.workers import usable_cores, worker_count
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import StartFake
-from tests.helpers import CHAT, Serve, until, wait_for
+from tests.support.clients import CHAT
+from tests.support.processes import Serve
+from tests.support.waiting import until, wait_for
 
 STREAMS = 16
 

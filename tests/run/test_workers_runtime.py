@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import LISTENING, held_port, said
+from tests.support.processes import LISTENING, held_port, said
 
 pytestmark = pytest.mark.slow
 

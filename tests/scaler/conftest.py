@@ -14,7 +14,7 @@ from router.core.config.settings import Address
 from router.scaler.externalscaler_pb2_grpc import ExternalScalerStub
 from router.scaler.main import Scaler
 from router.scaler.settings import ScalerSettings
-from tests.scaler.helpers import Canned, CannedRouter, Keda, Routers, StartScaler
+from tests.support.scaler import Canned, CannedRouter, Keda, Routers, StartScaler
 
 if TYPE_CHECKING:
     from router.scaler.externalscaler_pb2_grpc import ExternalScalerAsyncStub

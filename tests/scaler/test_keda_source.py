@@ -22,9 +22,9 @@ from router.scaler.externalscaler_pb2 import ScaledObjectRef
 from router.scaler.externalscaler_pb2_grpc import ExternalScalerStub
 from router.scaler.main import Scaler
 from router.scaler.settings import ScalerSettings, finish
-from tests.helpers import wait_for
-from tests.scaler.helpers import Canned, Keda, StartScaler, Stream, is_active, ref
 from tests.scaler.test_rules import post_wake, two_quiet_routers
+from tests.support.scaler import Canned, Keda, StartScaler, Stream, is_active, ref
+from tests.support.waiting import wait_for
 
 
 async def test_every_wake_call_pushes_true_again_while_the_model_is_active(

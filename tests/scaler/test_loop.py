@@ -3,7 +3,7 @@
 quiet -> IsActive false -> scaled to 0 -> a request held -> StreamIsActive
 true -> scaled to 1 -> the replica pushed to the routers -> the held request
 served; then the HPA's part: requests in flight size the Deployment.
-tests/scaler/keda_standin.py is the stand-in, scaling a "Deployment" of fake
+tests/support/keda_standin.py is the stand-in, scaling a "Deployment" of fake
 replicas on the scaler's answers as KEDA would.
 """
 
@@ -23,8 +23,8 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.helpers import until
-from tests.scaler.helpers import Events, Routers, scaled, scaler_listening
+from tests.support.scaler import Events, Routers, scaled, scaler_listening
+from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ async def test_keda_s_stand_in_scales_a_model_to_zero_and_back_on_the_scaler_s_a
         await routers.start()
         a, b = (r.client_url for r in routers.all)
         standin_argv = [
-            *("-m", "tests.scaler.keda_standin", "--scaler", grpc_address),
+            *("-m", "tests.support.keda_standin", "--scaler", grpc_address),
             *(arg for admin in routers.admins for arg in ("--router-admin", admin)),
             *("--model", "m", "--idle-after", "2", "--cooldown", "1", "--polling-interval", "0.5"),
             *("--max-replicas", "3", "--target-in-flight", "2", "--replicas", "1"),

@@ -32,8 +32,9 @@ from router.scaler.main import build_parser, settings_from
 from router.scaler.poller import MAX_ANSWER_BYTES, resolve_servers
 from router.scaler.settings import HELP, ScalerSettings, apply
 from router.scaler.view import FleetView, decide, parse_metadata
-from tests.helpers import StartRaw, samples
-from tests.scaler.helpers import (
+from tests.support.clients import samples
+from tests.support.raw_server import StartRaw
+from tests.support.scaler import (
     Canned,
     CannedRouter,
     Keda,

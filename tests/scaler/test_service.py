@@ -28,8 +28,9 @@ from router.scaler.main import STOP_GRACE_SECONDS
 from router.scaler.view import metric_name
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake
-from tests.helpers import StartRaw, samples
-from tests.scaler.helpers import (
+from tests.support.clients import samples
+from tests.support.raw_server import StartRaw
+from tests.support.scaler import (
     Keda,
     Routers,
     StartScaler,

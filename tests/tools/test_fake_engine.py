@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.tools.fake import Behaviour, FakeReplica
 from router.tools.fake.engine import Engine, EngineParams, Sequence
 from router.tools.fake.exposition import ENGINES
-from tests.helpers import wait_for
+from tests.support.waiting import wait_for
 
 FAST = 1000.0
 

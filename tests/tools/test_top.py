@@ -20,8 +20,9 @@ from router.run.app import RouterServer
 from router.tools.fake import Behaviour
 from router.tools.top import SORT_KEYS, Frame, Row, build_frame, render, sort_rows
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.deploy.observability.needs import program
-from tests.helpers import CHAT, post, until, wait_for
+from tests.support.clients import CHAT, post
+from tests.support.programs import program
+from tests.support.waiting import until, wait_for
 
 NOW = 1_800_000_000.0
 

@@ -16,8 +16,8 @@ from router.control.discovery.source import KubernetesSource
 from router.core.config.settings import parse_config
 from router.run.app import RouterServer
 from tests.control.discovery.harness import Pods, StartDiscovery
-from tests.control.discovery.kube_api import FakeKubernetesApi
 from tests.control.discovery.recorded import SELECTOR
+from tests.support.kube_api import FakeKubernetesApi
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ import orjson
 from router.control.discovery.source import KubernetesSource
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
-from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice, matches, pod
 from tests.control.discovery.recorded import NS, SELECTOR
-from tests.helpers import CHAT, in_flight, post, wait_for
+from tests.support.clients import CHAT, in_flight, post
+from tests.support.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice, matches, pod
+from tests.support.waiting import wait_for
 
 # A fleet of pods on loopback addresses, one port ------------------------------------------
 

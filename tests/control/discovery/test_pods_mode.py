@@ -33,9 +33,10 @@ from tests.control.discovery.harness import (
     settled,
     traffic,
 )
-from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice, pod
 from tests.control.discovery.recorded import NS
-from tests.helpers import get_json, run_ctl, samples, scrape, wait_for
+from tests.support.clients import get_json, run_ctl, samples, scrape
+from tests.support.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice, pod
+from tests.support.waiting import wait_for
 
 
 async def test_pods_mode_follows_pods_added_made_unready_and_deleted(

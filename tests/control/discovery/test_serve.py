@@ -14,9 +14,11 @@ import orjson
 import pytest
 
 from tests.control.discovery.harness import Pods, fleet_pod, model_slice, service_slice
-from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi
 from tests.control.discovery.recorded import NS, SELECTOR
-from tests.helpers import CHAT, Serve, held_socket, samples, until
+from tests.support.clients import CHAT, samples
+from tests.support.kube_api import Endpoint, FakeKubernetesApi
+from tests.support.processes import Serve, held_socket
+from tests.support.waiting import until
 
 # A real `router serve`, one process or a supervisor and its workers --------------------------
 

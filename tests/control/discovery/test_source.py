@@ -31,9 +31,10 @@ from tests.control.discovery.harness import (
     settled,
     traffic,
 )
-from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi
 from tests.control.discovery.recorded import NS
-from tests.helpers import CHAT, post_cut, samples, scrape, wait_for
+from tests.support.clients import CHAT, post_cut, samples, scrape
+from tests.support.kube_api import Endpoint, FakeKubernetesApi
+from tests.support.waiting import wait_for
 
 
 async def test_not_ready_until_the_first_list_then_pods_added_unready_and_deleted_follow(

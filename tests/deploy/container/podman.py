@@ -1,6 +1,6 @@
 """podman for the container tier: settings and storage of its own (.cache/containers), and a pod spec run by it.
 
-`Podman.run_spec` takes a container of a rendered Deployment (tests/deploy/manifests.py)
+`Podman.run_spec` takes a container of a rendered Deployment (tests/support/manifests.py)
 and runs it as the kubelet would: the image and args, env (a secretKeyRef
 from the secrets given), the named ports (published on 127.0.0.1), the
 securityContext (user, read-only root, no new privileges, capabilities),
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.deploy.manifests import ROOT, Doc
+from tests.support.manifests import ROOT, Doc
 
 
 def fake_replica(image: str, *options: str) -> list[str]:

@@ -5,7 +5,7 @@ the routers' Deployment (with the overlay's router.toml: requests for the
 model held, `wake_url` at the scaler) under the headless Service's name
 (router-admin.default.svc.cluster.local, which the scaler resolves to both,
 as `--servers-from-dns` in its args says), the scaler's Deployment under its
-Service's name. KEDA's stand-in (tests/scaler/keda_standin.py, from this
+Service's name. KEDA's stand-in (tests/support/keda_standin.py, from this
 checkout, mounted read-only into the image) keeps StreamIsActive open at the
 ScaledObject's scalerAddress and scales the model's "Deployment": fake
 replicas on its own container, pushed to both routers.
@@ -29,9 +29,9 @@ from typing import Any
 import aiohttp
 
 from tests.deploy.container.podman import Podman, Running, run_spec, wait_ready
-from tests.deploy.manifests import ROOT, of_kind, render, router_toml
-from tests.helpers import until
-from tests.scaler.helpers import Events, scaled
+from tests.support.manifests import ROOT, of_kind, render, router_toml
+from tests.support.scaler import Events, scaled
+from tests.support.waiting import until
 
 HEADLESS = "router-admin.default.svc.cluster.local"
 SCALER = "router-scaler.default.svc.cluster.local"
@@ -108,7 +108,7 @@ async def stand_in(podman: Podman, image: str, network: str, *args: str) -> Asyn
     process = await asyncio.create_subprocess_exec(
         *("podman", "run", "--rm", "--pull", "never", "--name", name, "--network", network),
         *("--volume", f"{ROOT / 'tests'}:/src/tests:ro", "--workdir", "/src", "--env", "PYTHONPATH=/src"),
-        *("--entrypoint", "python", image, "-m", "tests.scaler.keda_standin"),
+        *("--entrypoint", "python", image, "-m", "tests.support.keda_standin"),
         *(*args, "--pod-host", "0.0.0.0", "--pod-address", name),
         stdout=asyncio.subprocess.PIPE,
         env=podman.env,

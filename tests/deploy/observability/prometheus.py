@@ -19,8 +19,8 @@ from typing import Any, BinaryIO
 import aiohttp
 import yaml
 
-from tests.deploy.observability.needs import program
-from tests.helpers import until, wait_for
+from tests.support.programs import program
+from tests.support.waiting import until, wait_for
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 

@@ -47,10 +47,12 @@ from router.scaler.externalscaler_pb2_grpc import ExternalScalerStub
 from router.scaler.main import Scaler
 from router.scaler.settings import ScalerSettings
 from router.tools.fake import Behaviour, FakeReplica
-from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice
 from tests.deploy.observability.dashboard import load, queries, substitute
 from tests.deploy.observability.prometheus import DEPLOY, Prometheus, scrape_config
-from tests.helpers import Serve, StartRaw, fixed, held_socket, until
+from tests.support.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice
+from tests.support.processes import Serve, held_socket
+from tests.support.raw_server import StartRaw, fixed
+from tests.support.waiting import until
 
 if TYPE_CHECKING:
     from router.scaler.externalscaler_pb2_grpc import ExternalScalerAsyncStub
@@ -89,7 +91,7 @@ class Fleet:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        # The admin ports held (tests/helpers.py's held_port): the scaler is told them before the routers listen.
+        # The admin ports held (support/processes.py's held_socket): the scaler is told them before the routers listen.
         self.held: list[socket.socket] = [held_socket(), held_socket()]
         self.a = Serve(folder / "router-a.toml", 0, self.held[0].getsockname()[1])
         self.b = Serve(folder / "router-b.toml", 0, self.held[1].getsockname()[1])

@@ -18,9 +18,9 @@ from router.gateway.answers import server_error
 from router.http.messages import Reply, Request
 from router.http.server import Server
 from router.http.writer import Writer
-from tests.helpers import until_cancelled, wait_for
-from tests.http.harness import StartServer, Stub, serving
-from tests.wire import CHAT, Wire, post, stream_post
+from tests.support.http_harness import StartServer, Stub, serving
+from tests.support.waiting import until_cancelled, wait_for
+from tests.support.wire import CHAT, Wire, post, stream_post
 
 GET = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 

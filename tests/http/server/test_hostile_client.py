@@ -3,7 +3,7 @@
 Each test is one way a client can try to desynchronise the server, smuggle a
 header past it, pin its memory or hold a connection forever; each names the
 rule it holds (RFC 9110/9112) and what nginx answers where that differs. The
-server runs alone (tests/http/harness.py): what reaches its handler is what a
+server runs alone (tests/support/http_harness.py): what reaches its handler is what a
 router would have been given. The ways that need the router's own rules (its
 keys, what it forwards) are tested through it (tests/gateway/test_client_port.py).
 """
@@ -16,9 +16,9 @@ import time
 import orjson
 import pytest
 
-from tests.helpers import wait_for
-from tests.http.harness import StartServer, Stub
-from tests.wire import CHAT, Wire, post, stream_post
+from tests.support.http_harness import StartServer, Stub
+from tests.support.waiting import wait_for
+from tests.support.wire import CHAT, Wire, post, stream_post
 
 # Desync -----------------------------------------------------------------------------------
 

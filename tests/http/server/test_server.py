@@ -17,9 +17,10 @@ import orjson
 
 from router.http.messages import Reply, Request
 from router.http.writer import Writer
-from tests.helpers import CHAT, until_cancelled
-from tests.http.harness import StartServer, Stub
-from tests.wire import Wire
+from tests.support.clients import CHAT
+from tests.support.http_harness import StartServer, Stub
+from tests.support.waiting import until_cancelled
+from tests.support.wire import Wire
 
 
 def request(body: bytes, *, version: bytes = b"1.1", extra: bytes = b"") -> bytes:

@@ -1,6 +1,6 @@
 """A stand-in for KEDA: scales a "Deployment" of fake replicas on `router scaler`'s answers, as KEDA does.
 
-    python -m tests.scaler.keda_standin --scaler 127.0.0.1:9091 \\
+    python -m tests.support.keda_standin --scaler 127.0.0.1:9091 \\
         --router-admin 127.0.0.1:9090 --router-admin 127.0.0.1:9190 \\
         --model m --idle-after 30 --cooldown 10 --polling-interval 1 --max-replicas 3
 

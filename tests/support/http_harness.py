@@ -179,7 +179,7 @@ async def serving(handler: Handler, **settings: Any) -> AsyncIterator[Harness]:
 def _log_exception(message: str) -> None:
     import logging
 
-    logging.getLogger("tests.http.harness").exception(message)
+    logging.getLogger("tests.support.http_harness").exception(message)
 
 
 StartServer = Callable[..., Awaitable[Harness]]

@@ -20,8 +20,9 @@ from aiohttp import web
 
 from router.scaler.externalscaler_pb2 import GetMetricsRequest, ScaledObjectRef
 from router.scaler.main import Scaler
-from tests.helpers import Serve, held_port, wait_for
-from tests.helpers import until as wait
+from tests.support.processes import Serve, held_port
+from tests.support.waiting import until as wait
+from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
     # Only in the generated stubs: what ExternalScalerStub is over an asyncio channel.
@@ -45,7 +46,7 @@ async def scaler_listening(stderr: asyncio.StreamReader) -> tuple[str, str]:
 class Routers:
     """Two `router serve` processes (router-a, router-b) with the same replicas, tick 0.1 s.
 
-    Their ports are held from the start (tests/helpers.py's held_port): a scaler
+    Their ports are held from the start (tests/support/processes.py's held_port): a scaler
     is given their admin addresses before they listen, and a router restarted
     comes back where the scaler polls, a port nothing else could take meanwhile.
     """
@@ -220,7 +221,7 @@ Canned = Callable[[str], Awaitable[CannedRouter]]
 
 
 class Events:
-    """The KEDA stand-in's JSON lines (tests/scaler/keda_standin.py) as they come."""
+    """The KEDA stand-in's JSON lines (tests/support/keda_standin.py) as they come."""
 
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         self.process = process
