@@ -1,4 +1,4 @@
-"""The layout's size rules: no module over 600 lines, no class over 300 (generated gRPC modules aside).
+"""The layout's size rules: no module over 600 lines, no class over 300 (generated gRPC modules aside), tests too.
 
 A module or class past its bound is where concerns pile up unseen; this test
 names the one that grew past it, so that it is split along its seams before
@@ -14,8 +14,16 @@ import grimp
 import pytest
 
 ROUTER = Path(__file__).resolve().parent.parent / "router"
+TESTS = ROUTER.parent / "tests"
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 300
+
+# Test modules past their bound, each to be split along its seams. Listed, not
+# exempt for good: a test below fails once the module fits, so that it leaves the list.
+NOT_YET_SPLIT = {
+    # Moving onto the fake clock in another change, which splits it.
+    "tests/http/client/test_upstream_client.py",
+}
 
 
 def _modules() -> list[Path]:
@@ -23,9 +31,13 @@ def _modules() -> list[Path]:
     return sorted(p for p in ROUTER.rglob("*.py") if "_pb2" not in p.name)
 
 
-def _oversized() -> list[str]:
+def _test_modules() -> list[Path]:
+    return sorted(TESTS.rglob("*.py"))
+
+
+def _oversized(paths: list[Path] | None = None) -> list[str]:
     found = []
-    for path in _modules():
+    for path in _modules() if paths is None else paths:
         text = path.read_text()
         name = str(path.relative_to(ROUTER.parent))
         lines = text.count("\n")
@@ -42,6 +54,17 @@ def _oversized() -> list[str]:
 
 def test_no_module_or_class_grew_past_its_bound() -> None:
     assert _oversized() == []
+
+
+def test_no_test_module_or_class_grew_past_the_same_bound() -> None:
+    """Tests pile up concerns as code does: a test module past 600 lines is split by what its tests say."""
+    assert _oversized([p for p in _test_modules() if str(p.relative_to(ROUTER.parent)) not in NOT_YET_SPLIT]) == []
+
+
+@pytest.mark.parametrize("name", sorted(NOT_YET_SPLIT))
+def test_a_module_not_yet_split_still_needs_to_be(name: str) -> None:
+    """Once it fits its bound, its entry in NOT_YET_SPLIT goes."""
+    assert _oversized([ROUTER.parent / name]) != [], f"{name} fits now: take it off NOT_YET_SPLIT"
 
 
 def test_the_rule_sees_every_module_of_every_layer() -> None:
