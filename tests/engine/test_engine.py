@@ -28,7 +28,7 @@ from router.run.app import RouterServer
 from tests.conftest import StartRouter
 from tests.support.clients import get_json, post
 from tests.support.processes import free_port
-from tests.support.waiting import wait_for
+from tests.support.waiting import polled, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = Path(os.environ.get("ROUTER_ENGINE_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))
@@ -88,18 +88,20 @@ def start_engine(log_dir: Path, name: str, port: int | None = None) -> Engine:
 
 def wait_ready(engine: Engine, timeout: float = 60.0) -> None:
     # llama.cpp has no health route; it binds its port only once the model is loaded.
-    deadline = time.monotonic() + timeout
-    while True:
+    def loaded() -> bool:
         try:
             with urllib.request.urlopen(engine.url + "/v1/models", timeout=2) as resp:
                 if resp.status == 200:
-                    return
+                    return True
         except OSError:
             pass
-        if engine.process.poll() is not None or time.monotonic() > deadline:
+        if engine.process.poll() is not None:
             raise RuntimeError(f"engine did not start: {engine.log.read_text()[-2000:]}")
-        # Polled: llama.cpp has no health route, and says nothing when it has loaded.
-        time.sleep(0.1)
+        return False
+
+    # Polled: llama.cpp says nothing when it has loaded.
+    if not polled(loaded, timeout=timeout, every=0.1):
+        raise RuntimeError(f"engine did not start: {engine.log.read_text()[-2000:]}")
 
 
 def stop_engine(engine: Engine) -> None:

@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from tests.conftest import StartRouter
-from tests.support.clients import protocol_errors
+from tests.support.clients import in_flight, protocol_errors
 from tests.support.waiting import until, until_cancelled, wait_for
 from tests.support.wire import (
     JSON_OK,
@@ -151,13 +151,13 @@ async def test_bytes_on_an_idle_pooled_connection_never_become_the_next_answer(
     start_raw: StartRaw, start_router: StartRouter
 ) -> None:
     evil = orjson.dumps({"id": "unsolicited", "object": "chat.completion", "choices": []})
+    idle = asyncio.Event()
 
     async def answer(exchange: Exchange) -> None:
         await exchange.write(json_answer())
         if exchange.index == 1:
-            # Long after the answer, on the now idle connection: an answer nobody asked for
-            # (real time: after the router has taken the connection back as idle).
-            await asyncio.sleep(0.1)
+            # Long after the answer, on the now idle connection: an answer nobody asked for.
+            await idle.wait()
             await exchange.write(json_answer(evil))
 
     replica = await start_raw(answer)
@@ -165,6 +165,9 @@ async def test_bytes_on_an_idle_pooled_connection_never_become_the_next_answer(
     async with await Wire.open(server.client_address) as wire:
         wire.send(post())
         assert (await wire.answer()).body == JSON_OK
+        # Answered and given back: the connection is idle in the router's pool.
+        await wait_for(lambda: in_flight(server) == {"r0": 0})
+        idle.set()
 
         async def unsolicited() -> bool:
             return (await protocol_errors(server.admin_url, "upstream")).get("unsolicited_bytes") == 1

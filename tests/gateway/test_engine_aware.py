@@ -119,7 +119,9 @@ async def test_a_replica_busy_with_someone_elses_requests_is_passed_over(
                 # A first request makes the model busy, so that its engines are read.
                 await client.chat.completions.create(model="m", messages=HI, max_tokens=1)
                 await wait_for(lambda: busy.metrics_reads > 0 and free.metrics_reads > 0, timeout=10)
-                await asyncio.sleep(0.2)  # a round of readings after the first: real time is the reader's pace
+                # Two rounds of readings after the first: the one read next is the one applied.
+                read = (busy.metrics_reads, free.metrics_reads)
+                await wait_for(lambda: busy.metrics_reads > read[0] + 1 and free.metrics_reads > read[1] + 1)
                 before = {r.id: r.requests for r in server.pool}
                 for _ in range(10):
                     await client.chat.completions.create(model="m", messages=HI, max_tokens=1)

@@ -235,15 +235,11 @@ async def test_a_worker_that_dies_is_restarted_and_nothing_goes_backwards(serve:
         counted = (await metrics(session, serve))["router_time_to_first_byte_seconds"][first_bytes]
         assert counted == 20
         os.kill(pids[0], signal.SIGKILL)
-        # Scrapes while it dies and restarts answer, and their counters never go down.
-        for _ in range(10):
-            families = await metrics(session, serve)
-            assert families["router_time_to_first_byte_seconds"][first_bytes] == 20
-            # Real time: scrapes spread over the worker's death and restart.
-            await asyncio.sleep(0.02)
 
+        # Scrapes while it dies and restarts answer, and their counters never go down.
         async def restarted() -> bool:
             families = await metrics(session, serve)
+            assert families["router_time_to_first_byte_seconds"][first_bytes] == 20
             return sum(per_worker(families, "router_worker_restarts").values()) == 1 and (
                 families["router_workers"][(("sample", "router_workers"),)] == 2
             )

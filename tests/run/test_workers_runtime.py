@@ -15,13 +15,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.processes import LISTENING, held_port, said
+from tests.support.waiting import polled
 
 pytestmark = pytest.mark.slow
 
@@ -48,14 +48,11 @@ def run_until_ready(argv: list[str], env: dict[str, str]) -> subprocess.Popen[by
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     host, port = said(process, LISTENING).group(2).removeprefix("http://").rsplit(":", 1)
     admin = (host, int(port))
-    deadline = time.monotonic() + 30
-    while not ready(admin):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            out, _ = process.communicate(timeout=10)
-            pytest.fail(f"router serve --workers 2 did not become ready: {out.decode()}")
-        # A blocking wait in a test of its own thread: the supervisor's readiness is no event a test can await.
-        time.sleep(0.05)
+    # The supervisor's readiness is an HTTP answer, no event a test can await.
+    if not polled(lambda: process.poll() is not None or ready(admin), timeout=30) or process.poll() is not None:
+        process.kill()
+        out, _ = process.communicate(timeout=10)
+        pytest.fail(f"router serve --workers 2 did not become ready: {out.decode()}")
     return process
 
 

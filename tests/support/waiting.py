@@ -19,13 +19,13 @@ POLL_SECONDS = 0.01
 CHECK_SECONDS = 0.05
 
 
-async def wait_for(condition: Any, timeout: float = 5.0) -> None:
-    """Until `condition()` is true; AssertionError past `timeout`."""
+async def wait_for(condition: Any, timeout: float = 5.0, *, every: float = POLL_SECONDS) -> None:
+    """Until `condition()` is true, looking `every` seconds; AssertionError past `timeout`."""
     deadline = time.perf_counter() + timeout
     while not condition():
         if time.perf_counter() > deadline:
             raise AssertionError("condition not met in time")
-        await asyncio.sleep(POLL_SECONDS)
+        await asyncio.sleep(every)
 
 
 async def until(
@@ -58,3 +58,17 @@ async def until_cancelled() -> None:
     Not a long sleep: a sleep's length would say something a test means never to end.
     """
     await asyncio.Event().wait()
+
+
+def polled(check: Callable[[], bool], *, timeout: float, every: float = CHECK_SECONDS) -> bool:
+    """Blocking, for what waits outside the loop: until `check()` is true (True) or `timeout` passes (False).
+
+    For a program that signals nothing when it is ready (llama.cpp, a container's
+    probe, a process whose readiness is an HTTP answer): `check` may raise to give up.
+    """
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every)
+    return True

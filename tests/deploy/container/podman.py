@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.manifests import ROOT, Doc
+from tests.support.waiting import polled
 
 
 def fake_replica(image: str, *options: str) -> list[str]:
@@ -263,12 +263,15 @@ def run_spec(
 
 def wait_ready(podman: Podman, running: Running, probe: str = "readinessProbe", timeout: float = 60) -> None:
     """Until the probe answers 200, as the kubelet waits for a pod to be ready; the logs if it exits first."""
-    deadline = time.monotonic() + timeout
-    while running.probe(probe) != 200:
+
+    def passed() -> bool:
+        if running.probe(probe) == 200:
+            return True
         state = podman.inspect(running.name)["State"]
         if not state["Running"]:
             raise PodmanError(f"{running.name} exited {state['ExitCode']}: {podman.logs(running.name)}")
-        if time.monotonic() > deadline:
-            raise PodmanError(f"{running.name} never passed its {probe}: {podman.logs(running.name)}")
-        # Polled, as the kubelet polls a probe.
-        time.sleep(0.1)
+        return False
+
+    # Polled, as the kubelet polls a probe.
+    if not polled(passed, timeout=timeout, every=0.1):
+        raise PodmanError(f"{running.name} never passed its {probe}: {podman.logs(running.name)}")

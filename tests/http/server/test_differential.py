@@ -10,8 +10,8 @@ through it (tests/gateway/test_differential.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-import time
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -24,6 +24,7 @@ from tests.support.differential import check
 from tests.support.h11_reference import MAX_BODY, Parsed
 from tests.support.http_harness import Seen, Stub
 from tests.support.streams import PINNED, streams
+from tests.support.waiting import wait_for
 
 T = TypeVar("T")
 
@@ -76,11 +77,11 @@ class LiveServer:
 
     async def _settled(self) -> tuple[list[Seen], int]:
         assert self.server is not None
-        deadline = time.monotonic() + 5.0
-        # The server notices the close at once, and cancels what it was answering.
-        while self.server.connections and time.monotonic() < deadline:
-            # Polled: settled is no event the server signals, and may not come (then the deadline).
-            await asyncio.sleep(0.002)
+        server = self.server
+        # The server notices the close at once, and cancels what it was answering. Settled is no
+        # event it signals, and may not come: then what was seen at the deadline.
+        with contextlib.suppress(AssertionError):
+            await wait_for(lambda: not server.connections, every=0.002)
         return self.stub.inference, self._refusals() - self._refusals_before
 
     def settled(self) -> tuple[list[Any], int]:
