@@ -31,7 +31,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare import checkout, compiled_tree, free_port, router_config, wait_http  # noqa: E402
+from bench.compare import LISTENING, checkout, compiled_tree, router_config, said, wait_http  # noqa: E402
+from bench.compare import fake as start_fake  # noqa: E402
 
 WORKLOADS = {
     "short": {"model": "fast", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16},
@@ -89,12 +90,13 @@ def measure(
     varied: bool = False,
     keep: Path | None = None,
 ) -> dict[str, float]:
-    config = router_config(tmp, name.replace("@", "-"), fake, 4)
+    # On port 0, but for a baseline at an older commit, which says where it listens only at info: told its ports.
+    told = "@" in name
+    config = router_config(tmp, name.replace("@", "-"), fake, 4, told=told)
     if extra:
         # Top-level keys go before the first table; tables after the last.
         text = config.read_text()
         config.write_text(text + extra if extra.startswith("[") else extra + text)
-    port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
     out = tmp / f"{name.replace('@', '-')}.callgrind"
     process = subprocess.Popen(
         [
@@ -112,11 +114,15 @@ def measure(
             "warning",
         ],
         cwd=cwd,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL if told else subprocess.PIPE,
+        stderr=subprocess.DEVNULL if told else subprocess.STDOUT,
     )
     figures: dict[str, float] = {}
     try:
+        if told:
+            port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
+        else:
+            port = int(said(process, LISTENING).group(1).rsplit(":", 1)[1])
         wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=300, process=process)
         for workload, body in WORKLOADS.items():
             raw = raw_requests(body, varied)
@@ -188,13 +194,7 @@ def main() -> int:
         parser.error("valgrind is not installed (Debian's valgrind package)")
     with tempfile.TemporaryDirectory(prefix="router-instructions-") as tmpdir:
         tmp = Path(tmpdir)
-        fake_port = free_port()
-        fake_url = f"http://127.0.0.1:{fake_port}"
-        fake = subprocess.Popen(
-            [sys.executable, "-m", "router.tools.fake", "--port", str(fake_port), "--model", "fast", "--tokens", "64"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        fake, fake_url = start_fake("--model", "fast", "--tokens", "64")
         results: dict[str, dict[str, float]] = {}
         try:
             wait_http(fake_url + "/v1/models", process=fake)
