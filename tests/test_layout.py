@@ -188,3 +188,20 @@ def test_every_class_says_what_it_is() -> None:
         if isinstance(node, ast.ClassDef) and not ast.get_docstring(node)
     ]
     assert unsaid == []
+
+
+SUPPORT = TESTS / "support"
+
+
+def test_the_support_package_names_each_of_its_modules_and_each_class_says_what_it_is() -> None:
+    """tests/support/ is where a new test looks first: its docstring lists every module; each class says what it is."""
+    listed = ast.get_docstring(ast.parse((SUPPORT / "__init__.py").read_text())) or ""
+    modules = sorted(p for p in SUPPORT.glob("*.py") if p.name != "__init__.py")
+    assert [p.name for p in modules if p.name not in listed] == []
+    unsaid = [
+        f"{path.name}: {node.name}"
+        for path in modules
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and not ast.get_docstring(node)
+    ]
+    assert unsaid == []

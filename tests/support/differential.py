@@ -218,6 +218,8 @@ class Live(Protocol):
 
 @dataclass
 class Answer:
+    """One answer the live server gave, parsed from its bytes."""
+
     status: int
     headers: dict[bytes, bytes]
     body: bytes
@@ -230,6 +232,8 @@ class Answer:
 
 @dataclass
 class Observed:
+    """What a live server did with one stream: its answers, whether it closed, what it refused and handled."""
+
     answers: list[Answer]
     interim: int
     closed: bool

@@ -153,6 +153,8 @@ def _model(body: bytes) -> str | None:
 
 @dataclass
 class Harness:
+    """The client port's server, listening: what a test speaks to."""
+
     server: Server
     listener: asyncio.Server
 

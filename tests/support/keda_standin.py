@@ -118,6 +118,8 @@ class Deployment:
 
 
 class KedaStandIn:
+    """KEDA's part for one ScaledObject: IsActive and its stream, the cooldown, and the HPA on the metric."""
+
     def __init__(self, args: argparse.Namespace, deployment: Deployment) -> None:
         self.args = args
         self.deployment = deployment

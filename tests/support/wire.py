@@ -44,6 +44,8 @@ def stream_post(*, extra: bytes = b"", version: bytes = b"1.1") -> bytes:
 
 @dataclass
 class Answer:
+    """One answer read off the wire, as the client received it, with how its body was delimited."""
+
     status: int
     head: bytes
     headers: list[tuple[bytes, bytes]]
