@@ -181,7 +181,8 @@ async def test_a_stopped_router_makes_the_model_active_until_it_is_back_and_watc
     await asyncio.sleep(0.5)
     later = samples(await scaler_metrics(scaler.http_url), "router_scaler_last_complete_merge_age_seconds")[()]
     assert later > first_age
-    # Still active while it is missing, whatever idleAfter.
+    # Still active while it is missing, whatever idleAfter: real time, for idleAfter (1 s below)
+    # passes on the scaler's wall clock.
     await asyncio.sleep(1.5)
     assert await is_active(keda(scaler), ref("m", idleAfter="1"))
     assert stream.values[-1][1] is True

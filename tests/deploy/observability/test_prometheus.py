@@ -324,7 +324,7 @@ async def run_load(fleet: Fleet, prom: Prometheus) -> None:
     await asyncio.sleep(2)
     await fleet.push([cold])
     assert await held == 200
-    # Load goes on while the rules turn firing; the last scrapes see it.
+    # Load goes on while the rules turn firing; the last scrapes see it (Prometheus' clock, real time).
     await asyncio.sleep(IDLE_SECONDS)
 
 
