@@ -19,6 +19,7 @@ from router.control.discovery.source import KubernetesSource
 from router.core.pool.replicas import ReplicaState
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour
+from tests.control.discovery.conftest import SourceClock
 from tests.control.discovery.harness import (
     Pods,
     StartDiscovery,
@@ -174,6 +175,7 @@ async def test_api_server_down_keeps_the_set_grows_the_stale_gauge_and_traffic_g
     pods: Pods,
     discovery: tuple[RouterServer, KubernetesSource],
     caplog: pytest.LogCaptureFixture,
+    source_clock: SourceClock,
 ) -> None:
     """Down for 6 s here (the production backoff cap is 30 s, the report a minute; neither depends on the length)."""
     server, source = discovery
@@ -184,16 +186,17 @@ async def test_api_server_down_keeps_the_set_grows_the_stale_gauge_and_traffic_g
     assert samples(await scrape(server), "router_discovery_stale_seconds") == {(): 0.0}
     caplog.set_level(logging.WARNING, "router.control.discovery")
     await kube.stop()
-    down_since = time.monotonic()
     stale: list[float] = []
-    while time.monotonic() - down_since < 6:
+    # Down for 6 s of the source's clock, half a second at a time; traffic goes on at each step.
+    for _ in range(12):
         await traffic(server, ["m"], n=2)
         assert router_set(server) == wanted
         async with aiohttp.ClientSession() as session, session.get(server.admin_url + "/readyz") as r:
             assert r.status == 200
         stale.append(samples(await scrape(server), "router_discovery_stale_seconds")[()])
-        # Real time: the stale gauge is the source's clock's, and grows with it.
-        await asyncio.sleep(0.5)
+        source_clock.advance(0.5)
+    # Its next attempt, past report_every on its clock, says so again.
+    await wait_for(lambda: any("still cannot read" in r.getMessage() for r in caplog.records))
     assert stale[-1] >= 4.0 and stale == sorted(stale)
     reports = [r.getMessage() for r in caplog.records if "cannot read EndpointSlices" in r.getMessage()]
     assert "keeping the last known set of 2 replicas" in reports[0]
