@@ -89,10 +89,14 @@ def measure(
     extra: str = "",
     varied: bool = False,
     keep: Path | None = None,
+    engine: str = "",
 ) -> dict[str, float]:
     # On port 0, but for a baseline at an older commit, which says where it listens only at info: told its ports.
     told = "@" in name
     config = router_config(tmp, name.replace("@", "-"), fake, 4, told=told)
+    if engine:
+        # Every replica names its engine: its load is read, and its picks weigh it.
+        config.write_text(config.read_text().replace("\nurl = ", f"\nengine = {engine}\nurl = "))
     if extra:
         # Top-level keys go before the first table; tables after the last.
         text = config.read_text()
@@ -153,6 +157,27 @@ def measure(
     return figures
 
 
+def engine_runs(tmp: Path, requests: int) -> dict[str, dict[str, float]]:
+    """The working tree in front of a simulated vLLM engine (`router fake --engine vllm`), its load read
+    (ORCA headers on short answers, /metrics while streams run) and not: what reading the engines costs
+    a request."""
+    engine, url = start_fake(
+        *("--model", "fast", "--model", "slow", "--model", "sleepy"),
+        *("--engine", "vllm", "--time-scale", "100", "--max-running", "512"),
+    )
+    try:
+        wait_http(url + "/v1/models", process=engine)
+        off = measure("router-engines-off", None, tmp, url, requests, "engine_metrics_seconds = 0\n")
+        # Read every 30 s: under callgrind a thousand requests take many seconds of wall time, and
+        # reads at the default interval (a cost per second, bench/scale.py's engines target) would
+        # land on each request; what is counted here is what a request itself costs.
+        on = measure("router-engines", None, tmp, url, requests, "engine_metrics_seconds = 30\n", engine='"vllm"')
+    finally:
+        engine.terminate()
+        engine.wait(timeout=20)
+    return {"router-engines-off": off, "router-engines": on}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", metavar="REF", action="append", default=[], help="a commit to compare with")
@@ -175,6 +200,13 @@ def main() -> int:
         choices=["session", "prefix"],
         help="also run the working tree with this routing on every model (router-POLICY), and least_loaded "
         "(router-varied) as its baseline, both with 64 sessions and prompts in turn",
+    )
+    parser.add_argument(
+        "--engine-metrics",
+        action="store_true",
+        help="also run the working tree in front of a simulated vLLM engine with its load read "
+        '(every replica `engine = "vllm"`: router-engines), and with reading off '
+        "(router-engines-off) as its baseline",
     )
     parser.add_argument(
         "--compiled",
@@ -219,6 +251,8 @@ def main() -> int:
                 results[f"router-{policy}"] = measure(
                     f"router-{policy}", None, tmp, fake_url, args.requests, routing, varied=True
                 )
+            if args.engine_metrics:
+                results.update(engine_runs(tmp, args.requests))
             for ref in args.baseline:
                 tree = checkout(ref, tmp / "trees" / ref)
                 results[f"router@{ref}"] = measure(f"router@{ref}", tree, tmp, fake_url, args.requests)
@@ -234,11 +268,13 @@ def main() -> int:
     for name, figures in results.items():
         # A routing run is read against least_loaded with the same requests.
         base = results["router-varied"] if name in ("router-session", "router-prefix") else now
+        # Engine-aware picks are read against the same simulated engine with reading off.
+        base = results["router-engines-off"] if name == "router-engines" else base
         ratios = (
             ""
             if figures is base
             else " ({}: {:.3f}x, {:.3f}x)".format(
-                "router-varied" if base is not now else "working tree",
+                "working tree" if base is now else next(k for k, v in results.items() if v is base),
                 base["short"] / figures["short"],
                 base["stream"] / figures["stream"],
             )

@@ -20,6 +20,11 @@ client traffic, over replicas spread across 10 models:
 - quiet: a fleet of N replicas that do not answer (scaled to zero: every
   connection refused), every feature at its default: the router's CPU per
   second once its start-up reads are done (the model cards' among them).
+- engines: a fleet of N busy vLLM replicas (a request to every model each
+  second), their engines' load read at the default `engine_metrics_seconds`:
+  the router's CPU per second. Each replica's /metrics is a page the size
+  of a real vLLM engine's (its gauges, then 60 KB of histograms), served by
+  one page server on loopback (each replica a path of its own).
 
 Every figure runs in a fresh child process (`--child`), from the working tree
 or, with `--baseline REF`, also from REF's tree, and is the median of
@@ -33,12 +38,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -49,7 +56,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = (4, 40, 400, 4000, 10000)
 RING_SIZES = (4, 40, 400, 800, 4000, 10000)
-TARGETS = ("acquire", "tick", "scrape", "put", "ctl", "workers", "ring", "quiet")
+TARGETS = ("acquire", "tick", "scrape", "put", "ctl", "workers", "ring", "quiet", "engines")
 MODELS = 10
 
 RECEIVER = """
@@ -420,6 +427,110 @@ def measure_quiet(n: int, rounds: int) -> dict[str, float]:
     return {"quiet_fleet_ms_per_s": statistics.median(figures) * 1e3}
 
 
+# One server for every replica's engine: a vLLM /metrics page of a real one's size (the gauges
+# the router reads come first in vLLM's page, then histograms), /v1/models saying vLLM, and
+# chat answers. Each replica is a path prefix of its own: /rN/metrics.
+PAGES = """
+import sys
+from aiohttp import web
+
+gauges = (
+    '# HELP vllm:num_requests_running Number of requests in model execution batches.\\n'
+    '# TYPE vllm:num_requests_running gauge\\n'
+    'vllm:num_requests_running{engine="0",model_name="m"} 3.0\\n'
+    '# TYPE vllm:num_requests_waiting gauge\\n'
+    'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\\n'
+    '# TYPE vllm:kv_cache_usage_perc gauge\\n'
+    'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42\\n'
+)
+bucket = 'vllm:time_to_first_token_seconds_bucket{engine="0",le="%s",model_name="m"} 12.0\\n'
+page = (gauges + "".join(bucket % i for i in range(800))).encode()
+answer = b'{"id":"c","object":"chat.completion","created":0,"model":"m","choices":[]}'
+
+served = [0]
+
+async def metrics(request):
+    served[0] += 1
+    return web.Response(body=page, content_type="text/plain")
+
+async def count(request):
+    return web.Response(text=str(served[0]))
+
+async def models(request):
+    return web.json_response({"object": "list", "data": [{"id": request.match_info["model"], "owned_by": "vllm"}]})
+
+async def chat(request):
+    await request.read()
+    return web.Response(body=answer, content_type="application/json")
+
+app = web.Application()
+app.router.add_get("/{model}/{replica}/metrics", metrics)
+app.router.add_get("/count", count)
+app.router.add_get("/{model}/{replica}/v1/models", models)
+app.router.add_post("/{model}/{replica}/v1/chat/completions", chat)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+
+
+def measure_engines(n: int, rounds: int) -> dict[str, float]:
+    """The router's CPU per second reading the engines of N busy replicas at the default interval."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pages_port, port, admin = free_port(), free_port(), free_port()
+        pages = subprocess.Popen([sys.executable, "-c", PAGES, str(pages_port)])
+        config = Path(tmp) / "r.toml"
+        lines = [f'listen = "127.0.0.1:{port}"', f'admin_listen = "127.0.0.1:{admin}"']
+        for i in range(n):
+            model = f"model-{i % MODELS}"
+            lines += ["[[replicas]]", f'id = "{model}-replica-{i}"', f'model = "{model}"', 'engine = "vllm"']
+            lines.append(f'url = "http://127.0.0.1:{pages_port}/{model}/r{i}"')
+        config.write_text("\n".join(lines) + "\n")
+        try:
+            _wait_port(pages_port)
+            with router_process(config, admin) as process:
+                stop = time.monotonic() + 600
+
+                def traffic() -> None:
+                    # Every model busy: a request to each every second, as long as the measure runs.
+                    body = b'{"model": "%s", "messages": []}'
+                    while time.monotonic() < stop:
+                        for m in range(MODELS):
+                            request = urllib.request.Request(
+                                f"http://127.0.0.1:{port}/v1/chat/completions",
+                                data=body % f"model-{m}".encode(),
+                                headers={"Content-Type": "application/json"},
+                            )
+                            with contextlib.suppress(OSError):
+                                urllib.request.urlopen(request, timeout=10).read()
+                        time.sleep(1.0)
+
+                sender = threading.Thread(target=traffic, daemon=True)
+                sender.start()
+                time.sleep(5.0)  # start-up: the cards' reads, the first rounds of readings
+                figures, rates = [], []
+                counter = f"http://127.0.0.1:{pages_port}/count"
+                for _ in range(min(rounds, 3)):
+                    before, served = process_cpu(process.pid), int(get(counter))
+                    time.sleep(10.0)
+                    figures.append((process_cpu(process.pid) - before) / 10.0)
+                    rates.append((int(get(counter)) - served) / 10.0)
+                stop = 0.0
+                reads = orjson_get(f"http://127.0.0.1:{admin}/api/v1/replicas")
+                read = sum(1 for row in reads if row.get("engine_load") is not None)
+        finally:
+            pages.terminate()
+            pages.wait(timeout=30)
+    return {
+        "engines_ms_per_s": statistics.median(figures) * 1e3,
+        "engines_reads_per_s": statistics.median(rates),
+        "engines_read": read,
+    }
+
+
+def orjson_get(url: str) -> list[dict[str, Any]]:
+    doc: list[dict[str, Any]] = json.loads(get(url))
+    return doc
+
+
 MEASURES: dict[str, Callable[[int, int], dict[str, float]]] = {
     "acquire": measure_acquire,
     "tick": measure_tick,
@@ -429,6 +540,7 @@ MEASURES: dict[str, Callable[[int, int], dict[str, float]]] = {
     "workers": measure_workers,
     "ring": measure_ring,
     "quiet": measure_quiet,
+    "engines": measure_engines,
 }
 
 
@@ -474,6 +586,9 @@ ROWS = (
     ("ring_eject_ms", "... one replica ejected", "{:.2f} ms"),
     ("ring_readmit_ms", "... one replica readmitted", "{:.2f} ms"),
     ("quiet_fleet_ms_per_s", "a fleet that does not answer, defaults: CPU a second", "{:.2f} ms"),
+    ("engines_ms_per_s", "busy vLLM replicas, their load read: CPU a second", "{:.1f} ms"),
+    ("engines_reads_per_s", "... pages read a second", "{:,.0f}"),
+    ("engines_read", "... replicas with a reading", "{:,.0f}"),
 )
 
 
@@ -485,6 +600,7 @@ KEYS = {
     "workers": ("supervisor_tick_ms",),
     "ring": ("ring_start_s", "ring_add_ms", "ring_remove_ms", "ring_eject_ms", "ring_readmit_ms"),
     "quiet": ("quiet_fleet_ms_per_s",),
+    "engines": ("engines_ms_per_s", "engines_reads_per_s", "engines_read"),
 }
 
 Figures = dict[str, float | str]

@@ -1,4 +1,4 @@
-"""Left only for tests/http/client, moving onto the fake clock: tests/support/clock.py now. Delete once that moves."""
+"""Left only for tests/http/client, which imports it: tests/support/clock.py now. Delete once that moves."""
 
 from __future__ import annotations
 

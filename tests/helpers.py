@@ -1,7 +1,7 @@
 """Left only for tests/http/client, which imports it: the helpers are in tests/support/. Delete once that moves.
 
-tests/http/client is on its way to the fake clock in another change; its
-imports move to tests/support/ with it, and this module goes.
+tests/http/client is another change's to edit; once its imports name
+tests/support/, this module goes.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ MAX_CLASS_LINES = 300
 # Test modules past their bound, each to be split along its seams. Listed, not
 # exempt for good: a test below fails once the module fits, so that it leaves the list.
 NOT_YET_SPLIT = {
-    # Moving onto the fake clock in another change, which splits it.
+    # The upstream client's tests, kept whole while router/http/client is reworked.
     "tests/http/client/test_upstream_client.py",
 }
 
@@ -167,7 +167,7 @@ def _cycles(prefix: str) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize("package", ["router.core."])
+@pytest.mark.parametrize("package", ["router.core.", "router.http."])
 def test_no_modules_of_the_core_or_the_http_layer_import_each_other_in_a_circle(package: str) -> None:
     assert _cycles(package) == []
 

@@ -15,6 +15,12 @@ it, or it came back from an ejection), looked for at intervals that double
 from `retry` up to `retry_cap`. A replica that is down or cold is never
 polled.
 
+A replica's `/v1/models` also lists the LoRA adapters its engine has loaded
+(router.core.pool.adapters), and vLLM loads and unloads them at run time: a
+replica that had traffic since its last read is read again once `refresh`
+seconds have passed, so that a new adapter is found within that time. A
+quiet replica is never read again for it: no traffic, no one asking.
+
 What a replica answers is bounded: CARD_BYTES of body (an endless answer
 is a failed read), no redirect followed (the router would fetch what a
 replica names and serve its fields to clients), fields bounded in
@@ -31,7 +37,7 @@ import logging
 import aiohttp
 import orjson
 
-from router.core.config.cards import Cards, engine_of, read_card
+from router.core.config.cards import Cards, adapters_of, engine_of, read_card
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica, ReplicaState
 
@@ -57,6 +63,7 @@ class CardReader:
         timeout: float = 5.0,
         retry: float = 10.0,
         retry_cap: float = 600.0,
+        refresh: float = 30.0,
     ) -> None:
         self.pool = pool
         self.session = session
@@ -75,6 +82,10 @@ class CardReader:
         self._failing: dict[Replica, int] = {}
         self._tokens = itertools.count()
         self.reads = 0
+        self.refresh = refresh
+        # Each replica read: requests that had reached it then (read again once it has had more).
+        self._read_with: dict[Replica, int] = {}
+        self._refreshed_at: float | None = None
 
     async def read(self, replica: Replica) -> bool:
         """One replica's card, stored under its model; False when there was none to read."""
@@ -102,6 +113,8 @@ class CardReader:
             return False
         if replica.engine is None:
             replica.engine = engine_of(doc, replica.model)
+        self.pool.adapters.learn(replica, adapters_of(doc, replica.model))
+        self._read_with[replica] = replica.requests
         card = read_card(doc, replica.model)
         if card is None:
             return False
@@ -138,9 +151,24 @@ class CardReader:
         token = self._failing[replica] = next(self._tokens)
         heapq.heappush(self._retries, (when, token, replica, min(interval, self.retry_cap), evidence))
 
+    def refresh_busy(self, now: float) -> None:
+        """Once every `refresh` seconds: the replicas read before that have had requests since, read again
+        (their engines may have loaded or unloaded adapters). One look at the replicas read, no request."""
+        if self._refreshed_at is not None and now < self._refreshed_at + self.refresh:
+            return
+        self._refreshed_at = now
+        joined = self._joined
+        for replica, requests in list(self._read_with.items()):
+            if replica.removed:
+                del self._read_with[replica]
+            elif replica.requests != requests and replica.state is ReplicaState.READY:
+                joined[replica] = None
+
     async def round(self) -> None:
-        """Read the replicas that joined, or showed life after a failed read, since the last round."""
+        """Read the replicas that joined, or showed life after a failed read, since the last round,
+        and those with traffic since their read `refresh` seconds ago."""
         now = asyncio.get_running_loop().time()
+        self.refresh_busy(now)
         due = self.due(now)
         if not due:
             return

@@ -6,7 +6,8 @@ the hold and each attempt. It keeps the three names a request has apart:
 `requested`, the name the client sent (an alias, perhaps); `model`, the model
 that name leads to; and, per attempt, the `target` tried, which a fallback
 makes another model still (the body it is sent under is `body_for(target)`,
-written once per target). What the access log says of the request is its
+written once per target). A request naming a LoRA adapter has the adapter as
+`requested` and `adapter`, and its base model as `model`. What the access log says of the request is its
 `entry`, None when there is no access log.
 """
 
@@ -24,7 +25,19 @@ from router.http.writer import Writer
 class Call:
     """A request, its writer, what its body says, whose it is, and the line the access log will write."""
 
-    __slots__ = ("_bodies", "caller", "entry", "headers", "model", "parsed", "request", "requested", "stream", "writer")
+    __slots__ = (
+        "_bodies",
+        "adapter",
+        "caller",
+        "entry",
+        "headers",
+        "model",
+        "parsed",
+        "request",
+        "requested",
+        "stream",
+        "writer",
+    )
 
     def __init__(  # noqa: PLR0917 (a value object: its fields in order, made on the request path)
         self,
@@ -37,6 +50,7 @@ class Call:
         headers: bytes,
         entry: Entry | None,
         caller: Caller = ANYONE,
+        adapter: str | None = None,
     ) -> None:
         self.request = request
         self.writer = writer
@@ -52,6 +66,11 @@ class Call:
         self.caller = caller
         # The body under each other model's name it was sent to (an alias's model, a fallback).
         self._bodies: dict[str, bytes] | None = None
+        # The LoRA adapter it names, served by replicas of `model` that list it
+        # (router.core.pool.adapters): sent as the client wrote it, under the adapter's name.
+        self.adapter = adapter
+        if adapter is not None:
+            self._bodies = {model: request.body}
 
     def body_for(self, target: str) -> bytes:
         """The body as `target` must get it: the client's own bytes, or re-encoded under `target`'s name

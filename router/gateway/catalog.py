@@ -46,7 +46,8 @@ class Routes:
 
 
 class Catalog:
-    """`GET /v1/models` and `/v1/models/{model}`: the models with a replica now, and their aliases."""
+    """`GET /v1/models` and `/v1/models/{model}`: the models with a replica now, their aliases, and the
+    LoRA adapters their replicas list."""
 
     def __init__(self, pool: Pool, routes: Routes, keys: ApiKeys, created: int) -> None:
         self.pool = pool
@@ -77,10 +78,18 @@ class Catalog:
     def names(self) -> list[str]:
         names = self.pool.models()
         names += [alias for alias, target in self.routes.aliases.items() if self.pool.serves(target)]
+        served = set(names)
+        names += [adapter for adapter in self.pool.adapters.listed() if adapter not in served]
         return names
 
     def _doc(self, name: str) -> dict[str, Any]:
         doc: dict[str, Any] = {"id": name, "object": "model", "created": self.created, "owned_by": "router"}
+        if not self.pool.serves(name) and name not in self.routes.aliases:
+            base = self.pool.adapters.base_of(name)
+            if base is not None:
+                # A LoRA adapter's card, as vLLM's: its base model as `parent`.
+                doc["parent"] = base
+                return doc
         target = self.routes.aliases.get(name)
         card = self.cards.get(name if target is None else target)
         if card is not None:

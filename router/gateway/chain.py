@@ -68,7 +68,9 @@ class Chain:
         # A /v1/responses answer's id is remembered with its replica: requests
         # that continue it must reach the replica that keeps it.
         remembering = request.path == "/v1/responses"
-        chain = (model, *self.routes.fallbacks.get(model, ()))
+        adapter = call.adapter
+        # An adapter's request is its own: another model's answer is not the adapter's, so no fallbacks.
+        chain = (model, *self.routes.fallbacks.get(model, ())) if adapter is None else (model,)
         # About four bytes a token: a large prompt weighs in the picks while it prefills (core/pool/loads.py).
         tokens = len(request.body) >> 2 if pool.engines is not None else 0
         cold_start = self.held_requests.seconds.get(model)
@@ -90,7 +92,9 @@ class Chain:
                 # renamed is refused (400) before any replica is taken for it.
                 call.body_for(target)
                 avoid: Replica | None = None
-                refused: set[Replica] = set()
+                # Replicas this request must not reach: those that refused it, and for an
+                # adapter, from the start, those of its base model that do not list it.
+                refused = set() if adapter is None else pool.lacking(target, adapter)
                 key = None
                 if self._affinity and (affinity := self._affinity.get(target)) is not None:
                     key = affinity.key(request, call.parsed)
@@ -141,7 +145,7 @@ class Chain:
                     probes = None
                 await self.held_requests.serve(call, cold_start)
                 return
-            call.writer.answer(self._unserved(chain, last, only_connect_failures))
+            call.writer.answer(self._unserved(chain, last, only_connect_failures, adapter))
         finally:
             if probes is not None:
                 self.forwarder.ledgers.count_tried(call.entry, probes, model)
@@ -226,12 +230,14 @@ class Chain:
             entry.priority = klass.name
             entry.queued_seconds = waited + (entry.queued_seconds or 0.0)
 
-    def _unserved(self, chain: tuple[str, ...], last: Failed | None, only_connect_failures: bool) -> Reply:
+    def _unserved(
+        self, chain: tuple[str, ...], last: Failed | None, only_connect_failures: bool, adapter: str | None
+    ) -> Reply:
         """No attempt answered: the last replica's own answer, or a 503 when none could be reached."""
         if last is None or only_connect_failures:
-            # Demand is counted under the model the name leads to (an alias's model).
+            # Demand is counted under the model the name leads to (an alias's model, an adapter's base).
             self.pool.tallies.unserved_request(chain[0])
-            names = " or ".join(repr(name) for name in chain)
+            names = " or ".join(repr(name) for name in chain) if adapter is None else f"{adapter!r} (on {chain[0]!r})"
             detail = f" (last failure: {last.error.message})" if last is not None else ""
             return error_response(
                 NoReplicaAvailable(

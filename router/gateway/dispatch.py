@@ -182,13 +182,18 @@ class Proxy:
             routes = self.routes
             model = routes.aliases.get(requested, requested)
             pool = self.pool
+            adapter = None
             if not pool.serves(model) and model not in routes.declared and model not in pool.ever_served:
                 # Known is declared, or served now or at any time since start:
                 # a model scaled to zero is unavailable (503), not unknown (404).
-                pool.tallies.unserved_request(model)
-                raise ModelNotFound(
-                    f"The model {quoted(requested)} does not exist or no replica serves it.", param="model"
-                )
+                # Else a LoRA adapter some replica lists, served by its base model's.
+                base = pool.adapters.base_of(model)
+                if base is None:
+                    pool.tallies.unserved_request(model)
+                    raise ModelNotFound(
+                        f"The model {quoted(requested)} does not exist or no replica serves it.", param="model"
+                    )
+                adapter, model = model, base
             # Framed once for every attempt; only Host and the length differ.
             call = Call(
                 request,
@@ -200,6 +205,7 @@ class Proxy:
                 self._forwarded.framed(request.raw_headers),
                 entry,
                 caller,
+                adapter,
             )
             if request.path == "/v1/responses" and (previous := obj.get("previous_response_id")) is not None:
                 if not isinstance(previous, str):

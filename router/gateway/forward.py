@@ -158,10 +158,17 @@ class Forwarder:
         origin = origin_of(replica.base_url)
         method = request.method
         # vLLM says its queue and KV cache in a whole answer when asked (ORCA): a busy replica's
-        # reading comes free with each. Asked for here, and kept from the client, unless it asked itself.
-        orca = replica.engine == "vllm" and self.pool.engine_loads is not None and not call.stream
-        if orca and request.header(b"endpoint-load-metrics-format") is not None:
-            orca = False
+        # reading comes free with it. Asked for here once its reading is an interval old (reading
+        # every answer costs a third more per request for readings a moment apart), and kept
+        # from the client, unless it asked itself.
+        loads = self.pool.engine_loads
+        orca = (
+            replica.engine == "vllm"
+            and loads is not None
+            and not call.stream
+            and loads.view.wants(replica)
+            and request.header(b"endpoint-load-metrics-format") is None
+        )
         head = b"".join(
             (
                 b"POST " if method == "POST" else method.encode("ascii") + b" ",

@@ -201,6 +201,7 @@ class RouterServer(Listening):
             connect_timeout=config.connect_timeout_seconds,
             keepalive_seconds=config.upstream_keepalive_seconds,
             idle_timeout=config.upstream_idle_timeout_seconds,
+            clock=self.clock,
         )
         stack.push_async_callback(self.upstream.close)
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
@@ -311,7 +312,7 @@ class RouterServer(Listening):
             self._tasks.append(loop.create_task(self.cards.run()))
         if config.engine_metrics_seconds > 0:
             # Each engine's load, read while its model is busy (router/control/engines.py).
-            self.engines = engine_reader(stack, config, self.pool)
+            self.engines = engine_reader(stack, config, self.pool, self.clock)
             self._tasks.append(loop.create_task(self.engines.run()))
         if config.health_check_interval_seconds > 0:
             self.health = HealthChecker(
@@ -415,15 +416,16 @@ def engine_view(config: Config, clock: Clock) -> EngineView | None:
         for name, model in config.models.items()
     }
     # A reading three intervals old (and at least a second) says nothing any more.
-    return EngineView(clock.now, stale_after=max(1.0, 3 * every), bounds=bounds, default=default)
+    return EngineView(clock.now, stale_after=max(1.0, 3 * every), bounds=bounds, default=default, fresh_for=every)
 
 
-def engine_reader(stack: contextlib.AsyncExitStack, config: Config, pool: Pool) -> EngineReader:
+def engine_reader(stack: contextlib.AsyncExitStack, config: Config, pool: Pool, clock: Clock) -> EngineReader:
     """The reader of the engines' loads, on an upstream client of its own (its close on `stack`)."""
     client = Client(
         connect_timeout=min(config.connect_timeout_seconds, 2.0),
         keepalive_seconds=config.upstream_keepalive_seconds,
         idle_timeout=max(2.0, 2 * config.engine_metrics_seconds),
+        clock=clock,
     )
     stack.push_async_callback(client.close)
     return EngineReader(pool, client, every=config.engine_metrics_seconds)

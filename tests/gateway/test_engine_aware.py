@@ -203,3 +203,24 @@ async def test_vllm_answers_carry_its_load_and_the_client_sees_no_header_it_did_
     load = server.pool.get("r0")
     assert load is not None and load.load is not None and load.load.source == "orca"
     assert fake.metrics_reads == 0
+
+
+async def test_an_answers_load_is_asked_for_once_the_reading_is_an_interval_old(
+    engines: Any, start_router: StartRouter
+) -> None:
+    """A busy replica's answers come many a second: one reading an interval is enough, and reading
+    each would cost every request the header's parse."""
+    fake = await engines("vllm")
+    server = await start_router([entry("r0", fake)], engine_metrics_seconds=10)
+
+    def asked() -> int:
+        return sum(1 for seen in fake.seen if "endpoint-load-metrics-format" in {k.lower() for k in seen.headers})
+
+    async with aiohttp.ClientSession() as session:
+        body = orjson.dumps({"model": "m", "messages": HI, "max_tokens": 2})
+        for _ in range(5):
+            async with session.post(server.client_url + "/v1/chat/completions", data=body) as resp:
+                assert resp.status == 200
+    replica = server.pool.get("r0")
+    assert replica is not None and replica.load is not None and replica.load.source == "orca"
+    assert asked() == 1

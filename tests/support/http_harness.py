@@ -134,7 +134,7 @@ class Stub:
         writer.start(200, b"OK", [(b"Content-Type", b"text/event-stream")])
         for i in range(count):
             if self.token_delay:
-                # Real time: a stub's tokens paced as a replica's, against the server's write timers.
+                # Real time: a replica that generates slowly, as the test asks.
                 await asyncio.sleep(self.token_delay)
             if writer.write(b'data: {"object": "chat.completion.chunk", "token": %d}\n\n' % i):
                 await writer.drain()

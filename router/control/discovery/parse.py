@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from router.core.config.engines import ENGINES
 from router.core.config.settings import KubernetesDiscovery, ReplicaConfig
 
 # An address as it may stand in a URL's host unbracketed: an IPv4 address
@@ -94,6 +95,8 @@ class SliceRead:
     # The `port` (a name looked up among the slice's ports); None when it has no such port.
     port: int | None
     endpoints: tuple[SliceEndpoint, ...]
+    # The `engine_label` value, when it names an engine the router reads; else None.
+    engine: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,8 @@ class PodRead:
     # The `model_label` value; None when the pod has none (its slice's then).
     model: str | None
     labels: Mapping[str, str]
+    # The `engine_label` value, when it names an engine the router reads; None: the slice's then.
+    engine: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +172,8 @@ def object_name(obj: object, kind: str) -> str:
 
 def _model_and_labels(
     labels_value: object, settings: KubernetesDiscovery, where: str
-) -> tuple[str | None, Mapping[str, str]]:
+) -> tuple[str | None, Mapping[str, str], str | None]:
+    """The model label's value, the `labels_from` labels, and the engine the engine label names."""
     labels = _object(labels_value, f"{where}: metadata.labels")
     model = _text(labels.get(settings.model_label), f"{where}: label {settings.model_label}")
     copied = {}
@@ -175,7 +181,9 @@ def _model_and_labels(
         value = _text(labels.get(key), f"{where}: label {key}")
         if value is not None:
             copied[key] = value
-    return (model or None), MappingProxyType(copied)
+    # An engine the router does not read is as no label: the replica's /v1/models and /metrics say.
+    engine = labels.get(settings.engine_label)
+    return (model or None), MappingProxyType(copied), (engine if engine in ENGINES else None)
 
 
 def _host(value: object, ipv6: bool, where: str) -> str:
@@ -247,14 +255,14 @@ def parse_slice(obj: object, settings: KubernetesDiscovery, namespace: str) -> S
     metadata = _object(body.get("metadata"), "an EndpointSlice's metadata")
     name = metadata.get("name")
     where = f"EndpointSlice {name}" if isinstance(name, str) else "an EndpointSlice"
-    model, copied = _model_and_labels(metadata.get("labels"), settings, where)
+    model, copied, engine = _model_and_labels(metadata.get("labels"), settings, where)
     ipv6 = body.get("addressType") == "IPv6"
     endpoints = []
     for index, raw in enumerate(_array(body.get("endpoints"), f"{where}: endpoints")):
         endpoint = _endpoint(raw, ipv6, namespace, f"{where}: endpoints[{index}]")
         if endpoint is not None:
             endpoints.append(endpoint)
-    return SliceRead(model, copied, _port(body.get("ports"), settings.port, where), tuple(endpoints))
+    return SliceRead(model, copied, _port(body.get("ports"), settings.port, where), tuple(endpoints), engine)
 
 
 def slice_members(read: SliceRead, settings: KubernetesDiscovery) -> SliceView:
@@ -265,7 +273,10 @@ def slice_members(read: SliceRead, settings: KubernetesDiscovery) -> SliceView:
         return SliceView((), f"has no port named {settings.port!r}")
     return SliceView(
         tuple(
-            Member(ReplicaConfig(e.replica_id, read.model, f"http://{e.host}:{read.port}", read.labels), e.terminating)
+            Member(
+                ReplicaConfig(e.replica_id, read.model, f"http://{e.host}:{read.port}", read.labels, read.engine),
+                e.terminating,
+            )
             for e in read.endpoints
         )
     )
@@ -281,8 +292,8 @@ def read_pod(obj: object, settings: KubernetesDiscovery) -> PodRead:
     metadata = _object(_object(obj, "a Pod").get("metadata"), "a Pod's metadata")
     name = metadata.get("name")
     where = f"Pod {name}" if isinstance(name, str) else "a Pod"
-    model, copied = _model_and_labels(metadata.get("labels"), settings, where)
-    return PodRead(model, copied)
+    model, copied, engine = _model_and_labels(metadata.get("labels"), settings, where)
+    return PodRead(model, copied, engine)
 
 
 def read_list(doc: object, kind: str) -> ListRead:
@@ -352,7 +363,8 @@ def join_pods(
                 )
                 continue
             labels = MappingProxyType({**read.labels, **pod.labels})
-            config = ReplicaConfig(endpoint.replica_id, model, f"http://{endpoint.host}:{read.port}", labels)
+            url = f"http://{endpoint.host}:{read.port}"
+            config = ReplicaConfig(endpoint.replica_id, model, url, labels, pod.engine or read.engine)
             members.append(Member(config, endpoint.terminating))
             served.add(endpoint.replica_id)
         if members:

@@ -14,6 +14,10 @@ from typing import Any
 
 from router.core.config.engines import ENGINES
 
+# What one replica's adapters may be, at most: a /v1/models listing more is
+# read up to this many (vLLM's `--max-loras` is a handful; loaded ones on disk, hundreds).
+MAX_ADAPTERS = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class Card:
@@ -98,3 +102,27 @@ def engine_of(doc: object, model: str) -> str | None:
     chosen = next((entry for entry in entries if entry.get("id") == model), entries[0] if entries else None)
     owner = chosen.get("owned_by") if chosen is not None else None
     return owner if isinstance(owner, str) and owner in ENGINES else None
+
+
+def adapters_of(doc: object, model: str) -> frozenset[str]:
+    """The LoRA adapters a replica of `model` serves, by its /v1/models answer.
+
+    vLLM lists each adapter it has loaded as an entry of its own whose `parent`
+    is the base model it runs on (vllm/entrypoints/openai/serving_models.py,
+    show_available_models), and loads or unloads adapters at run time. An
+    entry counts when its `parent` is `model` and its id is a name a client
+    could send (printable, at most MAX_PARENT_CHARS): other bases' adapters
+    are not this replica's to serve under `model`.
+    """
+    if not isinstance(doc, dict) or not isinstance(data := doc.get("data"), list):
+        return frozenset()
+    names: set[str] = set()
+    for entry in data:
+        if not isinstance(entry, dict) or entry.get("parent") != model:
+            continue
+        name = _text(entry.get("id"), MAX_PARENT_CHARS)
+        if name and name != model:
+            names.add(name)
+            if len(names) >= MAX_ADAPTERS:
+                break
+    return frozenset(names)

@@ -97,6 +97,8 @@ def _replica_url(where: check.Where, key: str, value: object) -> str:
 
 # The label on a model's EndpointSlices (copied there from its Service) that names the model.
 DEFAULT_MODEL_LABEL = "router.llm/model"
+# The label naming a replica's engine (vllm, sglang, llamacpp, tgi), whose load the router reads.
+DEFAULT_ENGINE_LABEL = "router.llm/engine"
 # What [discovery.kubernetes] selector matches: the model Services' EndpointSlices, or the pods.
 SELECTOR_ON = ("endpointslices", "pods")
 
@@ -111,6 +113,8 @@ class KubernetesDiscovery:
     # None: the pod's own namespace in a cluster, else the kubeconfig context's.
     namespace: str | None = None
     model_label: str = DEFAULT_MODEL_LABEL
+    # The pod's (else the slice's) label naming its engine; absent or unknown: recognised as for any replica.
+    engine_label: str = DEFAULT_ENGINE_LABEL
     labels_from: tuple[str, ...] = ()
     # None: in a cluster its service account, else $KUBECONFIG, else ~/.kube/config.
     kubeconfig: str | None = None
@@ -233,7 +237,7 @@ class Config:
     )
     # Off for engines whose /v1/models is not theirs to give (behind an auth the router lacks).
     model_cards: bool = _setting(
-        True, check.boolean, "read each replica's /v1/models as it joins: max_model_len, root, parent"
+        True, check.boolean, "read each replica's /v1/models as it joins: max_model_len, root, adapters"
     )
     # vLLM's /tokenize takes a body without a model; llama.cpp ignores the field.
     default_model: str = _setting(
@@ -255,15 +259,17 @@ class Config:
     engine_metrics_seconds: float = _seconds(
         0.5, "read each busy replica's engine load this often (docs/routing.md); 0 = off", minimum=0.0
     )
+    # Ten, not the endpoint picker's five: measured on the simulated fleet (docs/routing.md), five
+    # sends a prefix's requests away from its cache at the queues an engine serves through in a moment.
     saturated_waiting: float = _setting(
-        5.0,
+        10.0,
         lambda w, k, v: check.number(w, k, v, minimum=0.001),
         "a replica whose engine has this many requests waiting is saturated: requests wait in the router",
     )
     saturated_kv: float = _setting(
         0.8,
         lambda w, k, v: check.number(w, k, v, minimum=0.001),
-        "... or whose KV cache is this full (a fraction; above 1: never)",
+        "... or whose KV cache is this full while requests wait (a fraction; above 1: never)",
     )
     replicas: tuple[ReplicaConfig, ...] = ()
     models: Mapping[str, ModelConfig] = field(default_factory=lambda: MappingProxyType({}))
@@ -381,7 +387,16 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
 
 
 _DISCOVERY_KEYS = {"kubernetes"}
-_KUBERNETES_KEYS = {"namespace", "selector", "selector_on", "port", "model_label", "labels_from", "kubeconfig"}
+_KUBERNETES_KEYS = {
+    "namespace",
+    "selector",
+    "selector_on",
+    "port",
+    "model_label",
+    "engine_label",
+    "labels_from",
+    "kubeconfig",
+}
 # RFC 1123 labels (namespaces, and EndpointSlice port names), label keys: what the API server accepts.
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _PORT_NAME = _DNS_LABEL
@@ -430,6 +445,7 @@ def _discovery(where: check.Where, value: object) -> KubernetesDiscovery:
         port=port,
         namespace=namespace,
         model_label=check.label_key(where, f"{key}.model_label", raw.get("model_label", DEFAULT_MODEL_LABEL)),
+        engine_label=check.label_key(where, f"{key}.engine_label", raw.get("engine_label", DEFAULT_ENGINE_LABEL)),
         labels_from=labels_from,
         kubeconfig=kubeconfig,
         selector_on=selector_on,

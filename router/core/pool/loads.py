@@ -29,9 +29,10 @@ class and tenant, until one falls below them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+import random
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 # A prompt of at least this many tokens (estimated at four bytes each) is remembered while its
 # prefill runs: shorter ones are prefilled within a step or two and change no pick.
@@ -46,7 +47,7 @@ KV_WEIGHT = 2.0
 class Bounds:
     """When a replica is saturated: its engine's queue (requests waiting) or its KV cache use (0..1)."""
 
-    waiting: float = 5.0
+    waiting: float = 10.0
     kv: float = 0.8
 
 
@@ -95,7 +96,13 @@ class Prefills:
 
 
 def queue_now(load: EngineLoad, in_flight: int) -> float:
-    """The engine's queue as it likely is now: as read, and what this router sent since (never less)."""
+    """The engine's queue as it likely is now: as read, and what this router sent since (never less)
+    when the engine was queueing already. An engine with room in its batch takes what comes into it
+    (continuous batching) until its batch or its KV cache is full, which its next reading says:
+    counting each request sent since as queued would call a replica saturated that is running them,
+    and send a prefix's requests away from the replica whose cache holds it."""
+    if load.waiting <= 0:
+        return load.waiting
     sent = in_flight - load.sent_then
     return load.waiting + sent if sent > 0 else load.waiting
 
@@ -103,7 +110,10 @@ def queue_now(load: EngineLoad, in_flight: int) -> float:
 def pressure(load: EngineLoad, in_flight: int, bounds: Bounds) -> float:
     """How near its bounds the replica is: 1 or more is saturated (the endpoint picker's roofline)."""
     queue = queue_now(load, in_flight) / bounds.waiting
-    kv = load.kv / bounds.kv if load.kv is not None else 0.0
+    # A full KV cache with nothing waiting is an engine at work, not one that turns requests away
+    # (vLLM runs with its cache near full by design, its prefix cache filling the rest): only when
+    # requests wait does it mean that the cache is why.
+    kv = load.kv / bounds.kv if load.kv is not None and load.waiting > 0 else 0.0
     return queue if queue > kv else kv
 
 
@@ -129,6 +139,9 @@ class Engined(Protocol):
     prefills: Prefills | None
 
 
+E = TypeVar("E", bound=Engined)
+
+
 class EngineView:
     """The pool's view of its replicas' engines: their readings, their freshness, and who is saturated.
 
@@ -137,7 +150,7 @@ class EngineView:
     at its model's bounds.
     """
 
-    __slots__ = ("_bounds", "_default", "_now", "prefill_rate", "stale_after")
+    __slots__ = ("_bounds", "_default", "_now", "fresh_for", "prefill_rate", "stale_after")
 
     def __init__(
         self,
@@ -147,8 +160,11 @@ class EngineView:
         bounds: Mapping[str, Bounds] | None = None,
         default: Bounds = Bounds(),
         prefill_rate: float = 10_000.0,
+        fresh_for: float = 0.5,
     ) -> None:
         self._now = now
+        # A reading younger than this needs no other (the engines' reader's interval).
+        self.fresh_for = fresh_for
         # A reading older than this says nothing.
         self.stale_after = stale_after
         self._bounds = dict(bounds or {})
@@ -171,12 +187,60 @@ class EngineView:
         return load is not None and pressure(load, replica.in_flight, self.bounds(replica.model)) >= 1.0
 
     def judge(self, replica: Engined) -> float:
-        load = self.fresh(replica)
+        """The pick's score of a replica, lowest first: blended(), or math.inf where pressure() >= 1."""
+        return self._score(replica, self._now())
+
+    def least(self, items: Iterable[E], avoid: E | None, exclude: Container[E], rng: random.Random) -> E | None:
+        """The item judge() scores lowest (a random one among equals), never one of `exclude`, `avoid`
+        only if nothing else is left; None when every one is saturated. One pass, the clock read once."""
+        now = self._now()
+        score = self._score
+        best: list[E] = []
+        lowest = math.inf
+        for item in items:
+            if item is avoid or item in exclude:
+                continue
+            figure = score(item, now)
+            if figure < lowest:
+                lowest = figure
+                best = [item]
+            elif figure == lowest and figure != math.inf:
+                best.append(item)
+        if not best:
+            if avoid is not None and avoid not in exclude and score(avoid, now) != math.inf:
+                return avoid
+            return None
+        return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
+
+    def _score(self, replica: Engined, now: float) -> float:
+        """judge() at `now`: pressure(), queue_now() and blended() inlined into one call, as it runs for
+        every candidate of every pick (tests/core/test_loads.py holds it equal to them)."""
+        in_flight = replica.in_flight
         prefills = replica.prefills
-        prefilling = prefills.left(self._now()) if prefills is not None else 0.0
-        if load is not None and pressure(load, replica.in_flight, self.bounds(replica.model)) >= 1.0:
+        prefilling = prefills.left(now) / TOKENS_PER_REQUEST if prefills is not None else 0.0
+        load = replica.load
+        if load is None or now - load.at > self.stale_after:
+            return in_flight + prefilling
+        bounds = self._bounds.get(replica.model, self._default) if self._bounds else self._default
+        waiting = load.waiting
+        moved = in_flight - load.sent_then
+        queue = waiting + moved if waiting > 0 and moved > 0 else waiting
+        kv = load.kv
+        if queue >= bounds.waiting or (kv is not None and waiting > 0 and kv >= bounds.kv):
             return math.inf
-        return blended(load, replica.in_flight, prefilling)
+        running = load.running
+        engine = (running if running is not None else load.sent_then) + waiting + moved
+        return (
+            (engine if engine > in_flight else in_flight)
+            + queue
+            + (KV_WEIGHT * kv if kv is not None else 0.0)
+            + prefilling
+        )
+
+    def wants(self, replica: Engined) -> bool:
+        """Whether the replica's reading is old enough to be renewed (an answer's ORCA header)."""
+        load = replica.load
+        return load is None or self._now() - load.at >= self.fresh_for
 
     def sent(self, replica: Engined, tokens: int) -> None:
         """A request of about `tokens` prompt tokens went to `replica`: a large one is remembered while it prefills."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from collections.abc import Callable, Container, Hashable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast
 
@@ -114,6 +114,8 @@ class PolicySettings:
     # first, math.inf when its engine is saturated), used once a reading of the model's
     # engines has come (`aware`); None: engine metrics are off, and loads alone decide.
     judge: Callable[[Any], float] | None = None
+    # The judge's pick over candidates in one pass (EngineView.least): least-loaded's, once aware.
+    least: Callable[[Iterable[Any], Any, Container[Any], random.Random], Any] | None = None
 
 
 # What a session or prefix policy's first pick was: the key's own replica, one
@@ -130,7 +132,7 @@ class LeastLoaded(Generic[T]):
     bucket over. The bookkeeping of loads that the hashing policies share.
     """
 
-    __slots__ = ("_buckets", "_judge", "_slots", "_lowest", "_rng", "_total", "aware", "picks")
+    __slots__ = ("_buckets", "_judge", "_least", "_slots", "_lowest", "_rng", "_total", "aware", "picks")
 
     def __init__(self, rng: random.Random | None = None, settings: PolicySettings | None = None) -> None:
         # _buckets[n] holds the candidates with n requests in flight.
@@ -143,6 +145,7 @@ class LeastLoaded(Generic[T]):
         # Requests in flight over all candidates (the bounded loads' average reads it).
         self._total = 0
         self._judge = settings.judge if settings is not None else None
+        self._least = settings.least if settings is not None else None
         # A reading of an engine of this model has come: picks are by `_judge` from now on.
         self.aware = False
         # Requests sent to its candidates so far (what tells a busy model from a quiet one).
@@ -191,8 +194,8 @@ class LeastLoaded(Generic[T]):
         Once the model's engines report their load, the least loaded by their
         view (EngineView.judge), over every candidate: None if all are saturated.
         """
-        if self.aware and self._judge is not None:
-            return self._judged(None, ())
+        if self.aware and self._least is not None:
+            return self._least(self._slots, None, (), self._rng)  # type: ignore[no-any-return]
         if not self._slots:
             return None
         bucket = self._buckets[self._lowest]
@@ -205,8 +208,9 @@ class LeastLoaded(Generic[T]):
 
         Used only on retries, so a scan is fine here.
         """
-        if self.aware and self._judge is not None:
-            return self._judged(avoid, exclude)
+        if self.aware and self._least is not None:
+            least: T | None = self._least(self._slots, avoid, exclude, self._rng)
+            return least
         fallback: T | None = None
         avoid_slot = self._slots.get(avoid) if avoid is not None else None
         for load in range(self._lowest, len(self._buckets)):
@@ -216,28 +220,6 @@ class LeastLoaded(Generic[T]):
             if fallback is None and avoid_slot is not None and avoid_slot[0] == load and avoid not in exclude:
                 fallback = avoid
         return fallback
-
-    def _judged(self, avoid: T | None, exclude: Container[T]) -> T | None:
-        """The candidate the judge scores lowest (a random one among equals), never one of
-        `exclude`, `avoid` only if nothing else is left; None when every one is saturated."""
-        judge = self._judge
-        assert judge is not None
-        best: list[T] = []
-        lowest = math.inf
-        for item in self._slots:
-            if item is avoid or item in exclude:
-                continue
-            score = judge(item)
-            if score < lowest:
-                lowest = score
-                best = [item]
-            elif score == lowest and score != math.inf:
-                best.append(item)
-        if not best:
-            if avoid is not None and avoid in self._slots and avoid not in exclude and judge(avoid) != math.inf:
-                return avoid
-            return None
-        return best[0] if len(best) == 1 else best[self._rng.randrange(len(best))]
 
     def increment(self, item: T) -> None:
         slot = self._slots.get(item)

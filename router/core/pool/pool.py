@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from router.core.clock import Clock, LoopClock
 from router.core.config.settings import ReplicaConfig
 from router.core.config.tenants import Queueing
+from router.core.pool.adapters import Adapters
 from router.core.pool.coldstart import ColdStart
 from router.core.pool.ejection import EjectionPolicy, Ejections
 from router.core.pool.fairness import Lines
@@ -128,9 +129,12 @@ class Pool:
         self._cold = self.cold_start.cold
         if engines is not None:
             self._set.judge = engines.judge
+            self._set.least = engines.least
             self.engine_loads = EngineLoads(
                 engines, clock, self._candidates, self._waiting, self.touched, hand_off=self._hand_off
             )
+        # The LoRA adapters the replicas list, and which replicas list each (router.control.cards learns them).
+        self.adapters = Adapters()
         self.pinned = PinnedLines(clock, self._by_id, self._seq.__next__, self.acquire_this, self.release)
         self._pinned = self.pinned.lines
         self.set_replicas(replicas)
@@ -330,6 +334,11 @@ class Pool:
     def candidates_by_model(self) -> list[tuple[str, Policy[Replica]]]:
         """Each model with ready replicas, and its policy over them (what the engines' reader walks)."""
         return list(self._candidates.items())
+
+    def lacking(self, model: str, adapter: str) -> set[Replica]:
+        """The ready replicas of `model` that do not list `adapter`: where a request for it must not go."""
+        candidates = self._candidates.get(model)
+        return set() if candidates is None else self.adapters.lacking(adapter, candidates)
 
     def serves(self, model: str) -> bool:
         return model in self._models

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from router.core.config.settings import ReplicaConfig
 from router.core.pool.loads import EngineLoad, Prefills
@@ -54,6 +55,7 @@ class Replica:
         "engine",
         "load",
         "prefills",
+        "adapters",
     )
 
     def __init__(self, config: ReplicaConfig, added_at: float) -> None:
@@ -84,6 +86,8 @@ class Replica:
         # Its engine's last reading of its load, and its large prompts still prefilling (router.core.pool.loads).
         self.load: EngineLoad | None = None
         self.prefills: Prefills | None = None
+        # The LoRA adapters its engine lists in /v1/models (router.core.pool.adapters).
+        self.adapters: frozenset[str] = frozenset()
 
     @property
     def state(self) -> ReplicaState:
@@ -150,6 +154,7 @@ class ReplicaSet:
         "ever_served",
         "joined",
         "judge",
+        "least",
         "leaving",
         "models",
         "_affinity",
@@ -197,6 +202,8 @@ class ReplicaSet:
         self.joined: dict[Replica, None] | None = None
         # The engine-aware score each model's policy picks by (router.core.pool.loads); None: off.
         self.judge: Callable[[Replica], float] | None = None
+        # ... and its pick over a model's candidates in one pass (EngineView.least).
+        self.least: Callable[[Iterable[Replica], Replica | None, Container[Replica], random.Random], Any] | None = None
         # While a whole set is applied: the policies holding their changes, and
         # the models whose waiters are told once it is in.
         self._batch: _Batch | None = None
@@ -308,6 +315,7 @@ class ReplicaSet:
                 _replica_name,
                 self._affinity.setdefault(replica.model, [0, 0, 0]),
                 self.judge,
+                self.least,
             )
             candidates = self.candidates[replica.model] = POLICIES[routing.policy](self._rng, settings)
         batch = self._batch

@@ -19,8 +19,8 @@ An engine with several cores (vLLM's data parallel `engine="k"`, SGLang's
 `dp_rank`) has a line per core: the queues and batches are summed, the KV
 use is the fullest core's. SGLang with priority scheduling also writes a
 line per priority besides the total (`priority=""`): only the total counts.
-A family that is missing, or a value that is no number, makes the reading
-None: unknown, never zero.
+A family that is missing, or a value that is no number (or NaN, infinite,
+negative), makes the reading None: unknown, never zero.
 """
 
 from __future__ import annotations
@@ -80,10 +80,17 @@ def _values(page: bytes, name: bytes) -> list[tuple[bytes, float]] | None:
             number = float(fields[0])
         except ValueError:
             return None
-        if math.isnan(number):
+        if not _plausible(number):
             return None
         found.append((labels, number))
     return found or None
+
+
+def _plausible(number: float) -> bool:
+    """A count or a share as an engine could mean it: not NaN, not infinite, not below zero. A page that
+    says otherwise is broken (or hostile), and its reading unknown: an infinite queue would hold every
+    request of the model in the router, a negative one draw them all to it."""
+    return math.isfinite(number) and number >= 0
 
 
 def _summed(page: bytes, name: bytes) -> float | None:
@@ -151,7 +158,7 @@ def from_sglang_loads(body: bytes) -> Reading | None:
         if not isinstance(load, dict):
             return None
         w, r, k = load.get("num_waiting_reqs"), load.get("num_running_reqs"), load.get("token_usage")
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (w, r, k)):
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and _plausible(v) for v in (w, r, k)):
             return None
         waiting += float(w)  # type: ignore[arg-type]
         running += float(r)  # type: ignore[arg-type]
@@ -175,7 +182,7 @@ def from_orca(value: bytes) -> Reading | None:
             figure = float(number)
         except ValueError:
             return None
-        if math.isnan(figure):
+        if not _plausible(figure):
             return None
         if name == b"named_metrics.num_requests_waiting":
             waiting = figure if waiting is None else waiting + figure

@@ -3,8 +3,10 @@
 Failures are classified for the proxy's retry rules (errors.py); a replica
 that misbehaves costs its connection (connection.py), never the next
 request's answer, and is counted by reason in `Client.protocol_errors`;
-an answer is read by the connection's reader (reader.py) and handed over
-as a Response (response.py).
+the request in progress on a connection is its Exchange (exchange.py); an
+answer is read by the connection's reader (reader.py) and handed over as a
+Response (response.py); one sweep on the client's clock watches for late
+heads and silent bodies (watch.py).
 """
 
 from router.http.client.errors import (

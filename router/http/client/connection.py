@@ -1,8 +1,11 @@
 """One keep-alive connection to a replica, one request at a time: sent, answered, released or dropped.
 
-A request is written in one `transport.write()`; its answer is read by the
-connection's Reader (reader.py, its base). A connection whose answer was not
-read to its end, or whose replica misbehaved, is never reused: it is closed,
+A request is written in one `transport.write()`; the request in progress is
+the connection's Exchange (exchange.py), and its answer is read by its
+ResponseReader (reader.py), which llhttp calls back. The pool (pool.py) is
+reached through two methods (Keeper); the watch on late heads and silent
+bodies (watch.py) is the pool's, one for all its connections. A connection
+whose answer was not read to its end, or whose replica misbehaved, is never reused: it is closed,
 or aborted, so that nothing it sent can reach another request.
 """
 
@@ -10,26 +13,41 @@ from __future__ import annotations
 
 import asyncio
 import select
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 from router.http.client.errors import ConnectionBroken, HeadTimeout, UpstreamIdle
-from router.http.client.reader import _ACTIVE, _BODY, _CLOSED, _DONE, _IDLE, Reader
+from router.http.client.exchange import ACTIVE, CLOSED, DONE, IDLE, Exchange
+from router.http.client.reader import ResponseReader
 from router.http.client.response import Response
+from router.http.client.watch import Watch
 from router.http.origin import Origin
-
-if TYPE_CHECKING:
-    from router.http.client.pool import Client
+from router.http.protocol_errors import ProtocolErrors
 
 
-class Connection(Reader):
+class Keeper(Protocol):
+    """What a connection needs of its pool (pool.py): to be pooled again, and to be forgotten."""
+
+    def idle_again(self, connection: Connection) -> None: ...
+    def forget(self, connection: Connection) -> None: ...
+
+
+class Connection(asyncio.Protocol):
     """One keep-alive connection to a replica; one request at a time."""
 
     # Set when the connection is made, before the connection is handed out.
     transport: asyncio.Transport
 
-    def __init__(self, client: Client, origin: Origin) -> None:
-        super().__init__(client)
+    def __init__(self, keeper: Keeper, watch: Watch, protocol_errors: ProtocolErrors, origin: Origin) -> None:
+        self.keeper = keeper
+        self.watch = watch
+        self.protocol_errors = protocol_errors
         self.origin = origin
+        self.loop = asyncio.get_running_loop()
+        self.exchange = exchange = Exchange()
+        self.reader = ResponseReader(self, exchange, watch)
+        # Reads so far: the watch's evidence of life, and (against the
+        # exchange's `reads_at_send`) whether any byte came back for a request.
+        self.reads = 0
         self.paused = False
         # Part of the request still waits in the transport's buffer: the
         # transport's high-water mark is 0, so it says so the moment a write
@@ -39,15 +57,13 @@ class Connection(Reader):
         # unread on the connection: what the event loop may not have seen yet.
         self.readable = select.poll()
         self.idle_since = 0.0
-        # The sweep's view: `reads` when last seen (-1: not seen yet, or
-        # paused) and since when (loop time) it has not changed.
+        # The watch's view: `reads` when last seen (-1: not seen yet, or
+        # paused) and since when (its clock) it has not changed.
         self.seen_reads = -1
         self.quiet_since = 0.0
-        # The head deadline's length, for the error that says it passed.
-        self.head_timeout = 0.0
 
     def __repr__(self) -> str:
-        return f"<Connection {self.origin.key} {self.state.value}{' paused' if self.paused else ''}>"
+        return f"<Connection {self.origin.key} {self.exchange.state.value}{' paused' if self.paused else ''}>"
 
     # asyncio callbacks -------------------------------------------------------------
 
@@ -56,6 +72,10 @@ class Connection(Reader):
         self.transport.set_write_buffer_limits(0)
         # (A stream transport, plain or TLS, under asyncio or uvloop, has its socket.)
         self.readable.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
+
+    def data_received(self, data: bytes) -> None:
+        self.reads += 1
+        self.reader.feed(data)
 
     def pause_writing(self) -> None:
         self.sending = True
@@ -66,7 +86,7 @@ class Connection(Reader):
     def eof_received(self) -> bool:
         # Not fed to the parser: a body delimited by the end of the connection
         # ends in connection_lost, and feed_data(b"") only yields on_body(b"").
-        if self.sending and self.state is _ACTIVE:
+        if self.sending and self.exchange.state is ACTIVE:
             # The replica hung up before the request had gone out whole. A
             # close would go on writing the rest to no one, and once that
             # was done the request would look sent; an abort drops it now,
@@ -75,35 +95,8 @@ class Connection(Reader):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        state = self.state
-        self.state = _CLOSED
-        self.head_due = 0.0
-        if state is _BODY:
-            # (Body bytes of a read are handed on at its end: none are left here.)
-            response = self.response
-            assert response is not None
-            # A body without a length ends with the connection (RFC 9112 6.3):
-            # a clean close, that is; a reset cuts it short, and it must look so.
-            if exc is None and response.content_length is None and response.transfer_encoding is None:
-                response._finish()
-            else:
-                response._finish(
-                    ConnectionBroken(f"the replica closed the connection: {exc or 'EOF'}", before_head=False)
-                )
-        elif state is _ACTIVE:
-            head = self.head
-            if head is not None and not head.done():
-                answered = self.reads != self.reads_at_send
-                head.set_exception(
-                    ConnectionBroken(
-                        f"the replica closed the connection before answering: {exc or 'EOF'}",
-                        before_head=True,
-                        answered=answered,
-                        unsent=self.sending and not answered,
-                    )
-                )
-        # IDLE and DONE lose nothing; CLOSED was ended (and the request failed) by this side.
-        self.client.forget(self)
+        self.exchange.lost(exc, self.reads, self.sending)
+        self.keeper.forget(self)
 
     # Flow control --------------------------------------------------------------------
 
@@ -114,53 +107,52 @@ class Connection(Reader):
         self.transport.pause_reading()
 
     def resume(self) -> None:
-        if self.paused and self.state is not _CLOSED:
+        if self.paused and self.exchange.state is not CLOSED:
             self.paused = False
             self.transport.resume_reading()
 
     # The client's side ---------------------------------------------------------------
 
     def send(self, data: bytes, head_timeout: float | None) -> asyncio.Future[Response]:
-        assert self.state is _IDLE, self
-        loop = self.loop
-        self.state = _ACTIVE
-        self.reusable = False
-        self.response = None
-        self._status_line = b""
-        self._headers = []
-        self.reads_at_send = self.reads
-        self.head = loop.create_future()
+        exchange = self.exchange
+        assert exchange.state is IDLE, self
+        # The exchange's fields, set here rather than by a method of its: this runs per request.
+        exchange.state = ACTIVE
+        exchange.reusable = False
+        exchange.response = None
+        exchange.reads_at_send = self.reads
+        exchange.head = head = self.loop.create_future()
         if head_timeout is not None:
-            # Checked by the client's one sweep (pool.py), never a timer per
-            # request: a timer set and cancelled costs the loop more than the
-            # rest of sending the request.
-            self.head_due = self.client.head_due(head_timeout)
-            self.head_timeout = head_timeout
+            # Checked by the one watch (watch.py), never a timer per request.
+            exchange.head_due = self.watch.head_due(head_timeout)
+            exchange.head_timeout = head_timeout
         self.transport.write(data)
-        return self.head
+        return head
 
     def head_late(self) -> None:
-        """The sweep's verdict: no head came before its deadline."""
-        self.head_due = 0.0
-        head = self.head
+        """The watch's verdict: no head came before its deadline."""
+        exchange = self.exchange
+        exchange.head_due = 0.0
+        head = exchange.head
         if head is not None and not head.done():
-            head.set_exception(HeadTimeout(f"no response head within {self.head_timeout:g} s"))
+            head.set_exception(HeadTimeout(f"no response head within {exchange.head_timeout:g} s"))
 
     def went_quiet(self, seconds: float) -> None:
-        """The idle sweep's verdict: the body stopped coming."""
-        self._fail(
+        """The watch's verdict: the body stopped coming."""
+        self.fail(
             "idle_timeout", UpstreamIdle(f"the replica sent nothing for {seconds:g} s in the middle of its answer")
         )
 
     def response_released(self, response: Response) -> None:
-        if response is not self.response:
+        exchange = self.exchange
+        if response is not exchange.response:
             return
-        self.response = None
-        self.head = None
-        if self.state is _DONE and self.reusable and not self.sending:
-            self.state = _IDLE
+        exchange.response = None
+        exchange.head = None
+        if exchange.state is DONE and exchange.reusable and not self.sending:
+            exchange.state = IDLE
             self.resume()
-            self.client.idle_again(self)
+            self.keeper.idle_again(self)
         elif self.sending:
             # The replica answered before it had the whole request: the rest
             # would reach it as the start of the next one. Dropped unsent.
@@ -170,52 +162,50 @@ class Connection(Reader):
             self.close()
 
     def close(self) -> None:
-        if self.state is not _CLOSED:
-            self.state = _CLOSED
-            self.head_due = 0.0
+        exchange = self.exchange
+        if exchange.state is not CLOSED:
+            exchange.state = CLOSED
+            exchange.head_due = 0.0
             self.transport.close()
-            self.client.forget(self)
+            self.keeper.forget(self)
 
     def abandon(self) -> None:
         """The caller gave up before the head (timeout, client gone): never reuse."""
-        self.response = None
-        self.head = None
+        exchange = self.exchange
+        exchange.response = None
+        exchange.head = None
         self.abort()
 
     def abort(self) -> None:
-        if self.state is not _CLOSED:
-            self.state = _CLOSED
-            self.head_due = 0.0
+        exchange = self.exchange
+        if exchange.state is not CLOSED:
+            exchange.state = CLOSED
+            exchange.head_due = 0.0
             self.transport.abort()
-            self.client.forget(self)
+            self.keeper.forget(self)
 
-    def _switched(self) -> None:
-        self._fail(
+    # The reader's faults (reader.Faulted) ----------------------------------------------
+
+    def switched(self) -> None:
+        self.fail(
             "switched_protocols",
             ConnectionBroken(
                 "the replica switched protocols (101) instead of answering", before_head=True, answered=True
             ),
         )
 
-    def _broken(self, message: str) -> ConnectionBroken:
+    def broken(self, message: str) -> ConnectionBroken:
         """The error for the request in progress, before or after its head."""
-        if self.state is _ACTIVE:
-            return ConnectionBroken(message, before_head=True, answered=self.reads != self.reads_at_send)
-        return ConnectionBroken(message, before_head=False)
+        return self.exchange.broken(message, self.reads)
 
-    def _fail(self, reason: str, error: ConnectionBroken | None, detail: str = "") -> None:
+    def fail(self, reason: str, error: ConnectionBroken | None, detail: str = "") -> None:
         """A replica's protocol error: count it, end the request in progress with `error`, drop the connection.
 
         `reason` is one of a fixed set (the metric's label); the connection
         is aborted, never pooled, so nothing it sent can reach another request.
         """
-        self.client.protocol_errors.record(reason, f"replica {self.origin.key}: {error or detail}")
+        self.protocol_errors.record(reason, f"replica {self.origin.key}: {error or detail}")
         if error is not None:
-            head = self.head
-            if head is not None and not head.done():
-                head.set_exception(error)
-            elif self.response is not None:
-                # In its body: the answer ends broken.
-                self.response._finish(error)
-        self._body.clear()
+            self.exchange.fail(error)
+        self.reader.drop()
         self.abort()

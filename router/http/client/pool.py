@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-import time
 
+from router.core.clock import Clock, LoopClock, Timer
 from router.http.client.connection import Connection
 from router.http.client.errors import ConnectFailed, ConnectionBroken
-from router.http.client.reader import _ACTIVE, _BODY, _IDLE
+from router.http.client.exchange import IDLE
 from router.http.client.response import Response
+from router.http.client.watch import Watch
 from router.http.origin import Origin
 from router.http.protocol_errors import ProtocolErrors
 
@@ -28,27 +29,26 @@ from router.http.protocol_errors import ProtocolErrors
 class Client:
     """Keep-alive connection pools, one per origin, for every replica."""
 
-    def __init__(self, *, connect_timeout: float, keepalive_seconds: float, idle_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        keepalive_seconds: float,
+        idle_timeout: float = 300.0,
+        clock: Clock | None = None,
+    ) -> None:
+        """`clock`: what the keep-alive sweep and the watch on requests in progress read the time
+        and set their timers by (the loop's by default; a fake one in tests)."""
+        self.clock = clock if clock is not None else LoopClock()
         self.connect_timeout = connect_timeout
         self.keepalive_seconds = keepalive_seconds
-        # Longest silence of a replica in the middle of a body.
-        self.idle_timeout = idle_timeout
         self._idle: dict[str, list[Connection]] = {}
         self._all: set[Connection] = set()
         self._tls: ssl.SSLContext | None = None
-        self._sweeper: asyncio.TimerHandle | None = None
-        # The one timer that watches every connection with a request in
-        # progress: for its head's deadline, then for the replica's silence in
-        # its body. No timer per request, no clock call per request or chunk:
-        # a deadline is set by the sweep's clock (`now`, one sweep old at most
-        # while the loop keeps time), so that it is never early.
-        self.watching: asyncio.TimerHandle | None = None
-        self.now = 0.0
-        # The silence watch's period; the sweep's own is shorter for a head
-        # deadline shorter than it (head_due).
-        self._watch_every = min(max(idle_timeout / 4, 0.05), 5.0)
-        self._every = self._watch_every
-        self._head_timeout: float | None = None
+        self._sweeper: Timer | None = None
+        # The one sweep that watches every connection with a request in
+        # progress: for its head's deadline, then for the replica's silence in its body.
+        self.watch = Watch(self._all, self.clock, idle_timeout)
         self.protocol_errors = ProtocolErrors(logging.getLogger("router.http.client"), level=logging.WARNING)
 
     async def request(self, origin: Origin, head: bytes, body: bytes, head_timeout: float | None = None) -> Response:
@@ -95,7 +95,7 @@ class Client:
         idle = self._idle.get(origin.key)
         if not idle:
             return None
-        cutoff = time.monotonic() - self.keepalive_seconds
+        cutoff = self.clock.now() - self.keepalive_seconds
         while idle:
             # The most recently used first: the most likely to be open still.
             connection = idle.pop()
@@ -104,7 +104,11 @@ class Client:
             # event loop. Found now, it costs nothing; found after the request
             # went out, it would cost the request (Go's errServerClosedIdle is
             # the same close, seen by its reader while the connection idles).
-            if connection.idle_since >= cutoff and connection.state is _IDLE and not connection.readable.poll(0):
+            if (
+                connection.idle_since >= cutoff
+                and connection.exchange.state is IDLE
+                and not connection.readable.poll(0)
+            ):
                 return connection
             connection.close()
         return None
@@ -119,7 +123,7 @@ class Client:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, protocol = await loop.create_connection(
-                    lambda: Connection(self, origin),
+                    lambda: Connection(self, self.watch, self.protocol_errors, origin),
                     origin.host,
                     origin.port,
                     ssl=tls,
@@ -129,7 +133,7 @@ class Client:
             raise ConnectFailed(f"no connection within {self.connect_timeout:g} s") from exc
         except OSError as refused:
             raise ConnectFailed(str(refused) or type(refused).__name__) from refused
-        if protocol.state is not _IDLE:
+        if protocol.exchange.state is not IDLE:
             # Between the connection and this line the replica spoke first
             # (counted, closed) or hung up: nothing was sent yet.
             raise ConnectFailed("the connection ended before the request went out")
@@ -137,10 +141,11 @@ class Client:
         return protocol
 
     def idle_again(self, connection: Connection) -> None:
-        connection.idle_since = time.monotonic()
+        clock = self.clock
+        connection.idle_since = now = clock.now()
         self._idle.setdefault(connection.origin.key, []).append(connection)
         if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().call_later(self.keepalive_seconds, self._sweep)
+            self._sweeper = clock.call_at(now + self.keepalive_seconds, self._sweep)
 
     def _sweep(self) -> None:
         """Close connections idle longer than the keep-alive, before the replica does.
@@ -154,14 +159,15 @@ class Client:
         outlives it by more than a timer's lateness.
         """
         self._sweeper = None
-        now = time.monotonic()
+        clock = self.clock
+        now = clock.now()
         cutoff = now - self.keepalive_seconds
         stale: list[Connection] = []
         due: float | None = None
         for key, idle in list(self._idle.items()):
-            keep = [c for c in idle if c.idle_since > cutoff and c.state is _IDLE]
+            keep = [c for c in idle if c.idle_since > cutoff and c.exchange.state is IDLE]
             if len(keep) < len(idle):
-                stale.extend(c for c in idle if c.idle_since <= cutoff or c.state is not _IDLE)
+                stale.extend(c for c in idle if c.idle_since <= cutoff or c.exchange.state is not IDLE)
             if keep:
                 self._idle[key] = keep
                 oldest = keep[0].idle_since
@@ -171,60 +177,16 @@ class Client:
         for connection in stale:
             connection.close()
         if due is not None:
-            delay = max(due + self.keepalive_seconds - now, 0.0)
-            self._sweeper = asyncio.get_running_loop().call_later(delay, self._sweep)
+            self._sweeper = clock.call_at(max(due + self.keepalive_seconds, now), self._sweep)
 
-    def head_due(self, timeout: float) -> float:
-        """When a head asked for now is late, by the sweep's clock: `timeout` from now at least,
-        and about a sweep more (checked every timeout / 4, within [0.05 s, 1 s])."""
-        if timeout != self._head_timeout:
-            self._head_timeout = timeout
-            self._every = min(self._watch_every, max(0.05, min(1.0, timeout / 4)))
-        if self.watching is None:
-            self.watch()
-        return self.now + timeout + self._every
+    @property
+    def watching(self) -> Timer | None:
+        """The watch's timer, set while a request is in progress."""
+        return self.watch.timer
 
-    def watch(self) -> None:
-        """Start the sweep, which is not running (`watching` is None): a request is in progress."""
-        loop = asyncio.get_running_loop()
-        self.now = loop.time()
-        self.watching = loop.call_later(self._every, self._watch_in_progress)
-
-    def _watch_in_progress(self) -> None:
-        """Fail heads past their deadline, and end bodies whose replica went quiet: one sweep
-        for every connection with a request in progress.
-
-        A connection in its body counts its reads; a count unchanged since the
-        last sweep is silence, timed from the sweep that first saw it unchanged
-        (so never cut before `idle_timeout`, at most two sweeps after). A
-        paused connection is waiting for the proxy's client, not the replica:
-        skipped, and its quiet time starts afresh once resumed.
-        """
-        self.watching = None
-        busy = [c for c in self._all if c.state is _BODY or (c.head_due and c.state is _ACTIVE)]
-        if not busy:
-            return  # no timer while no request is in progress
-        loop = asyncio.get_running_loop()
-        self.now = now = loop.time()
-        limit = self.idle_timeout
-        late: list[Connection] = []
-        quiet: list[Connection] = []
-        for connection in busy:
-            if connection.state is _ACTIVE:
-                if connection.head_due < now:
-                    late.append(connection)
-            elif connection.paused:
-                connection.seen_reads = -1
-            elif connection.reads != connection.seen_reads:
-                connection.seen_reads = connection.reads
-                connection.quiet_since = now
-            elif now - connection.quiet_since > limit:
-                quiet.append(connection)
-        for connection in late:
-            connection.head_late()
-        for connection in quiet:
-            connection.went_quiet(limit)
-        self.watching = loop.call_later(self._every, self._watch_in_progress)
+    @property
+    def _watch_every(self) -> float:
+        return self.watch.watch_every
 
     def forget(self, connection: Connection) -> None:
         self._all.discard(connection)
@@ -240,9 +202,7 @@ class Client:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
-        if self.watching is not None:
-            self.watching.cancel()
-            self.watching = None
+        self.watch.stop()
         for connection in list(self._all):
             connection.close()
         self._idle.clear()

@@ -10,34 +10,34 @@ llhttp has no limit of its own, and httptools joins a field's pieces with
 `+=`, so an endless line would cost memory without end and CPU quadratic in
 its length. Body bytes parsed from one read are handed on as one piece.
 
-Reader is the base of the connection's class (connection.py): one object per
-connection, and no call between them per parser callback.
+ResponseReader is the object llhttp calls back: it reads into its
+connection's Exchange (exchange.py), and hands what a replica does wrong to
+the connection (connection.py) through a small interface, Faulted; it
+imports neither the connection nor the pool.
 """
 
 from __future__ import annotations
 
-import asyncio
-import enum
 import re
-from typing import TYPE_CHECKING
+from typing import Final, Protocol
 
 import httptools
 
 from router.http.client.errors import ConnectionBroken, HeadTooLarge
-from router.http.client.response import Response
-
-if TYPE_CHECKING:
-    from router.http.client.pool import Client
+from router.http.client.exchange import ACTIVE, BODY, CLOSED, DONE, IDLE, Exchange, State
+from router.http.client.response import Response, Source
+from router.http.client.watch import Watch
 
 # What a replica may send before its final response head (status line and
 # header fields, interim answers included), and between two pieces of a
 # chunked body (chunk framing and trailers).
-MAX_HEAD_BYTES = 64 * 1024
+# (Final, here and below: a compiled module reads them as constants, not from its dict.)
+MAX_HEAD_BYTES: Final = 64 * 1024
 # One line of that head.
-MAX_HEAD_LINE = 16 * 1024
+MAX_HEAD_LINE: Final = 16 * 1024
 # The least a head takes besides its reason and fields: "HTTP/1.1 200 ",
 # the status line's CRLF, and the blank line.
-_HEAD_FRAMING = len(b"HTTP/1.1 200 \r\n\r\n")
+_HEAD_FRAMING: Final = len(b"HTTP/1.1 200 \r\n\r\n")
 
 # What a reason phrase may not hold (RFC 9112 4: HTAB, SP, VCHAR, obs-text only).
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
@@ -68,48 +68,41 @@ class _Stop(Exception):
     """
 
 
-class State(enum.Enum):
-    """Where one connection is in its one request at a time."""
+class Faulted(Source, Protocol):
+    """What the reader needs of its connection: the source of the answers it reads, and where a
+    replica's faults go (each costs the connection, counted by reason)."""
 
-    # No request in progress: new, or in the pool. Any byte now is unsolicited.
-    IDLE = "idle"
-    # Request sent, no response head yet (the first-byte timer's time).
-    ACTIVE = "active"
-    # Head handed over, body in progress (the idle sweep's time).
-    BODY = "body"
-    # Answer complete, not yet released. Any byte now is a second answer.
-    DONE = "done"
-    CLOSED = "closed"
+    def fail(self, reason: str, error: ConnectionBroken | None, detail: str = "") -> None: ...
+    def broken(self, message: str) -> ConnectionBroken: ...
+    def switched(self) -> None: ...
 
 
-# Module-level names: the per-read state checks are one global load and an `is`.
-_IDLE = State.IDLE
-_ACTIVE = State.ACTIVE
-_BODY = State.BODY
-_DONE = State.DONE
-_CLOSED = State.CLOSED
+class ResponseReader:
+    """What llhttp calls back on one upstream connection: each answer read, checked within bounds, and handed on."""
 
+    __slots__ = (
+        "_body",
+        "_framing_bytes",
+        "_head_bytes",
+        "_headers",
+        "_interim_bytes",
+        "_line",
+        "_read",
+        "_status_line",
+        "connection",
+        "exchange",
+        "parser",
+        "watch",
+    )
 
-class Reader(asyncio.Protocol):
-    """The llhttp protocol of one upstream connection: its answers read, checked and handed on."""
-
-    def __init__(self, client: Client) -> None:
-        self.client = client
-        self.loop = asyncio.get_running_loop()
+    def __init__(self, connection: Faulted, exchange: Exchange, watch: Watch) -> None:
+        self.connection = connection
+        self.exchange = exchange
+        # Started when a head comes, if not running: the silence of a body is watched for.
+        self.watch = watch
         self.parser = httptools.HttpResponseParser(self)
-        self.state = _IDLE
-        self.response: Response | None = None
-        self.head: asyncio.Future[Response] | None = None
         self._status_line = b""
         self._headers: list[tuple[bytes, bytes]] = []
-        # Whether the connection may serve another request once this answer is read.
-        self.reusable = False
-        # When the request in progress must have its head (the client's sweep's clock; 0: no deadline).
-        self.head_due = 0.0
-        # Reads so far: the idle sweep's evidence of life, and (against
-        # `reads_at_send`) whether any byte came back for this request.
-        self.reads = 0
-        self.reads_at_send = 0
         # Bytes of the head so far (as the parser reports its fields, and as
         # reads arrive), and of reads in the body that carried no body byte.
         # Interim heads count towards the bound of what may come before the
@@ -126,41 +119,18 @@ class Reader(asyncio.Protocol):
         # after it: a read holding many SSE events costs one client write.
         self._body: list[bytes] = []
 
-    # The connection's (connection.py): what an answer needs of it, and
-    # how it ends a request that failed. Declared here as methods, not only
-    # for the type checker: a compiled class (setup.py) calls what its own
-    # class body names, and the subclass overrides each.
-
-    paused: bool
-
-    def pause(self) -> None:
-        raise NotImplementedError
-
-    def resume(self) -> None:
-        raise NotImplementedError
-
-    def abort(self) -> None:
-        raise NotImplementedError
-
-    def response_released(self, response: Response) -> None:
-        raise NotImplementedError
-
-    def _fail(self, reason: str, error: ConnectionBroken | None, detail: str = "") -> None:
-        raise NotImplementedError
-
-    def _switched(self) -> None:
-        raise NotImplementedError
-
-    def _broken(self, message: str) -> ConnectionBroken:
-        raise NotImplementedError
+    def drop(self) -> None:
+        """The connection failed: body bytes of the read in progress go to no one."""
+        self._body.clear()
 
     # Reads ----------------------------------------------------------------------------
 
-    def data_received(self, data: bytes) -> None:
-        self.reads += 1
-        state = self.state
-        if state is not _BODY:
-            if state is not _ACTIVE:
+    def feed(self, data: bytes) -> None:
+        """One read off the connection, parsed; whatever it holds of an answer handed on."""
+        exchange = self.exchange
+        state = exchange.state
+        if state is not BODY:
+            if state is not ACTIVE:
                 self._stray(state)
                 return
             self._read = data
@@ -168,25 +138,27 @@ class Reader(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._body.clear()
-            if self.state is not _CLOSED:  # else a callback has already stopped it
-                self._fail("invalid_response", self._broken(f"the replica's answer is not valid HTTP: {exc}"))
+            if exchange.state is not CLOSED:  # else a callback has already stopped it
+                self.connection.fail(
+                    "invalid_response", self.connection.broken(f"the replica's answer is not valid HTTP: {exc}")
+                )
             return
         if self._body:
             self._framing_bytes = 0
             self._flush()
-        elif state is _BODY and self.state is _BODY:
+        elif state is BODY and exchange.state is BODY:
             # A read in the body without a byte of it, and not its end (whose
             # last piece on_message_complete took): chunk framing or trailers.
             self._framing_bytes += len(data)
             if self._framing_bytes > MAX_HEAD_BYTES:
-                self._fail(
+                self.connection.fail(
                     "trailers_too_large",
                     ConnectionBroken(
                         f"the replica sent over {MAX_HEAD_BYTES} bytes of chunk framing or trailers",
                         before_head=False,
                     ),
                 )
-        elif self.state is _ACTIVE:
+        elif exchange.state is ACTIVE:
             # Counted per read, not per completed field: an endless header
             # line never completes, and httptools grows it with `+=`.
             if not self._head_bytes:
@@ -197,7 +169,9 @@ class Reader(asyncio.Protocol):
             newline = data.rfind(b"\n")
             self._line = len(data) - newline - 1 if newline >= 0 else self._line + len(data)
             if self._head_bytes > MAX_HEAD_BYTES or self._line > MAX_HEAD_LINE:
-                self._fail("head_too_large", HeadTooLarge(f"the replica's head is over {MAX_HEAD_BYTES} bytes"))
+                self.connection.fail(
+                    "head_too_large", HeadTooLarge(f"the replica's head is over {MAX_HEAD_BYTES} bytes")
+                )
 
     def _flush(self) -> None:
         body = self._body
@@ -205,24 +179,26 @@ class Reader(asyncio.Protocol):
         body.clear()
         # (Body bytes come only after the head, and llhttp hands no empty span:
         # downstream, b"" would be a chunked last-chunk, and every writer drops it.)
-        assert self.response is not None
-        self.response._feed(piece)
+        response = self.exchange.response
+        assert response is not None
+        response._feed(piece)
 
     def _stray(self, state: State) -> None:
         """Bytes with no request waiting for them (IDLE, or DONE: a closed connection is
         read no more): never parsed as the next answer."""
-        if state is _IDLE:
-            self._fail("unsolicited_bytes", None, "bytes arrived on an idle connection")
+        if state is IDLE:
+            self.connection.fail("unsolicited_bytes", None, "bytes arrived on an idle connection")
         else:
-            self._fail("bytes_after_answer", None, "bytes arrived after the end of the answer")
+            self.connection.fail("bytes_after_answer", None, "bytes arrived after the end of the answer")
 
     # httptools callbacks ---------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        if self.state is not _ACTIVE:
+        state = self.exchange.state
+        if state is not ACTIVE:
             # A second answer behind the first in the same read: the first
             # was delivered (on_message_complete); this one is nobody's.
-            self._stray(self.state)
+            self._stray(state)
             raise _Stop
 
     def on_status(self, status: bytes) -> None:
@@ -233,7 +209,7 @@ class Reader(asyncio.Protocol):
         return _HEAD_FRAMING + len(self._status_line) + sum(len(name) + len(value) + 4 for name, value in self._headers)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.state is not _ACTIVE:
+        if self.exchange.state is not ACTIVE:
             # A chunked body's trailer field: never a header of the response,
             # which the proxy may already have passed on.
             return
@@ -246,16 +222,18 @@ class Reader(asyncio.Protocol):
         read = self._read
         spanned = self._head_bytes
         if spanned + len(read) > MAX_HEAD_BYTES and self._interim_bytes + self._head_size() > MAX_HEAD_BYTES:
-            self._fail("head_too_large", HeadTooLarge(f"the replica's head is over {MAX_HEAD_BYTES} bytes"))
+            self.connection.fail("head_too_large", HeadTooLarge(f"the replica's head is over {MAX_HEAD_BYTES} bytes"))
             raise _Stop
         status = self.parser.get_status_code()
         if status < 200:
             if status < 100:
                 # 099 parses as three digits, but no such status exists (RFC 9110 15).
-                self._fail("invalid_response", self._broken(f"the replica answered with status {status:03d}"))
+                self.connection.fail(
+                    "invalid_response", self.connection.broken(f"the replica answered with status {status:03d}")
+                )
                 raise _Stop
             if status == 101:
-                self._switched()
+                self.connection.switched()
                 raise _Stop
             # An interim answer (100 Continue, 103 Early Hints): the real one
             # follows. Dropped, not forwarded: passing anything to the client
@@ -276,14 +254,17 @@ class Reader(asyncio.Protocol):
         if status > 599 or reason != b"OK" or spanned or self._interim_bytes or read[7] != 49:
             problem = status_line_problem(self.parser.get_http_version(), status, reason)
             if problem is not None:
-                self._fail("invalid_response", self._broken(problem))
+                self.connection.fail("invalid_response", self.connection.broken(problem))
                 raise _Stop
         # The next request's head is counted from nothing, and the read is
         # let go (a pooled connection would keep up to 256 KiB alive).
         self._head_bytes = 0
         self._interim_bytes = 0
         self._read = b""
-        response = Response(self, status, reason, self._headers)
+        headers = self._headers
+        self._status_line = b""
+        self._headers = []
+        response = Response(self.connection, status, reason, headers)
         coding = response.transfer_encoding
         if coding is not None and coding != b"chunked" and not chunked_alone(coding):
             # llhttp takes off the chunks of `gzip, chunked` and reads `gzip`
@@ -292,20 +273,23 @@ class Reader(asyncio.Protocol):
             # (the hop-by-hop field is not passed on). The client side
             # refuses such codings with 501; here the replica is at fault.
             shown = coding.decode("latin-1")
-            self._fail(
+            self.connection.fail(
                 "transfer_encoding",
-                self._broken(f"the replica's answer has Transfer-Encoding {shown!r}; only chunked is decoded"),
+                self.connection.broken(
+                    f"the replica's answer has Transfer-Encoding {shown!r}; only chunked is decoded"
+                ),
             )
             raise _Stop
-        self.head_due = 0.0
-        self.response = response
-        self.state = _BODY
+        exchange = self.exchange
+        exchange.head_due = 0.0
+        exchange.response = response
+        exchange.state = BODY
         # The replica's silence in the middle of the body is watched for from here
         # (by the sweep that watched for the head, if one did).
-        client = self.client
-        if client.watching is None:
-            client.watch()
-        head = self.head
+        watch = self.watch
+        if watch.timer is None:
+            watch.start()
+        head = exchange.head
         if head is not None and not head.done():
             head.set_result(response)
 
@@ -313,11 +297,12 @@ class Reader(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        response = self.response
-        if response is None or self.state is not _BODY:
+        exchange = self.exchange
+        response = exchange.response
+        if response is None or exchange.state is not BODY:
             return  # the end of an interim answer (still ACTIVE)
         if self._body:
             self._flush()
-        self.state = _DONE
-        self.reusable = self.parser.should_keep_alive()
+        exchange.state = DONE
+        exchange.reusable = self.parser.should_keep_alive()
         response._finish()

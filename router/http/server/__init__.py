@@ -8,18 +8,25 @@ and holds the line a hostile client pushes on. Its parts, each with its rules:
 
 - head.py: a request head judged by RFC 9110 and 9112, a pure function
   (fields in, a Head or a Refusal out), fuzzed against h11 without sockets;
-- states.py: a connection's two states and every change of them, as tables;
-- reader.py, intake.py, connection.py: one connection, in three layers of one
-  object: llhttp's callbacks with the byte bounds on heads, trailers, chunk
-  framing and bodies; reads fed to them (sliced behind a queued request, read
-  anew after an ignored Upgrade) and what is done with what they find (the
-  app's head check, the limits, 100 Continue, refusals answered in their
-  turn); requests answered one at a time in order, deadlines acted on, closing;
-- cycle.py: one request's run, from its handler to its answer made whole;
+- states.py: the connection's state machine, its transitions as tables, and
+  what follows an answer;
+- connection.py: one connection, a composition: reads fed to llhttp (sliced
+  behind a queued request), requests answered one at a time in order,
+  deadlines acted on, closing;
+- reader.py: what llhttp calls back, with the byte bounds on heads,
+  trailers, chunk framing and bodies;
+- intake.py: what is done with what the reader finds (the app's head check,
+  the limits, 100 Continue, refusals answered in their turn), and reading
+  anew after an ignored Upgrade;
+- cycle.py: one request and its answer, its writer and its handler's run;
 - writer.py: every byte of HTTP/1.1 framing the client port writes;
 - flow.py: flow control both ways (answers not taken, bodies held);
-- deadlines.py: one sweep for every connection's deadlines;
-- server.py: the connections, their handler and limits, shutdown.
+- deadlines.py: one sweep for every connection's deadlines, and each one's read deadline;
+- port.py: what every connection shares (handler, limits, sweep, request ids);
+- server.py: the connections' factory, and shutdown.
+
+No module of the package imports another in a circle: the parts reach each
+other through small interfaces (Protocol classes) where they would.
 
 Shutdown: stop accepting, close idle connections, let running requests finish
 within the grace, then cancel them.

@@ -1,71 +1,89 @@
-"""One client connection: requests read in order, each answered by its handler in turn.
+"""One client connection: its reads fed to llhttp, its requests answered one at a time in order, its deadlines.
 
-One handler task per request (cycle.py), run in order: a pipelined request
+A composition, as h11 and uvicorn shape theirs: the connection is the
+asyncio protocol, and holds its parts by reference. Its ConnectionState
+(states.py) is the state machine; its RequestReader (reader.py) is what
+llhttp calls back, within the byte bounds; its Intake (intake.py) acts on
+what the reader finds; each request is a Cycle (cycle.py), its handler's
+task and its writer; what every connection shares is the Port (port.py).
+
+The connection feeds llhttp its reads itself (a large read a slice at a
+time: a client pipelining ahead is read only up to the first request queued
+behind the one being answered, and the rest waits, unparsed, as its
+backlog). One handler task runs per request, in order: a pipelined request
 waits (at most one is held ahead, and reading stops behind it), and a refused
 request behind good ones is answered after them, then the connection closes;
 when the client goes away the task is cancelled, and with it the upstream
 request. Deadlines are checked by one sweep over every connection
 (deadlines.py); what passing each one means is decided here.
-
-A connection's states and every change of them are in states.py; its reading
-side (what it does with what its Reader finds) is its base, Intake
-(intake.py); the bytes it writes go through its writers (writer.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, cast
+from typing import Final, cast
+
+import httptools
 
 from router.http.messages import Request
-from router.http.server.cycle import answer
-from router.http.server.deadlines import Deadline
-from router.http.server.flow import Flow
+from router.http.server.cycle import Cycle
+from router.http.server.deadlines import D_BODY, D_DISCARD, D_HEAD, D_IDLE, ReadDeadline
+from router.http.server.flow import Flow, Holding
 from router.http.server.head import Refusal
 from router.http.server.intake import DISCARD_SECONDS, Intake
-from router.http.server.states import ANSWERING, READING, Answering, Event, Reading, on
+from router.http.server.port import Port
+from router.http.server.reader import RequestReader
+from router.http.server.states import (
+    A_CLOSED,
+    A_IDLE,
+    N_CLOSE,
+    N_CONTINUE,
+    N_OWED,
+    N_START,
+    N_WAIT,
+    R_BODY,
+    R_DISCARD,
+    R_HEAD,
+    R_IDLE,
+    R_STOPPED,
+    ConnectionState,
+)
 from router.http.server.writer import Http11Writer, write_continue
 from router.http.transports import reset
 from router.http.writer import WriteStalled
 
-if TYPE_CHECKING:
-    from router.http.server.server import Server
-
-# Module-level names for the states: an Enum member read through its class
-# goes through the metaclass's __getattr__, many times per request.
-_R_IDLE = Reading.IDLE
-_R_HEAD = Reading.HEAD
-_R_BODY = Reading.BODY
-_R_DISCARD = Reading.DISCARD
-_R_STOPPED = Reading.STOPPED
-_A_IDLE = Answering.IDLE
-_A_ACTIVE = Answering.ACTIVE
-_A_CLOSED = Answering.CLOSED
-_A_CLOSING = Answering.CLOSING
-_D_HEAD = Deadline.HEAD
-_D_BODY = Deadline.BODY
-_D_IDLE = Deadline.IDLE
-_D_DISCARD = Deadline.DISCARD
-
-# The transitions this module makes: the tables' columns (states.py).
-_ANSWERING_ON_ANSWERED = on(ANSWERING, Event.ANSWERED)
-_ANSWERING_ON_CLOSE = on(ANSWERING, Event.CLOSE)
-_ANSWERING_ON_LOST = on(ANSWERING, Event.LOST)
-_ANSWERING_ON_START = on(ANSWERING, Event.START)
-_READING_ON_STOP = on(READING, Event.STOP)
+# Reads larger than this are parsed in slices of it: the most a client
+# pipelining ahead gets parsed behind the request being answered.
+_SLICE: Final = 4096
 
 
-class Connection(Intake):
+class Connection(asyncio.Protocol):
     """One client connection: parse, run the handler per request in order, answer."""
 
-    __slots__ = ("flow", "task")
+    # Slots: thousands of connections may wait at once (held requests, open
+    # streams), and a dict per connection would be most of their memory.
+    __slots__ = ("_backlog", "deadline", "flow", "holding", "intake", "port", "reader", "state", "task", "transport")
 
-    def __init__(self, server: Server) -> None:
-        super().__init__(server)
+    # Set when the connection is made, before anything is read or written.
+    transport: asyncio.Transport
+
+    def __init__(self, port: Port) -> None:
+        self.port = port
+        self.state = state = ConnectionState()
+        self.deadline = deadline = ReadDeadline(port.sweep)
+        self.holding = holding = Holding(port.budget)
         self.flow = Flow()
+        self.intake = intake = Intake(port, state, deadline, holding, self)
+        self.reader = reader = RequestReader(port, state, deadline, holding, intake)
+        intake.reader = reader
         # The request being answered.
         self.task: asyncio.Task[None] | None = None
+        # The bytes read behind a queued request, not parsed yet.
+        self._backlog = b""
+
+    def __repr__(self) -> str:
+        return f"<Connection {self.intake.peer or '?'} {self.state!r}>"
 
     # asyncio callbacks ---------------------------------------------------------------
 
@@ -73,10 +91,33 @@ class Connection(Intake):
         self.transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple):
-            self.peer = f"{peer[0]}:{peer[1]}"
-        self.server.connections.add(self)
+            self.intake.peer = f"{peer[0]}:{peer[1]}"
+        self.port.connections.add(self)
         # The first head must start and end within the head deadline.
-        self._arm(self.server.header_timeout, _D_HEAD)
+        self.deadline.arm(self.port.header_timeout, D_HEAD)
+
+    def data_received(self, data: bytes) -> None:
+        state = self.state
+        reading = state.reading
+        if reading is R_STOPPED:
+            # After `Connection: close` or a refusal: whatever follows is not read.
+            return
+        if len(data) > _SLICE:
+            self._feed_slices(data)
+            return
+        reader = self.reader
+        body_before = reader.body_size
+        try:
+            reader.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            data = self.intake.upgraded(data, exc.args[0])
+        except httptools.HttpParserError as failure:
+            data = self.intake.failed(failure, data, reading is R_IDLE)
+        # A whole request in one read (the usual case) ends here, between
+        # requests: only what is unfinished is bounded and given a deadline.
+        reading = state.reading
+        if reading is R_HEAD or reading is R_BODY:
+            self.intake.unfinished(data, body_before)
 
     def eof_received(self) -> bool:
         # A client that closes its side has left, as for aiohttp: the
@@ -86,15 +127,14 @@ class Connection(Intake):
     def connection_lost(self, exc: Exception | None, cancel: bool = True) -> None:
         """The transport is gone; `cancel`: its request's task with it (a switched connection's
         handler sees the end itself, and ends its session its own way)."""
-        self.server.connections.discard(self)
-        self.answering = _ANSWERING_ON_LOST[self.answering]
-        self.reading = _READING_ON_STOP[self.reading]
-        self._disarm()
+        self.port.connections.discard(self)
+        self.state.lost()
+        self.deadline.disarm()
         self.flow.stall_deadline = 0.0
-        self.pending.clear()
         self._backlog = b""
-        self.drop_body()
-        self.release(self.held)
+        self.reader.drop_body()
+        holding = self.holding
+        holding.release(holding.held)
         if cancel and self.task is not None and not self.task.done():
             self.task.cancel()
         self.flow.fail(ConnectionResetError("the client went away"))
@@ -105,56 +145,34 @@ class Connection(Intake):
     def resume_writing(self) -> None:
         self.flow.resume()
 
-    # Answering in order -------------------------------------------------------------
+    # Reads -------------------------------------------------------------------------------
 
-    def _start(self, request: Request) -> None:
-        self.answering = _ANSWERING_ON_START[self.answering]
-        self.task = asyncio.get_running_loop().create_task(answer(self, request))
-
-    def answered(self, keep_alive: bool) -> None:
-        """A request was answered (cycle.py), and the connection persists after it or not:
-        start the next, answer a refused one, or wait."""
-        self.task = None
-        answering = self.answering
-        if answering is _A_ACTIVE and keep_alive and not self.pending and self.reading is _R_IDLE and self.owed is None:
-            # The usual end: nothing queued, nothing owed; the connection idles.
-            self.answering = _ANSWERING_ON_ANSWERED[answering]
-            self._arm(self.server.keepalive_timeout, _D_IDLE)
-            return
-        if answering is _A_CLOSED or answering is _A_CLOSING:
-            return
-        self.answering = _ANSWERING_ON_ANSWERED[answering]
-        if not keep_alive:
-            self.close()
-        elif self.pending:
-            self._start(self.pending.popleft())
-            if self.pending or self.reading is _R_STOPPED:
+    def _feed_slices(self, data: bytes) -> None:
+        """A large read, parsed a slice at a time, so that a client pipelining ahead
+        is read only up to the first request queued behind the running one; the
+        rest waits, unparsed, until that request starts."""
+        end = len(data)
+        start = 0
+        state = self.state
+        while start < end:
+            self.data_received(data[start : start + _SLICE])
+            start += _SLICE
+            if state.reading is R_STOPPED:
+                switching = self.reader.switching
+                if switching is not None:
+                    switching.extend(data[start:])
                 return
-            # What was read but not yet parsed, up to the next request queued;
-            # then, nothing queued ahead now, read on (the next head, or the body
-            # of one whose head came meanwhile). Never while anything waits.
-            if self._read_backlog():
-                self._resume_reading()
-        elif self.owed is not None:
-            self._answer_owed()
-        elif self.reading is _R_STOPPED:
-            self.close()
-        elif self._continue_owed:
-            # The request still arriving is now the one being answered.
-            self._continue_owed = False
-            write_continue(self.transport)
-            self._arm(self.server.body_timeout, _D_BODY)
-        # (A request arriving has its deadline already; none arriving, and nothing
-        # queued or owed, is the usual end, above.)
+            if state.pending and start < end:
+                self._backlog = data[start:]
+                return
 
-    def _answer_owed(self) -> None:
-        owed, self.owed = self.owed, None
-        assert owed is not None
-        request_id = owed.request_id or self.server.new_request_id()
-        Http11Writer(self, owed.head_only, request_id, True, False).answer(owed.reply)
-        if self.reading is not _R_DISCARD:
-            self.close()
-        # A DISCARD connection closes when the refused body ends, or at its deadline.
+    def _read_backlog(self) -> bool:
+        """Parse what was read behind a queued request; True when nothing is left waiting."""
+        backlog, self._backlog = self._backlog, b""
+        if backlog:
+            self.data_received(backlog)
+        state = self.state
+        return not (self._backlog or state.pending or state.reading is R_STOPPED)
 
     def _resume_reading(self) -> None:
         """Read again after a queued request; what the client was sending gets its deadline from now.
@@ -165,83 +183,143 @@ class Connection(Intake):
         """
         self.transport.resume_reading()
         # (Nothing arms a read deadline while a request is queued.)
-        reading = self.reading
-        if reading is _R_HEAD:
-            self._arm(self.server.header_timeout, _D_HEAD)
-        elif reading is _R_BODY and not self._continue_owed:
-            self._arm(self.server.body_timeout, _D_BODY)
-        elif reading is _R_DISCARD:
-            self._arm(DISCARD_SECONDS, _D_DISCARD)
+        reading = self.state.reading
+        port = self.port
+        if reading is R_HEAD:
+            self.deadline.arm(port.header_timeout, D_HEAD)
+        elif reading is R_BODY and not self.state.continue_owed:
+            self.deadline.arm(port.body_timeout, D_BODY)
+        elif reading is R_DISCARD:
+            self.deadline.arm(DISCARD_SECONDS, D_DISCARD)
+
+    def take_switched(self) -> bytes | None:
+        """What the client sent after the head of a request that may switch protocols, handed over once."""
+        reader = self.reader
+        held = reader.switching
+        if held is None:
+            return None
+        reader.switching = None
+        return bytes(held)
+
+    # Answering in order -------------------------------------------------------------
+
+    def start(self, request: Request) -> None:
+        """Run the request's cycle: it is the one being answered (ConnectionState.read or take_next said so)."""
+        self.task = asyncio.get_running_loop().create_task(Cycle(self, self.holding, self.port, request).run())
+
+    def answered(self, keep_alive: bool) -> None:
+        """A request was answered (cycle.py), and the connection persists after it or not:
+        what comes next is the state's to say (ConnectionState.answered), and done here."""
+        self.task = None
+        state = self.state
+        then = state.answered(keep_alive)
+        if then is N_WAIT:
+            # The usual end: the connection idles under the keep-alive deadline, armed
+            # here as ReadDeadline.arm would (this runs for every request).
+            port = self.port
+            sweep = port.sweep
+            if sweep.timer is None:
+                sweep.watch()
+            deadline = self.deadline
+            deadline.due = sweep.now + port.keepalive_timeout + sweep.every
+            deadline.kind = D_IDLE
+        elif then is N_CLOSE:
+            self.close()
+        elif then is N_START:
+            self.start(state.take_next())
+            if state.pending or state.reading is R_STOPPED:
+                return
+            # What was read but not yet parsed, up to the next request queued;
+            # then, nothing queued ahead now, read on (the next head, or the body
+            # of one whose head came meanwhile). Never while anything waits.
+            if self._read_backlog():
+                self._resume_reading()
+        elif then is N_OWED:
+            self.answer_owed()
+        elif then is N_CONTINUE:
+            write_continue(self.transport)
+            self.deadline.arm(self.port.body_timeout, D_BODY)
+        # (N_NOTHING: closing already, or a request arriving has its deadline.)
+
+    def answer_owed(self) -> None:
+        """Answer the refusal owed, now that the requests ahead of it are answered."""
+        owed = self.state.take_owed()
+        request_id = owed.request_id or self.port.new_request_id()
+        Http11Writer(self, owed.head_only, request_id, True, False).answer(owed.reply)
+        if self.state.reading is not R_DISCARD:
+            self.close()
+        # A DISCARD connection closes when the refused body ends, or at its deadline.
 
     async def drain(self) -> None:
         """Wait until the client took enough of its answer; WriteStalled when it takes nothing for long."""
         transport = self.transport
-        if transport.is_closing() or self.answering is _A_CLOSED:
+        if transport.is_closing() or self.state.answering is A_CLOSED:
             raise ConnectionResetError("the client went away")
         if self.flow.paused:
-            server = self.server
-            await self.flow.wait(server.sweep, server.write_stall_timeout)
+            port = self.port
+            await self.flow.wait(port.sweep, port.write_stall_timeout)
 
     # Deadlines, closing ------------------------------------------------------------------
 
     @property
     def waiting(self) -> bool:
-        return self._deadline > 0.0 or self.flow.stall_deadline > 0.0
+        return self.deadline.due > 0.0 or self.flow.stall_deadline > 0.0
 
     def check(self, now: float) -> None:
         """The sweep: act on a deadline that passed."""
-        server = self.server
+        port = self.port
         flow = self.flow
         if 0.0 < flow.stall_deadline < now:
             flow.stall_deadline = 0.0
-            server.protocol_errors.record(
-                "write_stall", f"{self!r} took none of its answer for {server.write_stall_timeout:g} s"
+            port.protocol_errors.record(
+                "write_stall", f"{self!r} took none of its answer for {port.write_stall_timeout:g} s"
             )
             flow.fail(WriteStalled("the client read nothing of its answer"))
             # Reset: a plain abort would leave the kernel holding what the client will not take.
             reset(self.transport)
             return
-        if not 0.0 < self._deadline < now:
+        deadline = self.deadline
+        if not 0.0 < deadline.due < now:
             return
-        kind = self._deadline_kind
-        self._disarm()
-        if kind is _D_HEAD:
+        kind = deadline.kind
+        deadline.disarm()
+        state = self.state
+        if kind is D_HEAD:
             # A head that never ended: no answer is owed; the slot is freed.
-            server.protocol_errors.record("head_timeout", f"{self!r} sent no whole head in time")
-            if self.answering is _A_IDLE and not self.pending:
+            port.protocol_errors.record("head_timeout", f"{self!r} sent no whole head in time")
+            if state.quiet():
                 self.transport.abort()
             else:
                 # The requests before it are answered first; then the connection closes.
-                self.reading = _READING_ON_STOP[self.reading]
+                state.stop()
                 self.transport.pause_reading()
-        elif kind is _D_BODY:
-            self.refuse(
-                Refusal(408, "body_timeout", f"The request body did not arrive within {server.body_timeout:g} s.")
+        elif kind is D_BODY:
+            self.intake.refuse(
+                Refusal(408, "body_timeout", f"The request body did not arrive within {port.body_timeout:g} s.")
             )
-        elif kind is _D_DISCARD:
-            if self.answering is _A_IDLE and self.owed is None:
+        elif kind is D_DISCARD:
+            if state.answering is A_IDLE and state.owed is None:
                 self.close()
             else:
-                self.reading = _READING_ON_STOP[self.reading]
+                state.stop()
         else:
             # An idle keep-alive connection's (armed only while nothing is answered).
             self.close()
 
     def close(self) -> None:
         """Close once what was written has been taken; abort if the client will not take it."""
-        self.reading = _READING_ON_STOP[self.reading]
-        self._disarm()
-        self.answering = _ANSWERING_ON_CLOSE[self.answering]
+        self.state.close()
+        self.deadline.disarm()
         transport = self.transport
         if transport.is_closing():
             return
         if transport.get_write_buffer_size():
             # close() would wait for the client to read it, perhaps forever.
-            server = self.server
-            self.flow.stall_deadline = time.monotonic() + server.write_stall_timeout
-            server.sweep.watch()
+            port = self.port
+            self.flow.stall_deadline = time.monotonic() + port.write_stall_timeout
+            port.sweep.watch()
         transport.close()
 
     def close_if_idle(self) -> None:
-        if self.answering is _A_IDLE:
+        if self.state.answering is A_IDLE:
             self.close()

@@ -5,8 +5,9 @@ A head must arrive whole within `header_timeout` of its first byte
 keep-alive connection is closed after `keepalive_timeout`, a refused body is
 read and dropped for a short while, and an answer the client does not read
 for `write_stall_timeout` is cut off (whole answers and streams alike). A
-connection holds one read deadline (its Deadline says what for) and one write
-deadline (flow.py); what it does when one passes is its own (Connection.check).
+connection holds one read deadline (ReadDeadline: when, and its Deadline
+says what for) and one write deadline (flow.py); what it does when one
+passes is its own (Connection.check).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import enum
 import time
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Final, Protocol
 
 
 class Deadline(enum.IntEnum):
@@ -26,6 +27,14 @@ class Deadline(enum.IntEnum):
     BODY = 2
     IDLE = 3
     DISCARD = 4
+
+
+# Module-level names (Final: a compiled module reads them as constants).
+D_NONE: Final = Deadline.NONE
+D_HEAD: Final = Deadline.HEAD
+D_BODY: Final = Deadline.BODY
+D_IDLE: Final = Deadline.IDLE
+D_DISCARD: Final = Deadline.DISCARD
 
 
 class Watched(Protocol):
@@ -73,3 +82,26 @@ class Sweep:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+
+class ReadDeadline:
+    """A connection's one read deadline: when it passes (the sweep's clock; 0: none), and what for."""
+
+    __slots__ = ("due", "kind", "sweep")
+
+    def __init__(self, sweep: Sweep) -> None:
+        self.sweep = sweep
+        self.due = 0.0
+        self.kind = D_NONE
+
+    def arm(self, seconds: float, kind: Deadline) -> None:
+        sweep = self.sweep
+        if sweep.timer is None:
+            sweep.watch()
+        # By the sweep's clock, at most one sweep old: never early, and no clock read per request.
+        self.due = sweep.now + seconds + sweep.every
+        self.kind = kind
+
+    def disarm(self) -> None:
+        self.due = 0.0
+        self.kind = D_NONE

@@ -6,7 +6,8 @@ Out: a handler that writes faster than its client reads is told so by write()
 no answer is kept forever for a client that stopped reading.
 
 In: bodies are bounded per request (`max_body_bytes`: 413) and across all
-connections together (`max_buffered_body_bytes`: 503 at once beyond it).
+connections together (`max_buffered_body_bytes`: 503 at once beyond it); a
+connection's share of that Budget is its Holding.
 """
 
 from __future__ import annotations
@@ -77,6 +78,31 @@ class Budget:
         self.max_body = max_body
         self.limit = limit
         self.held = 0
+
+
+class Holding:
+    """One connection's share of the Budget: the body bytes it holds, all of them and the request's being read."""
+
+    __slots__ = ("budget", "current", "held")
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+        self.held = 0
+        self.current = 0
+
+    def release(self, size: int) -> None:
+        """Body bytes this connection held, let go."""
+        # Never below zero: a request cancelled after its connection was lost
+        # was already counted out with the rest of the connection.
+        size = min(size, self.held)
+        if size:
+            self.held -= size
+            self.budget.held -= size
+
+    def drop_current(self) -> None:
+        """The request being read is refused: its bytes are let go."""
+        self.release(self.current)
+        self.current = 0
 
 
 def buffers_full() -> Refusal:

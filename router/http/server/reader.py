@@ -18,86 +18,78 @@ chunked coding llhttp does not take for chunked where RFC 9110 does (OWS, an
 empty list element; llhttp reads such a body to the close). A fresh parser
 is then primed with the framing of the body still to come, and fed on.
 
-Reader is the base of a connection's classes (then Intake, then Connection):
-one object per connection, and no call between them per parser callback.
-How reads are fed to it, and read anew, is Intake's.
+RequestReader is the object llhttp calls back, one per connection; what it
+finds goes to the connection's Intake (intake.py), called as the concrete
+class it is. The connection feeds llhttp its reads (connection.py); when to
+read anew is the intake's to decide, and the fresh parser is made here
+(renew()).
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import TYPE_CHECKING
+from typing import Final
 
 import httptools
 
 from router.http.messages import Request
-from router.http.server.deadlines import Deadline
-from router.http.server.flow import buffers_full
+from router.http.server.deadlines import ReadDeadline
+from router.http.server.flow import Holding, buffers_full
 from router.http.server.head import LENIENCIES, Refusal, judge
-from router.http.server.states import READING, Event, Reading, on
+from router.http.server.intake import Intake
+from router.http.server.port import Port
+from router.http.server.states import R_BODY, R_DISCARD, R_HEAD, R_STOPPED, ConnectionState
 
-if TYPE_CHECKING:
-    from router.http.server.server import Server
-
-MAX_LINE = 8190
-MAX_HEAD = 64 * 1024
-MAX_HEADERS = 100
+# (Final: a compiled module reads them as constants, not from its dict.)
+MAX_LINE: Final = 8190
+MAX_HEAD: Final = 64 * 1024
+MAX_HEADERS: Final = 100
 # The method, spaces and version around a target: a request line longer than
 # the longest target by more than this is a header line, answered 431.
-_REQUEST_LINE_SLACK = 32
-
-# Module-level names for the states: an Enum member read through its class
-# goes through the metaclass's __getattr__, many times per request.
-_IDLE = Reading.IDLE
-_HEAD = Reading.HEAD
-_BODY = Reading.BODY
-_DISCARD = Reading.DISCARD
-_STOPPED = Reading.STOPPED
-_D_NONE = Deadline.NONE
-_D_HEAD = Deadline.HEAD
-_D_BODY = Deadline.BODY
-
-# The transitions a reader makes (states.py).
-_READING_ON_BEGIN = on(READING, Event.BEGIN)
+_REQUEST_LINE_SLACK: Final = 32
 
 
 class _Stop(Exception):
     """Raised in a parser callback to stop llhttp; why is in the reader (a refusal, raw chunks) or its state."""
 
 
-class Reader(asyncio.Protocol):
-    """The llhttp protocol of one connection: gathers each request and hands it on, in its parts."""
+class RequestReader:
+    """What llhttp calls back on one client connection: each request gathered within its bounds, and handed on."""
 
     # Slots: thousands of connections may wait at once (held requests, open
     # streams), and a dict per connection would be most of their memory.
     __slots__ = (
         "_body",
-        "_body_size",
         "_chunked",
-        "_deadline",
-        "_deadline_kind",
         "_fields",
         "_framed",
         "_framing",
-        "_request",
         "_line",
         "_priming",
         "_refusal",
+        "_request",
         "_target",
         "_target_size",
         "_unframed",
         "_upgrade_framing",
-        "held",
-        "held_current",
+        "body_size",
+        "deadline",
+        "holding",
+        "intake",
         "parser",
-        "reading",
-        "server",
+        "port",
+        "state",
         "switching",
     )
 
-    def __init__(self, server: Server) -> None:
-        self.server = server
-        self.reading = _IDLE
+    def __init__(
+        self, port: Port, state: ConnectionState, deadline: ReadDeadline, holding: Holding, intake: Intake
+    ) -> None:
+        self.port = port
+        self.state = state
+        self.deadline = deadline
+        # Body bytes this connection holds in the budget every connection shares.
+        self.holding = holding
+        self.intake = intake
         self.parser = new_parser(self)
         self._target: list[bytes] = []
         self._target_size = 0
@@ -105,11 +97,7 @@ class Reader(asyncio.Protocol):
         # The request whose head was taken, its body still to come.
         self._request: Request | None = None
         self._body: list[bytes] = []
-        self._body_size = 0
-        # Body bytes this connection holds in the budget every connection shares
-        # (server.budget): all of them, and those of the request being read.
-        self.held = 0
-        self.held_current = 0
+        self.body_size = 0
         # The line still arriving of a head (or of a chunked body's framing): its bytes so far.
         self._line = 0
         # The body being read is chunked; bytes of framing read since its last data.
@@ -127,48 +115,15 @@ class Reader(asyncio.Protocol):
         self._priming = False
         # Set by a parser callback that refuses the request, before it stops llhttp.
         self._refusal: Refusal | None = None
-        # A request that may switch protocols was read (the server's upgrade_check): the bytes
+        # A request that may switch protocols was read (the port's upgrade_check): the bytes
         # after its head, the new protocol's, held here until its handler switches or answers.
         self.switching: bytearray | None = None
-        # The read side's deadline and what it is for (monotonic; 0 = none);
-        # the write side's is the flow's. One sweep over all connections checks both.
-        self._deadline = 0.0
-        self._deadline_kind = _D_NONE
-
-    # What is done with what the reader finds: Intake's (intake.py). Declared
-    # here as methods, not only for the type checker: a compiled class
-    # (setup.py) calls what its own class body names, and Intake overrides each.
-
-    def head_taken(self, request: Request, length: int | None, chunked: bool, continue_asked: bool) -> None:
-        raise NotImplementedError
-
-    def body_resumed(self) -> None:
-        raise NotImplementedError
-
-    def message_read(self, request: Request, body: bytes) -> None:
-        raise NotImplementedError
-
-    def discarded(self) -> None:
-        raise NotImplementedError
-
-    def refuse(self, refusal: Refusal) -> None:
-        raise NotImplementedError
 
     def drop_body(self) -> None:
         """The request is refused: nothing of its body is kept, nor read anew."""
         self._body = []
         self._upgrade_framing = None
-        self.release(self.held_current)
-        self.held_current = 0
-
-    def release(self, size: int) -> None:
-        """Body bytes this connection held, let go."""
-        # Never below zero: a request cancelled after its connection was lost
-        # was already counted out with the rest of the connection.
-        size = min(size, self.held)
-        if size:
-            self.held -= size
-            self.server.budget.held -= size
+        self.holding.drop_current()
 
     def refused_head_only(self) -> bool:
         """Whether the request being refused is a HEAD, whose answer is a head only (RFC 9110 9.3.2).
@@ -177,6 +132,46 @@ class Reader(asyncio.Protocol):
         only a request line begun, its target arriving, has its own.
         """
         return bool(self._target) and self.parser.get_method() == b"HEAD"
+
+    # Reading anew (intake.py) ---------------------------------------------------------------
+
+    def take_refusal(self) -> Refusal | None:
+        """The refusal a callback stopped llhttp for, if one did: handed over once."""
+        refusal, self._refusal = self._refusal, None
+        return refusal
+
+    def take_unframed(self) -> bytes | None:
+        """The raw chunks of a coding llhttp did not take for chunked, if it stopped at them: handed
+        over once, and the next fresh parser primed to read them as chunked."""
+        unframed, self._unframed = self._unframed, None
+        if unframed is not None:
+            self._upgrade_framing = b"Transfer-Encoding: chunked\r\n"
+        return unframed
+
+    def renew(self) -> bool:
+        """A fresh parser after an ignored Upgrade, primed to read the request's body if it has
+        one (the same for a body to be read anew); True when primed."""
+        framing = self._upgrade_framing
+        self._upgrade_framing = None
+        self.parser = new_parser(self)
+        if framing is None or self.state.reading is not R_BODY:
+            return False
+        self._priming = True
+        # Ours and valid: llhttp takes it whole, and only its framing matters.
+        self.parser.feed_data(b"POST / HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n")
+        return True
+
+    def bound(self, data: bytes, body_before: int) -> None:
+        """A read that left a request unfinished (its head, or a chunked body): bounded now.
+        `body_before`: the body's size before the read."""
+        reading = self.state.reading
+        if reading is R_HEAD:
+            self._bound_head(data)
+        elif reading is R_BODY and self._chunked:
+            if self.body_size != body_before:
+                self._framing = 0
+            else:
+                self._bound_framing(data)
 
     # Byte bounds ----------------------------------------------------------------------
 
@@ -189,9 +184,9 @@ class Reader(asyncio.Protocol):
         newline = data.rfind(b"\n")
         self._line = len(data) - newline - 1 if newline >= 0 else self._line + len(data)
         if self._line > MAX_LINE + _REQUEST_LINE_SLACK:
-            self.refuse(Refusal(431, "header_line_too_long", f"A header line is longer than {MAX_LINE} bytes."))
+            self.intake.refuse(Refusal(431, "header_line_too_long", f"A header line is longer than {MAX_LINE} bytes."))
         elif self._head_size() + self._line > MAX_HEAD:
-            self.refuse(Refusal(431, "head_too_large", f"The request head is larger than {MAX_HEAD} bytes."))
+            self.intake.refuse(Refusal(431, "head_too_large", f"The request head is larger than {MAX_HEAD} bytes."))
 
     def _bound_framing(self, data: bytes) -> None:
         """A read of a chunked body that carried none of it: chunk framing or trailers, bounded as a head is.
@@ -204,7 +199,7 @@ class Reader(asyncio.Protocol):
         newline = data.rfind(b"\n")
         self._line = len(data) - newline - 1 if newline >= 0 else self._line + len(data)
         if self._line > MAX_LINE or self._framing > MAX_HEAD:
-            self.refuse(
+            self.intake.refuse(
                 Refusal(431, "trailers_too_large", f"Chunk framing or trailers over {MAX_HEAD} bytes without data.")
             )
 
@@ -218,21 +213,21 @@ class Reader(asyncio.Protocol):
     def on_message_begin(self) -> None:
         if self._priming:
             return
-        reading = self.reading
-        if reading is _STOPPED:
+        state = self.state
+        if state.reading is R_STOPPED:
             # Nothing more is read on this connection: stop the parser here.
             raise _Stop
-        self.reading = _READING_ON_BEGIN[reading]
+        state.begin()
         # (The body list is emptied where the last one was taken.)
         self._target = []
         self._target_size = 0
         self._fields = []
-        self._body_size = 0
+        self.body_size = 0
         self._line = 0
-        self.held_current = 0
+        self.holding.current = 0
         # An idle connection's deadline ends here; a head that does not
-        # arrive whole in this read gets its own (data_received).
-        self._deadline = 0.0
+        # arrive whole in this read gets its own (Intake.unfinished).
+        self.deadline.due = 0.0
 
     def on_url(self, url: bytes) -> None:
         if self._priming:
@@ -243,7 +238,7 @@ class Reader(asyncio.Protocol):
             raise self._stop(Refusal(414, "target_too_long", f"The request target is longer than {MAX_LINE} bytes."))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.reading is not _HEAD:
+        if self.state.reading is not R_HEAD:
             # A trailer field of a chunked body (or the primed parser's own):
             # never merged into the head (RFC 9110 6.5.1), where it could pass for Authorization.
             return
@@ -259,7 +254,7 @@ class Reader(asyncio.Protocol):
         if self._priming:
             # The same body read on by a fresh parser.
             self._priming = False
-            self.body_resumed()
+            self.intake.body_resumed()
             return
         fields = self._fields
         # A whole head read at once was bounded field by field; in all, only
@@ -269,7 +264,7 @@ class Reader(asyncio.Protocol):
         parser = self.parser
         pieces = self._target
         verdict = judge(
-            self.server.rules,
+            self.port.rules,
             parser.get_method(),
             parser.get_http_version(),
             pieces[0] if len(pieces) == 1 else b"".join(pieces),
@@ -294,18 +289,18 @@ class Reader(asyncio.Protocol):
                 self._upgrade_framing = b"Content-Length: %d\r\n" % length
             elif chunked:
                 self._upgrade_framing = b"Transfer-Encoding: chunked\r\n"
-            elif (check := self.server.upgrade_check) is not None and check(request):
+            elif (check := self.port.upgrade_check) is not None and check(request):
                 # Its handler may switch the connection (Writer.switch): nothing after
                 # this head is HTTP, and the connection ends with this request.
                 request.keep_alive = False
                 self.switching = bytearray()
-        self.head_taken(request, length, chunked, continue_asked)
+        self.intake.head_taken(request, length, chunked, continue_asked)
 
     def on_chunk_header(self) -> None:
         self._framed = True
 
     def on_body(self, body: bytes) -> None:
-        if self.reading is not _BODY:
+        if self.state.reading is not R_BODY:
             return
         if self._chunked and not self._framed:
             # llhttp did not take the coding for chunked (a trailing HTAB or
@@ -313,37 +308,38 @@ class Reader(asyncio.Protocol):
             self._unframed = body
             raise _Stop
         size = len(body)
-        self._body_size += size
-        budget = self.server.budget
-        if self._body_size > budget.max_body:
+        self.body_size += size
+        holding = self.holding
+        budget = holding.budget
+        if self.body_size > budget.max_body:
             message = f"The request body exceeds the limit of {budget.max_body} bytes."
-            self.refuse(Refusal(413, "body_too_large", message, "request_too_large"))
+            self.intake.refuse(Refusal(413, "body_too_large", message, "request_too_large"))
             return
         # Counted as it arrives, against every connection's bodies together.
         if budget.held + size > budget.limit:
-            self.refuse(buffers_full())
+            self.intake.refuse(buffers_full())
             return
-        self.held_current += size
-        self.held += size
+        holding.current += size
+        holding.held += size
         budget.held += size
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self.reading is _DISCARD:
-            self.discarded()
+        if self.state.reading is R_DISCARD:
+            self.intake.discarded()
             return
         if self._upgrade_framing is not None:
             # Not the end: llhttp skipped an upgraded request's body; the
-            # fresh parser reads it (see _after_upgrade).
+            # fresh parser reads it (see renew()).
             return
         request = self._request
         assert request is not None
         body = self._body
         self._body = []
-        self.message_read(request, b"".join(body))
+        self.intake.message_read(request, b"".join(body))
 
 
-def new_parser(reader: Reader) -> httptools.HttpRequestParser:
+def new_parser(reader: RequestReader) -> httptools.HttpRequestParser:
     parser = httptools.HttpRequestParser(reader)
     parser.set_dangerous_leniencies(**LENIENCIES)
     return parser

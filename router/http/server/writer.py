@@ -16,17 +16,33 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Final, Protocol
 
 from router.http.messages import Reply
 from router.http.pipe import Pipe
+from router.http.server.flow import Flow
 from router.http.wire import frame_head
 from router.http.writer import Meter
 
-if TYPE_CHECKING:
-    from router.http.server.connection import Connection
+CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 
-CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+class Written(Protocol):
+    """The connection an answer is written on (connection.py), as its writer needs it."""
+
+    transport: asyncio.Transport
+    flow: Flow
+
+    def close(self) -> None: ...
+    async def drain(self) -> None: ...
+    def take_switched(self) -> bytes | None:
+        """What the client sent after the head of a request that may switch protocols (None: it may not),
+        handed over once."""
+
+    # The switched connection's own transport callbacks, passed on (Switched).
+    def pause_writing(self) -> None: ...
+    def resume_writing(self) -> None: ...
+    def connection_lost(self, exc: Exception | None, cancel: bool = True) -> None: ...
 
 
 def write_continue(transport: asyncio.Transport) -> None:
@@ -44,9 +60,10 @@ class Phase(enum.Enum):
 
 # Module-level names: the per-write checks are one global load and an `is`
 # (an Enum member read through its class goes through the metaclass, ~60 ns).
-NEW = Phase.NEW
-STREAMING = Phase.STREAMING
-DONE = Phase.DONE
+# (Final: a compiled module reads them as constants, not from its dict.)
+NEW: Final = Phase.NEW
+STREAMING: Final = Phase.STREAMING
+DONE: Final = Phase.DONE
 
 
 class Http11Writer:
@@ -68,8 +85,9 @@ class Http11Writer:
     )
 
     def __init__(
-        self, connection: Connection, head_only: bool, request_id: bytes, version_11: bool, keep_alive: bool
+        self, connection: Written, head_only: bool, request_id: bytes, version_11: bool, keep_alive: bool
     ) -> None:
+        # (A request's Cycle, cycle.py, sets the same fields itself: keep the two in step.)
         self._connection = connection
         self._transport = connection.transport
         self._flow = connection.flow
@@ -251,20 +269,20 @@ class Http11Writer:
         what the client sent after the head, and reads nothing more as HTTP); the
         connection closes when the handler returns.
         """
-        connection = self._connection
-        held = connection.switching
         transport = self._transport
-        if self.phase is not NEW or held is None or transport.is_closing():
+        if self.phase is not NEW or transport.is_closing():
+            return None
+        held = self._connection.take_switched()
+        if held is None:
             return None
         self.phase = DONE
         self.keep_alive = False
-        connection.switching = None
         head = frame_head(status, reason, [*headers, (b"X-Request-Id", self._request_id)], b"\r\n")
         transport.write(head)
         if self.meter is not None:
             self.meter.status = status
             self.meter.bytes_out = len(head)
-        pipe = Switched(connection, bytes(held))
+        pipe = Switched(self._connection, held)
         pipe.attach()
         transport.resume_reading()
         return pipe
@@ -275,7 +293,7 @@ class Switched(Pipe):
 
     __slots__ = ("_connection",)
 
-    def __init__(self, connection: Connection, first: bytes) -> None:
+    def __init__(self, connection: Written, first: bytes) -> None:
         super().__init__(connection.transport, first)
         self._connection = connection
 

@@ -45,6 +45,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "router fake") -> int:
     parser.add_argument(
         "--model", action="append", dest="models", help="model name to serve (repeatable; default fake-model)"
     )
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        dest="adapters",
+        default=[],
+        metavar="NAME",
+        help="a LoRA adapter loaded on the first model, listed in /v1/models with it as parent (repeatable)",
+    )
     parser.add_argument("--tokens", type=int, default=16, help="tokens per answer, at most")
     parser.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
     parser.add_argument("--first-token-delay", type=float, default=0.0, help="seconds before the first token")
@@ -176,6 +184,7 @@ async def _serve_forever(
         record=False,
         name=f"fake-{args.port}",
         tokenizer_path=args.tokenizer_path,
+        adapters=list(args.adapters),
     )
     if args.engine is not None:
         fake.engine_kind = args.engine

@@ -92,6 +92,8 @@ class FakeReplica:
     max_body_bytes: int = 64 * 1024 * 1024
     # Fields of the model cards in this replica's /v1/models, as vLLM's carry them (max_model_len, root).
     card: dict[str, Any] = field(default_factory=dict)
+    # LoRA adapters loaded on its first model, listed in /v1/models as vLLM lists them (their base as `parent`).
+    adapters: list[str] = field(default_factory=list)
     # A simulated engine (router.tools.fake.engine) that makes the tokens, and whose load
     # the replica reports under `engine_kind`'s names (router.tools.fake.exposition).
     engine: Engine | None = None
@@ -299,4 +301,6 @@ class FakeReplica:
         # A simulated engine says its name there, as vLLM, SGLang and llama.cpp do.
         owner = self.engine_kind if self.engine is not None else self.name
         data = [{"id": m, "object": "model", "created": 0, "owned_by": owner, **self.card} for m in self.models]
+        base = self.models[0]
+        data += [{"id": a, "object": "model", "created": 0, "owned_by": owner, "parent": base} for a in self.adapters]
         return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")

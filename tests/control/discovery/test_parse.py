@@ -288,3 +288,23 @@ def test_the_unnamed_port_of_a_service_is_looked_up_by_the_empty_name() -> None:
     item["ports"] = [{"name": "", "port": 8001}]
     assert {m.config.url.rsplit(":", 1)[1] for m in read_slice(item, unnamed, "models").members} == {"8001"}
     assert read_slice(item, SETTINGS, "models").problem == "has no port named 'http'"
+
+
+def test_the_engine_label_names_each_replicas_engine_the_pods_first_and_an_unknown_one_is_none() -> None:
+    """`engine_label` (router.llm/engine): the engine whose load is read; a value the router does not read
+    is as no label (the replica's own /v1/models and /metrics say then)."""
+    slice_doc = copy.deepcopy(recorded_list()["items"][0])
+    slice_doc["metadata"]["labels"]["router.llm/engine"] = "sglang"
+    on_slices = read_slice(slice_doc, SETTINGS, "models")
+    assert {m.config.engine for m in on_slices.members} == {"sglang"}
+    assert {m.config.engine for m in read_slice(recorded_list()["items"][0], SETTINGS, "models").members} == {None}
+    slices = {"s": parse_slice(slice_doc, ON_PODS, "models")}
+    pods = {item["metadata"]["name"]: copy.deepcopy(item) for item in recorded_pods()["items"]}
+    pods["vllm-llama-8b-6d5c9b7f4-abcde"]["metadata"]["labels"]["router.llm/engine"] = "vllm"
+    pods["vllm-llama-8b-6d5c9b7f4-fghij"]["metadata"]["labels"]["router.llm/engine"] = "an-engine-of-our-own"
+    views, _ = join_pods(slices, {n: read_pod(p, ON_PODS) for n, p in pods.items()}, ON_PODS, "models")
+    engines = {m.config.id.rsplit("-", 1)[1]: m.config.engine for view in views.values() for m in view.members}
+    # The pod's label first, then the slice's: an unknown value on the pod falls back to the slice's.
+    assert engines == {"abcde": "vllm", "fghij": "sglang", "pqrst": "sglang"}
+    renamed = replace(SETTINGS, engine_label="example.com/engine")
+    assert {m.config.engine for m in read_slice(slice_doc, renamed, "models").members} == {None}

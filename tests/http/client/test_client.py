@@ -24,6 +24,7 @@ import pytest
 
 from router.http.client import BodyTooLarge, Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response
 from router.http.origin import Origin
+from tests.fake_clock import FakeClock
 from tests.helpers import HEAD, OK, StartRaw, fixed, wait_for
 from tests.wire import ending_quietly
 
@@ -49,20 +50,26 @@ async def test_content_length_answer_and_reuse_of_the_connection(raw_server: Sta
 
 
 async def test_chunked_answer_in_pieces_passes_each_chunk_on(raw_server: StartRaw, client: Client) -> None:
+    got: list[bytes] = []
+    # Each piece goes out once the one before has been passed on: two reads, never one.
+    passed_on = asyncio.Event()
+
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         for part in (b"data: 1\n\n", b"data: 2\n\n"):
             writer.write(b"%x\r\n%b\r\n" % (len(part), part))
             await writer.drain()
-            await asyncio.sleep(0.02)
+            if n == 1:
+                await passed_on.wait()
+                passed_on.clear()
         writer.write(b"0\r\n\r\n")
 
     raw = await raw_server(answer)
     resp = await client.request(raw.origin, HEAD, b"{}")
-    got: list[bytes] = []
 
     def sink(chunk: bytes) -> bool:
         got.append(chunk)
+        passed_on.set()
         return False  # never full
 
     async def drain() -> None:
@@ -135,7 +142,7 @@ async def test_idle_connection_closed_by_the_replica_is_dropped(raw_server: Star
     resp = await client.request(raw.origin, HEAD, b"{}")
     await resp.read()
     resp.release()
-    await asyncio.sleep(0.1)
+    await wait_for(lambda: client.open_connections == 0)
     assert client.open_connections == 0
     resp = await client.request(raw.origin, HEAD, b"{}")
     assert await resp.read() == b"hello"
@@ -159,13 +166,15 @@ async def test_fresh_connection_broken_before_the_head_is_not_retried(raw_server
 
 async def test_idle_connections_expire_before_the_replicas_timeout(raw_server: StartRaw) -> None:
     raw = await raw_server(fixed(OK))
-    client = Client(connect_timeout=2.0, keepalive_seconds=0.2)
+    clock = FakeClock()
+    client = Client(connect_timeout=2.0, keepalive_seconds=0.2, clock=clock)
     try:
         resp = await client.request(raw.origin, HEAD, b"{}")
         await resp.read()
         resp.release()
         assert client.open_connections == 1
-        await asyncio.sleep(0.6)
+        clock.advance(0.3)
+        await wait_for(lambda: raw.eofs == 1)
         # The client closed it (the server saw EOF), not the server.
         assert client.open_connections == 0
         assert raw.eofs == 1
@@ -177,15 +186,16 @@ async def test_unread_answer_closes_the_connection(raw_server: StartRaw, client:
     raw = await raw_server(fixed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"))
     resp = await client.request(raw.origin, HEAD, b"{}")
     resp.release()
-    await asyncio.sleep(0.05)
     assert client.open_connections == 0
 
 
 async def test_a_full_sink_stops_reading_from_the_replica(raw_server: StartRaw, client: Client) -> None:
     sent = asyncio.Event()
     total = 8 * 1024 * 1024
+    replica: list[asyncio.WriteTransport] = []
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        replica.append(writer.transport)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
         for _ in range(total // 65536):
             writer.write(b"x" * 65536)
@@ -206,7 +216,13 @@ async def test_a_full_sink_stops_reading_from_the_replica(raw_server: StartRaw, 
         await release.wait()
 
     piping = asyncio.ensure_future(resp.pipe(sink, drain))
-    await asyncio.sleep(0.3)
+
+    def held_back() -> bool:
+        """The client reads no more, and the replica's writes pile up past its buffer's high water."""
+        (transport,) = replica
+        return all(c.paused for c in client._all) and transport.get_write_buffer_size() > 65536
+
+    await wait_for(held_back)
     # The replica is held back: its drain() waits, it has not sent it all.
     assert not sent.is_set()
     assert received < total
@@ -232,7 +248,7 @@ async def test_a_head_past_its_deadline_fails_its_request_and_drops_its_connecti
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         if n == 1:
-            await asyncio.sleep(30)  # never answers in the test's time
+            await asyncio.Event().wait()  # never answers
         writer.write(OK)
         await writer.drain()
         answered.set()
@@ -240,7 +256,8 @@ async def test_a_head_past_its_deadline_fails_its_request_and_drops_its_connecti
     raw = await raw_server(answer)
     began = time.monotonic()
     late = asyncio.create_task(client.request(raw.origin, HEAD, b"{}", head_timeout=0.3))
-    await asyncio.sleep(0.05)
+    # (Real time, as the head deadline is measured by it below: the request that is never answered is the first.)
+    await wait_for(lambda: len(raw.requests) == 1)
     resp = await client.request(raw.origin, HEAD, b"{}", head_timeout=0.3)
     assert await resp.read() == b"hello"
     resp.release()
@@ -320,7 +337,7 @@ async def test_an_answer_over_the_limit_that_came_whole_in_one_read_is_refused_t
     body = b"x" * 2000
     raw = await raw_server(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2000\r\n\r\n" + body))
     resp = await client.request(raw.origin, HEAD, b"{}")
-    await asyncio.sleep(0.05)  # the whole answer is read before the caller asks for it
+    await wait_for(lambda: resp._done)  # the whole answer is read before the caller asks for it
     with pytest.raises(BodyTooLarge):
         await resp.read(1000)
     resp.release()
@@ -467,29 +484,13 @@ async def test_a_connection_lost_as_its_caller_gives_up_tells_no_one(
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
-async def test_a_head_deadline_passing_as_its_caller_gives_up_tells_no_one(
-    client: Client, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_a_head_deadline_passing_as_its_caller_gives_up_tells_no_one(caplog: pytest.LogCaptureFixture) -> None:
     """The caller gives up in the very turn of the loop the client's sweep finds its head late:
     no one is told of the deadline, nothing raises, and the connection is dropped."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    bell = socket.create_connection(listener.getsockname())
-    ring, _ = listener.accept()
-    listener.close()
-    loop = asyncio.get_running_loop()
-    asking: asyncio.Task[Response] | None = None
-
-    def give_up() -> None:
-        loop.remove_reader(ring)
-        ring.recv(1)
-        assert asking is not None
-        asking.cancel()
-
-    def ring_just_before_the_sweep() -> None:
-        bell.send(b"!")
-        # Blocking: when the loop looks again, the bell is there and the sweep is due, and the
-        # loop runs what is ready to read before the timers that came due.
-        time.sleep(0.005)
+    # On fake time: the give-up and the sweep are made in one turn, in that order, by the test
+    # itself, not by a bell timed against a real timer (which a loaded machine let the sweep win).
+    clock = FakeClock()
+    client = Client(connect_timeout=2.0, keepalive_seconds=5.0, clock=clock)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read()  # never answers
@@ -500,16 +501,12 @@ async def test_a_head_deadline_passing_as_its_caller_gives_up_tells_no_one(
             asking = asyncio.create_task(client.request(origin, HEAD, b"{}", head_timeout=0.2))
             await wait_for(lambda: client.open_connections == 1 and client.watching is not None)
             (connection,) = client._all
-            # The sweep that will find the head late: the first due after its deadline.
-            while (timer := client.watching) is None or timer.when() <= connection.head_due:
-                await asyncio.sleep(0.01)
-            loop.add_reader(ring, give_up)
-            loop.call_at(timer.when() - 0.002, ring_just_before_the_sweep)
+            asking.cancel()
+            # The sweep that finds the head late, in the same turn as the give-up.
+            clock.advance(connection.exchange.head_due - clock.now() + 1.0)
             with pytest.raises(asyncio.CancelledError):
                 await asking
             await wait_for(lambda: client.open_connections == 0)
     finally:
-        loop.remove_reader(ring)
-        ring.close()
-        bell.close()
+        await client.close()
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []

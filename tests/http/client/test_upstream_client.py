@@ -33,6 +33,7 @@ from router.http.client import (
     UpstreamIdle,
 )
 from router.http.origin import Origin
+from tests.fake_clock import FakeClock
 from tests.helpers import HEAD, OK, RawServer, StartRaw, fixed, wait_for
 from tests.wire import ending_quietly
 
@@ -95,18 +96,21 @@ async def test_an_unsolicited_answer_on_an_idle_connection_poisons_it(
 ) -> None:
     # After its answer the replica sends the start of another, which nobody
     # asked for: parsed, it would become (part of) the next request's answer.
+    pooled = asyncio.Event()
+
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         writer.write(OK)
         await writer.drain()
         if n == 1:
-            await asyncio.sleep(0.05)
+            await pooled.wait()
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nST")
             await writer.drain()
 
     raw = await raw_server(answer)
     client = make_client()
     await ok_once(client, raw)
-    await asyncio.sleep(0.2)
+    pooled.set()
+    await wait_for(lambda: client.open_connections == 0)
     assert client.open_connections == 0
     assert client.protocol_errors.counts == {"unsolicited_bytes": 1}
     await ok_once(client, raw)
@@ -129,7 +133,9 @@ async def test_a_replica_that_speaks_before_the_request_is_connect_failed(
     async def slow_connect(*args: Any, **kwargs: Any) -> Any:
         # Let the banner arrive before the request goes out, every time.
         result = await connect(*args, **kwargs)
-        await asyncio.sleep(0.05)
+        transport, _ = result
+        # (Read, counted and closed: the connection is aborted the moment the banner is read.)
+        await wait_for(transport.is_closing)
         return result
 
     monkeypatch.setattr(loop, "create_connection", slow_connect)
@@ -169,10 +175,12 @@ async def test_a_second_answer_in_the_same_read_closes_the_connection(
 async def test_bytes_after_the_answer_before_its_release_close_the_connection(
     raw_server: StartRaw, make_client: MakeClient
 ) -> None:
+    read = asyncio.Event()
+
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         writer.write(OK)
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await read.wait()
         writer.write(b"HTTP/1.1 200 OK\r\n")
         await writer.drain()
 
@@ -180,7 +188,8 @@ async def test_bytes_after_the_answer_before_its_release_close_the_connection(
     client = make_client()
     resp = await client.request(raw.origin, HEAD, b"{}")
     assert await resp.read() == b"hello"
-    await asyncio.sleep(0.2)
+    read.set()
+    await wait_for(lambda: client.protocol_errors.counts)
     resp.release()
     assert client.open_connections == 0
     assert client.protocol_errors.counts == {"bytes_after_answer": 1}
@@ -376,11 +385,13 @@ async def test_trailers_never_become_response_headers(
     head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Trailer\r\n\r\n"
     rest = b"5\r\nhello\r\n0\r\nX-Trailer: evil\r\nContent-Type: text/evil\r\n\r\n"
 
+    headed = asyncio.Event()
+
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         if split:
             writer.write(head)
             await writer.drain()
-            await asyncio.sleep(0.05)
+            await headed.wait()  # the head was read and handed over: the rest is a later read
             writer.write(rest)
         else:
             writer.write(head + rest)
@@ -389,6 +400,7 @@ async def test_trailers_never_become_response_headers(
     raw = await raw_server(answer)
     client = make_client()
     resp = await client.request(raw.origin, HEAD, b"{}")
+    headed.set()
     assert await resp.read() == b"hello"
     assert [name for name, _ in resp.headers] == [b"Transfer-Encoding", b"Trailer"]
     assert resp.header(b"x-trailer") is None
@@ -447,19 +459,22 @@ async def test_a_body_shorter_than_its_length_then_silence_ends_with_upstream_id
 
 
 async def test_a_slow_steady_stream_is_not_idle(raw_server: StartRaw, make_client: MakeClient) -> None:
-    # Pauses shorter than the idle timeout, for much longer than it in all.
+    # Pauses shorter than the idle timeout, for much longer than it in all (on the client's clock).
+    clock = FakeClock()
+    sink = Recorder()
+
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for _ in range(12):
-            await asyncio.sleep(0.05)
+        for piece in range(12):
+            clock.advance(0.1)
             writer.write(b"1\r\nx\r\n")
             await writer.drain()
+            await wait_for(lambda: len(sink.pieces) > piece)  # noqa: B023
         writer.write(b"0\r\n\r\n")
 
     raw = await raw_server(answer)
-    client = make_client(idle_timeout=0.2)
+    client = make_client(idle_timeout=0.2, clock=clock)
     resp = await client.request(raw.origin, HEAD, b"{}")
-    sink = Recorder()
     await resp.pipe(sink, never_drained)
     resp.release()
     assert b"".join(sink.pieces) == b"x" * 12
@@ -480,7 +495,8 @@ async def test_a_stream_paused_by_a_slow_client_is_not_idle(raw_server: StartRaw
             await writer.drain()
 
     raw = await raw_server(answer)
-    client = make_client(idle_timeout=0.1)
+    clock = FakeClock()
+    client = make_client(idle_timeout=0.1, clock=clock)
     resp = await client.request(raw.origin, HEAD, b"{}")
     sink = Recorder(full=True)
     drains = 0
@@ -489,7 +505,9 @@ async def test_a_stream_paused_by_a_slow_client_is_not_idle(raw_server: StartRaw
         nonlocal drains
         drains += 1
         if drains == 1:
-            await asyncio.sleep(0.6)
+            # The client takes nothing for six idle timeouts, while the connection is paused.
+            assert all(c.paused for c in client._all)
+            clock.advance(0.6)
 
     await asyncio.wait_for(resp.pipe(sink, drain), 10)
     resp.release()
@@ -500,13 +518,16 @@ async def test_a_stream_paused_by_a_slow_client_is_not_idle(raw_server: StartRaw
 async def test_a_slow_head_is_the_first_byte_timers_not_the_idle_sweeps(
     raw_server: StartRaw, make_client: MakeClient
 ) -> None:
+    clock = FakeClock()
+    client = make_client(idle_timeout=0.1, clock=clock)
+
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        await asyncio.sleep(0.5)
+        # Five idle timeouts before the head, well within the head's deadline.
+        clock.advance(0.5)
         writer.write(OK)
         await writer.drain()
 
     raw = await raw_server(answer)
-    client = make_client(idle_timeout=0.1)
     resp = await client.request(raw.origin, HEAD, b"{}", head_timeout=5.0)
     assert await resp.read() == b"hello"
     resp.release()
@@ -517,13 +538,14 @@ async def test_the_idle_sweep_runs_only_while_a_body_is_in_progress(
     raw_server: StartRaw, make_client: MakeClient
 ) -> None:
     raw = await raw_server(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhel"))
-    client = make_client(idle_timeout=0.2)
+    clock = FakeClock()
+    client = make_client(idle_timeout=0.2, clock=clock)
     assert client.watching is None
     resp = await client.request(raw.origin, HEAD, b"{}")
     assert client.watching is not None
     resp.release()
     # Nothing in progress: the next sweep finds no body and does not rearm.
-    await asyncio.sleep(0.15)
+    clock.advance(0.15)
     assert client.watching is None
     # Every idle_timeout / 4, within [0.05 s, 5 s].
     assert make_client(idle_timeout=300.0)._watch_every == 5.0
@@ -540,6 +562,8 @@ async def endless(writer: asyncio.StreamWriter, start: bytes) -> None:
     for _ in range(4096):
         writer.write(b"a" * 1024)
         await writer.drain()
+        # Real time, a millisecond: each KiB a read of its own, as from a slow replica (on
+        # loopback, writes not paced coalesce, and the client would see a few large reads).
         await asyncio.sleep(0.001)
 
 
@@ -597,6 +621,7 @@ async def test_interim_heads_count_towards_the_64_kib_bound(
             for _ in range(count):
                 writer.write(EARLY_HINTS)
                 await writer.drain()
+                # Real time, a millisecond: each head a read of its own (unpaced, they coalesce).
                 await asyncio.sleep(0.001)
             writer.write(OK)
         await writer.drain()
@@ -690,7 +715,10 @@ async def test_switching_protocols_is_broken_without_a_traceback(
     with caplog.at_level(logging.INFO):
         with pytest.raises(ConnectionBroken) as info:
             await client.request(raw.origin, HEAD, b"{}")
-        await asyncio.sleep(0.05)
+        # A few turns of the loop, no real time: the dropped connection's end is called back
+        # (call_soon), and anything logged on the way is in.
+        for _ in range(3):
+            await asyncio.sleep(0)
     assert "switched protocols" in str(info.value)
     assert info.value.before_head
     assert info.value.answered
@@ -715,19 +743,23 @@ async def test_a_body_ended_by_close_hands_no_empty_piece_to_the_sink(
 ) -> None:
     # Downstream an empty piece is framed as a chunked last-chunk: the
     # client's stream would end there, and what follows would corrupt it.
+    sink = Recorder()
+    headed = asyncio.Event()
+
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        # The head, the event and the close each in a read of its own.
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await headed.wait()
         writer.write(b"data: 1\n\n")
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await wait_for(lambda: sink.pieces)
         writer.close()
 
     raw = await raw_server(answer)
     client = make_client()
     resp = await client.request(raw.origin, HEAD, b"{}")
-    sink = Recorder()
+    headed.set()
     await resp.pipe(sink, never_drained)
     resp.release()
     assert sink.pieces == [b"data: 1\n\n"]
@@ -770,7 +802,7 @@ async def test_a_status_line_llhttp_lets_through_is_an_invalid_response(
         if delivery == "split-across-reads":
             writer.write(line[:4])
             await writer.drain()
-            await asyncio.sleep(0.05)
+            await wait_for(lambda: any(c.reads for c in client._all))
             writer.write(line[4:] + rest)
         elif delivery == "after-an-interim-head":
             writer.write(b"HTTP/1.1 103 Early Hints\r\n\r\n" + line + rest)
@@ -829,10 +861,12 @@ async def test_garbage_in_the_body_is_counted_and_breaks_the_answer(
 
 
 async def test_a_connection_shows_its_origin_and_state(raw_server: StartRaw, make_client: MakeClient) -> None:
+    shown = asyncio.Event()
+
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
         await writer.drain()
-        await asyncio.sleep(0.1)
+        await shown.wait()
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
@@ -841,6 +875,7 @@ async def test_a_connection_shows_its_origin_and_state(raw_server: StartRaw, mak
     resp: Response = await client.request(raw.origin, HEAD, b"{}")
     connection = resp._connection
     assert repr(connection) == f"<Connection {raw.origin.key} body>"
+    shown.set()
     assert await resp.read() == b"hello"
     assert repr(connection) == f"<Connection {raw.origin.key} done>"
     resp.release()

@@ -66,7 +66,7 @@ async def test_a_refused_body_that_goes_on_past_its_window_closes_the_connection
         async def trickle() -> None:
             for _ in range(100):
                 wire.send(b"x" * 10)
-                # Real time: a trickle, against the server's own body timer.
+                # Real time: the window is the server's 2 s, on its own clock.
                 await asyncio.sleep(0.05)
 
         sender = asyncio.create_task(trickle())
@@ -140,7 +140,7 @@ async def test_a_client_that_reads_slowly_but_steadily_gets_its_whole_answer(sta
             if size == 0:
                 break
             got += len(await reader.readexactly(size + 2)) - 2
-            # Real time: a slow reader, so that the server meets a full socket buffer.
+            # Real time: a client that reads slowly, so that the server's writes wait for it.
             await asyncio.sleep(0.0005)
     finally:
         writer.close()
