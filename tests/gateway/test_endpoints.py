@@ -357,8 +357,9 @@ async def test_rotating_the_access_log_with_sighup_under_load_loses_no_line(
     loaders = [asyncio.create_task(load(2.0)) for _ in range(4)]
     rotated = []
     for i in range(3):
-        # The log is rotated under load, each time after a dozen more requests.
-        await wait_for(lambda i=i: sent >= 12 * (i + 1), timeout=10)
+        # The log is rotated under load, each time after a dozen more requests, once the router
+        # has written lines to the file it reopened (a batch at a time).
+        await wait_for(lambda i=i: sent >= 12 * (i + 1) and bool(access_log_lines(log_path)), timeout=10)
         moved = tmp_path / f"access.log.{i}"
         log_path.rename(moved)
         rotated.append(moved)

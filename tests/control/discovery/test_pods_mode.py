@@ -283,6 +283,8 @@ async def test_api_server_down_in_pods_mode_keeps_the_set_and_the_gauge_grows(
     await in_sync(server, wanted)
     caplog.set_level(logging.WARNING, "router.control.discovery")
     await kube.stop()
+    # The source has found the API gone (its view is stale from then on).
+    await wait_for(lambda: source.stale_seconds() > 0)
     stale: list[float] = []
     # Down for 3 s of the source's clock, 0.3 s at a time; traffic goes on at each step.
     for _ in range(10):

@@ -186,6 +186,8 @@ async def test_api_server_down_keeps_the_set_grows_the_stale_gauge_and_traffic_g
     assert samples(await scrape(server), "router_discovery_stale_seconds") == {(): 0.0}
     caplog.set_level(logging.WARNING, "router.control.discovery")
     await kube.stop()
+    # The source has found the API gone (its view is stale from then on).
+    await wait_for(lambda: source.stale_seconds() > 0)
     stale: list[float] = []
     # Down for 6 s of the source's clock, half a second at a time; traffic goes on at each step.
     for _ in range(12):
