@@ -51,7 +51,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare import free_port, wait_http  # noqa: E402
+from bench.compare import fake, serve, wait_http  # noqa: E402
 
 POLICIES = ("least_loaded", "session", "prefix")
 REPLICAS = 4
@@ -190,45 +190,21 @@ def run_policy(policy: str, args: argparse.Namespace, tmp: Path) -> Results:
     try:
         lines = []
         for i in range(REPLICAS):
-            fake_port = free_port()
-            fakes.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "router.tools.fake",
-                        "--port",
-                        str(fake_port),
-                        "--model",
-                        "chat",
-                        "--tokens",
-                        str(args.tokens),
-                        "--token-delay",
-                        str(args.token_delay),
-                        "--prefix-cache-blocks",
-                        str(args.cache_blocks),
-                        "--prefill-seconds-per-token",
-                        str(args.prefill),
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
+            process, url = fake(
+                *("--model", "chat", "--tokens", str(args.tokens), "--token-delay", str(args.token_delay)),
+                *("--prefix-cache-blocks", str(args.cache_blocks), "--prefill-seconds-per-token", str(args.prefill)),
             )
-            lines += ["[[replicas]]", f'id = "r{i}"', 'model = "chat"', f'url = "http://127.0.0.1:{fake_port}"']
-            wait_http(f"http://127.0.0.1:{fake_port}/v1/models", process=fakes[-1])
-        port, admin = free_port(), free_port()
+            fakes.append(process)
+            lines += ["[[replicas]]", f'id = "r{i}"', 'model = "chat"', f'url = "{url}"']
+            wait_http(f"{url}/v1/models", process=process)
         config = tmp / f"{policy}.toml"
         config.write_text(
-            f'listen = "127.0.0.1:{port}"\nadmin_listen = "127.0.0.1:{admin}"\ntick_seconds = 1\n'
+            'listen = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\ntick_seconds = 1\n'
             + "\n".join(lines)
             + f'\n[models."chat"]\nrouting = "{policy}"\n'
         )
-        router = subprocess.Popen(
-            [sys.executable, "-m", "router", "serve", "--config", str(config), "--log-level", "warning"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_http(f"http://127.0.0.1:{admin}/readyz", process=router)
+        router, client, admin_url = serve(config)
+        port, admin = int(client.rsplit(":", 1)[1]), int(admin_url.rsplit(":", 1)[1])
         return asyncio.run(replay(port, admin, args))
     finally:
         for process in [*fakes, *([router] if router is not None else [])]:

@@ -37,23 +37,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare import free_port, rss_mb, tree, wait_http  # noqa: E402
+from bench.compare import free_port, rss_mb, serve, tree, wait_http  # noqa: E402
 from router.tools.fake import FakeReplica  # noqa: E402
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
 
 
 def start_router(tmp: Path, extra: str) -> tuple[subprocess.Popen[bytes], int, int]:
-    port, admin = free_port(), free_port()
-    config = tmp / f"router-{port}.toml"
-    config.write_text(f'listen = "127.0.0.1:{port}"\nadmin_listen = "127.0.0.1:{admin}"\ntick_seconds = 0.2\n{extra}\n')
-    process = subprocess.Popen(
-        [sys.executable, "-m", "router", "serve", "--config", str(config), "--log-level", "warning"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    wait_http(f"http://127.0.0.1:{admin}/readyz", process=process)
-    return process, port, admin
+    """A `router serve` on port 0, ready: it, its client port and its admin port."""
+    config = tmp / f"router-{len(list(tmp.glob('router-*.toml')))}.toml"
+    config.write_text(f'listen = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\ntick_seconds = 0.2\n{extra}\n')
+    process, client, admin = serve(config)
+    return process, int(client.rsplit(":", 1)[1]), int(admin.rsplit(":", 1)[1])
 
 
 def push(admin: int, replicas: list[dict[str, str]]) -> None:
@@ -121,6 +116,7 @@ async def many_held(tmp: Path, count: int) -> dict[str, Any]:
     router, port, admin = start_router(
         tmp, f'max_in_flight = 8000\n[models."m"]\ncold_start_seconds = 300\nmax_held = {count * 2}'
     )
+    # Told its port: its processes share it (--processes refuses port 0).
     fake_port = free_port()
     fake: subprocess.Popen[bytes] | None = None
     try:

@@ -38,6 +38,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -60,9 +61,75 @@ RUST = ("vllm-router", "sglang-router")
 
 
 def free_port() -> int:
+    """A port free a moment ago, for a program that must be told its port (a peer, the floor, nginx).
+
+    Bound, closed and named, it may be taken before the program binds it: what
+    can bind port 0 and say where it listens (`router serve`, a one-process
+    `router fake`) does, through `serve` and `fake`.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# `router serve`'s line once both its ports listen, at info whatever --log-level says (router/run/app.py).
+LISTENING = re.compile(r"router listening on (http://\S+) \(clients[^)]*\) and (http://\S+) \(admin\)")
+# `router fake`'s first line, once it listens.
+FAKE_LISTENING = re.compile(r"^fake replica of .* at (http://\S+)")
+
+
+def said(process: subprocess.Popen[bytes], pattern: re.Pattern[str], log: Path | None = None) -> re.Match[str]:
+    """The first line of the process's output that matches `pattern`; the rest goes on to `log` (or nowhere),
+    drained by a thread so that a full pipe never stops the process."""
+    assert process.stdout is not None
+    out = log.open("ab") if log is not None else None
+    for line in process.stdout:
+        if out is not None:
+            out.write(line)
+        match = pattern.search(line.decode(errors="replace"))
+        if match is not None:
+            break
+    else:
+        if out is not None:
+            out.close()
+        raise RuntimeError(f"exited with {process.wait()} before saying where it listens")
+    stream = process.stdout
+
+    def drain() -> None:
+        for rest in stream:
+            if out is not None:
+                out.write(rest)
+        if out is not None:
+            out.close()
+
+    threading.Thread(target=drain, daemon=True).start()
+    return match
+
+
+def serve(
+    config: Path, *extra: str, log: Path | None = None, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str, str]:
+    """`router serve` on its config's ports (port 0: any), ready: its process, client URL and admin URL, as it says."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "router", "serve", "--config", str(config), "--log-level", "warning", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=cwd,
+        env=env,
+    )
+    match = said(process, LISTENING, log)
+    wait_http(match.group(2) + "/readyz", process=process)
+    return process, match.group(1), match.group(2)
+
+
+def fake(*args: str, log: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """One `router fake` process on port 0 with `args`, listening: it and its URL, as it says it."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "router.tools.fake", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    return process, said(process, FAKE_LISTENING, log).group(1)
 
 
 def tree(pid: int) -> list[int]:
@@ -162,14 +229,27 @@ class Path_:
     # What a human should know about how it was run.
     note: str = ""
     cwd: Path | None = None
+    # A `router serve` on port 0: its address is what it says once it listens.
+    says: bool = False
 
     def start(self, log: Path) -> None:
         if not self.command:
             return
-        with log.open("ab") as out:
+        if self.says:
             self.process = subprocess.Popen(
-                self.command, env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd
+                self.command,
+                env={**os.environ, **self.env},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                cwd=self.cwd,
             )
+            self.url = said(self.process, LISTENING, log).group(1)
+            self.port = int(self.url.rsplit(":", 1)[1])
+        else:
+            with log.open("ab") as out:
+                self.process = subprocess.Popen(
+                    self.command, env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd
+                )
         wait_http(self.url + "/v1/models", process=self.process)
 
     def stop(self) -> None:
@@ -191,8 +271,10 @@ class Path_:
         return self.process.pid if self.process is not None else None
 
 
-def router_config(tmp: Path, name: str, fake: str, replicas: int) -> Path:
-    port, admin = free_port(), free_port()
+def router_config(tmp: Path, name: str, fake: str, replicas: int, *, told: bool = False) -> Path:
+    """The benchmark's router config: on port 0, or `told` its ports (a router of an older commit,
+    which says where it listens only at info, and is run at warning)."""
+    port, admin = (free_port(), free_port()) if told else (0, 0)
     lines = [f'listen = "127.0.0.1:{port}"', f'admin_listen = "127.0.0.1:{admin}"', "tick_seconds = 1"]
     for model, count in (("fast", replicas), ("slow", 4), ("sleepy", 4)):
         # Every entry points at the same fake: the router still spreads over them.
@@ -241,27 +323,24 @@ def make_paths(tmp: Path, fake: str, wanted: Sequence[str], baselines: Sequence[
     ):
         if name in wanted:
             config = router_config(tmp, name, fake, replicas)
-            port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
             command = [py, "-m", "router", "serve", "--config", str(config), "--log-level", "warning", *extra]
-            add(name, command, port, note=f"{replicas} replicas of the model" + (", --workers auto" if extra else ""))
+            note = f"{replicas} replicas of the model" + (", --workers auto" if extra else "")
+            paths.append(Path_(name, command, note=note, says=True))
     if "router-compiled" in wanted:
         # What `pip install` gives where a compiler is: the working tree with its
         # hot modules compiled (setup.py), in .cache/compiled, started from there.
         tree_ = compiled_tree()
         if tree_ is not None:
             config = router_config(tmp, "router-compiled", fake, 4)
-            port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
             command = [py, "-m", "router", "serve", "--config", str(config), "--log-level", "warning"]
             note = "4 replicas, the compiled build"
-            paths.append(
-                Path_("router-compiled", command, port=port, url=f"http://127.0.0.1:{port}", note=note, cwd=tree_)
-            )
+            paths.append(Path_("router-compiled", command, note=note, cwd=tree_, says=True))
     for ref in baselines:
         # The same router at another commit, started from its own tree: `python -m`
         # puts the working directory first on sys.path, ahead of the editable install.
         name = f"router@{ref}"
         tree_ = checkout(ref, tmp / "baseline" / ref)
-        config = router_config(tmp, name.replace("@", "-"), fake, 4)
+        config = router_config(tmp, name.replace("@", "-"), fake, 4, told=True)
         port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
         command = [py, "-m", "router", "serve", "--config", str(config), "--log-level", "warning"]
         paths.append(

@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.compare import cpu_seconds, free_port, wait_http
+from bench.compare import cpu_seconds, free_port, serve, wait_http
 from tests.engine.test_engine import ENGINE_MODEL, ENGINE_PYTHON, engine_argv
 
 TOKEN_EVENT = re.compile(rb'"finish_reason":\s*null')
@@ -81,22 +81,20 @@ def main() -> dict[str, Any]:
     args = parser.parse_args()
     if not (ENGINE_PYTHON.exists() and ENGINE_MODEL.exists()):
         sys.exit("no engine: run scripts/install-engine first")
-    engine_port, client_port, admin_port = free_port(), free_port(), free_port()
+    # llama.cpp is told its port and does not say which it took; the router binds port 0 and says.
+    engine_port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         engine = subprocess.Popen(engine_argv(engine_port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         config = Path(tmp) / "router.toml"
         config.write_text(
-            f'listen = "127.0.0.1:{client_port}"\nadmin_listen = "127.0.0.1:{admin_port}"\n'
+            'listen = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n'
             f'[[replicas]]\nid = "gemma-0"\nmodel = "gemma"\nurl = "http://127.0.0.1:{engine_port}"\n'
         )
-        router = subprocess.Popen(
-            [sys.executable, "-m", "router", "serve", "--config", str(config), "--log-level", "warning"]
-        )
+        router, client_url, _ = serve(config)
         results: dict[str, list[dict[str, float]]] = {}
         try:
             wait_http(f"http://127.0.0.1:{engine_port}/v1/models", timeout=120)
-            wait_http(f"http://127.0.0.1:{admin_port}/readyz")
-            paths = {"direct": f"http://127.0.0.1:{engine_port}", "router": f"http://127.0.0.1:{client_port}"}
+            paths = {"direct": f"http://127.0.0.1:{engine_port}", "router": client_url}
             for _ in range(args.rounds):
                 for streams in (1, 8):
                     for name, url in paths.items():

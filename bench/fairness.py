@@ -50,7 +50,7 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare import free_port, wait_http  # noqa: E402
+from bench.compare import fake, serve, wait_http  # noqa: E402
 from router.core.config.settings import ReplicaConfig  # noqa: E402
 from router.core.config.tenants import Caller, Queueing  # noqa: E402
 from router.core.pool.pool import Limits, Pool  # noqa: E402
@@ -73,38 +73,34 @@ class Fleet:
         self.keys = keys
         self.workers = workers
         self.processes: list[subprocess.Popen[bytes]] = []
-        self.port = free_port()
-        self.log = tmp / f"access-{self.port}.log"
+        # Its own folder: a benchmark runs several fleets in one temporary directory.
+        self.folder = Path(tempfile.mkdtemp(dir=tmp))
+        self.log = self.folder / "access.log"
+        # The router's client port, once it said where it listens (it binds port 0).
+        self.port = 0
 
     def __enter__(self) -> Fleet:
         urls = []
         for _ in range(2):
-            port = free_port()
-            fake = self._start(
-                "-m", "router.tools.fake", "--port", str(port), "--model", "m", "--first-token-delay", str(self.service)
-            )
-            wait_http(f"http://127.0.0.1:{port}/v1/models", process=fake)
-            urls.append(f"http://127.0.0.1:{port}")
-        admin = free_port()
+            process, url = fake("--model", "m", "--first-token-delay", str(self.service))
+            self.processes.append(process)
+            wait_http(f"{url}/v1/models", process=process)
+            urls.append(url)
         lines = [
-            f'listen = "127.0.0.1:{self.port}"',
-            f'admin_listen = "127.0.0.1:{admin}"',
+            'listen = "127.0.0.1:0"',
+            'admin_listen = "127.0.0.1:0"',
             f"max_in_flight_per_replica = {CAPACITY}",
             f'access_log = "{self.log}"',
             "tick_seconds = 1",
         ]
         for i, url in enumerate(urls):
             lines += ["[[replicas]]", f'id = "r{i}"', 'model = "m"', f'url = "{url}"']
-        config = self.tmp / f"router-{self.port}.toml"
+        config = self.folder / "router.toml"
         config.write_text("\n".join(lines) + "\n" + self.keys)
-        router = self._start("-m", "router", "serve", "--config", str(config), "--workers", str(self.workers))
-        wait_http(f"http://127.0.0.1:{admin}/readyz", process=router)
+        router, client, _ = serve(config, "--workers", str(self.workers))
+        self.processes.append(router)
+        self.port = int(client.rsplit(":", 1)[1])
         return self
-
-    def _start(self, *args: str) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.processes.append(process)
-        return process
 
     def __exit__(self, *exc: object) -> None:
         for process in reversed(self.processes):

@@ -32,7 +32,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare import checkout, compiled_tree, free_port, router_config, wait_http  # noqa: E402
+from bench.compare import LISTENING, checkout, compiled_tree, router_config, said, wait_http  # noqa: E402
+from bench.compare import fake as start_fake  # noqa: E402
 
 WORKLOADS = {
     "short": {"model": "fast", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16},
@@ -99,7 +100,9 @@ def measure(
     keep: Path | None = None,
     engine: str = "",
 ) -> dict[str, float]:
-    config = router_config(tmp, name.replace("@", "-"), fake, 4)
+    # On port 0, but for a baseline at an older commit, which says where it listens only at info: told its ports.
+    told = "@" in name
+    config = router_config(tmp, name.replace("@", "-"), fake, 4, told=told)
     if engine:
         # Every replica names its engine: its load is read, and its picks weigh it.
         config.write_text(config.read_text().replace("\nurl = ", f"\nengine = {engine}\nurl = "))
@@ -107,7 +110,6 @@ def measure(
         # Top-level keys go before the first table; tables after the last.
         text = config.read_text()
         config.write_text(text + extra if extra.startswith("[") else extra + text)
-    port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
     out = tmp / f"{name.replace('@', '-')}.callgrind"
     process = subprocess.Popen(
         [
@@ -125,11 +127,15 @@ def measure(
             "warning",
         ],
         cwd=cwd,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL if told else subprocess.PIPE,
+        stderr=subprocess.DEVNULL if told else subprocess.STDOUT,
     )
     figures: dict[str, float] = {}
     try:
+        if told:
+            port = int(config.read_text().split('"127.0.0.1:', 1)[1].split('"', 1)[0])
+        else:
+            port = int(said(process, LISTENING).group(1).rsplit(":", 1)[1])
         wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=300, process=process)
         for workload, body in WORKLOADS.items():
             raw = raw_requests(body, varied)
@@ -164,15 +170,9 @@ def engine_runs(tmp: Path, requests: int) -> dict[str, dict[str, float]]:
     """The working tree in front of a simulated vLLM engine (`router fake --engine vllm`), its load read
     (ORCA headers on short answers, /metrics while streams run) and not: what reading the engines costs
     a request."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    engine = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "router.tools.fake", "--port", str(port), "--model", "fast", "--model", "slow"),
-            *("--model", "sleepy", "--engine", "vllm", "--time-scale", "100", "--max-running", "512"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    engine, url = start_fake(
+        *("--model", "fast", "--model", "slow", "--model", "sleepy"),
+        *("--engine", "vllm", "--time-scale", "100", "--max-running", "512"),
     )
     try:
         wait_http(url + "/v1/models", process=engine)
@@ -241,13 +241,7 @@ def main() -> int:
         parser.error("valgrind is not installed (Debian's valgrind package)")
     with tempfile.TemporaryDirectory(prefix="router-instructions-") as tmpdir:
         tmp = Path(tmpdir)
-        fake_port = free_port()
-        fake_url = f"http://127.0.0.1:{fake_port}"
-        fake = subprocess.Popen(
-            [sys.executable, "-m", "router.tools.fake", "--port", str(fake_port), "--model", "fast", "--tokens", "64"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        fake, fake_url = start_fake("--model", "fast", "--tokens", "64")
         results: dict[str, dict[str, float]] = {}
         try:
             wait_http(fake_url + "/v1/models", process=fake)

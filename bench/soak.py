@@ -65,7 +65,7 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare import free_port, wait_http  # noqa: E402
+from bench.compare import free_port, serve  # noqa: E402
 from router.tools.fake import Behaviour, FakeReplica  # noqa: E402
 
 KEEPALIVE = 2.0  # the router's upstream_keepalive_seconds
@@ -103,6 +103,7 @@ class Replica:
     # Seconds between streamed tokens: long enough on the flaky replicas that a kill cuts streams.
     token_delay: float = 0.004
     fake: FakeReplica = field(init=False)
+    # Told its port: it comes back where the router knows it after each kill.
     port: int = field(default_factory=free_port)
     down: bool = False
 
@@ -511,12 +512,12 @@ async def soak(args: argparse.Namespace) -> int:
     }
     for replica in replicas.values():
         await replica.start()
-    client, admin = free_port(), free_port()
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "router.toml"
+        log = Path(tmp) / "router.log"
         lines = [
-            f'listen = "127.0.0.1:{client}"',
-            f'admin_listen = "127.0.0.1:{admin}"',
+            'listen = "127.0.0.1:0"',
+            'admin_listen = "127.0.0.1:0"',
             "tick_seconds = 1",
             f"upstream_keepalive_seconds = {KEEPALIVE}",
             f"header_timeout_seconds = {HEADER_TIMEOUT}",
@@ -531,20 +532,15 @@ async def soak(args: argparse.Namespace) -> int:
             lines += ["[[replicas]]", f'id = "{r.id}"', f'model = "{r.model}"', f'url = "{r.url}"']
         lines += ['[models."cold"]', "cold_start_seconds = 40"]
         config.write_text("\n".join(lines) + "\n")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "router", "serve", "--config", str(config), "--log-level", "error"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE if args.short else None,
-        )
+        # On port 0: the ports are what it says once it listens; the rest of what it says goes to `log`.
+        process, base, admin_url = serve(config, "--log-level", "error", log=log)
+        client = int(base.rsplit(":", 1)[1])
         try:
-            admin_url = f"http://127.0.0.1:{admin}"
-            wait_http(admin_url + "/readyz", process=process)
             start_fds, _ = socket_inodes(process.pid)
             ports = {r.port: r.id for r in replicas.values()}
             ledger = Ledger()
             samples: list[dict[str, Any]] = []
             stop = asyncio.Event()
-            base = f"http://127.0.0.1:{client}"
             period = 20.0 if args.short else 45.0
             tasks = [asyncio.create_task(client_loop(base, seed, stop, ledger)) for seed in range(CONCURRENCY)]
             tasks.append(asyncio.create_task(hostile_loop(("127.0.0.1", client), stop, ledger)))
@@ -586,12 +582,15 @@ async def soak(args: argparse.Namespace) -> int:
         finally:
             process.terminate()
             try:
-                _, err = process.communicate(timeout=30)
+                process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
-                _, err = process.communicate()
+                process.wait()
+            said = log.read_text(errors="replace") if log.exists() else ""
+            # What it said besides where it listens.
+            err = "".join(line for line in said.splitlines(keepends=True) if "router listening on" not in line)
             if err:
-                sys.stderr.write(err.decode(errors="replace")[-4000:])
+                sys.stderr.write(err[-4000:])
             for replica in replicas.values():
                 await replica.fake.stop()
 

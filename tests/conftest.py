@@ -17,14 +17,14 @@ from router.core.clock import Clock
 from router.core.config.settings import parse_config
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
+from tests.support.http_harness import Handler, Harness, StartServer, Stub, serving
 
-# Raw HTTP servers standing in for replicas, for the upstream client's tests.
-from tests.helpers import Serve, free_port, raw_server  # noqa: F401
-from tests.http.harness import Handler, Harness, StartServer, Stub, serving
-
-# Each test on the loop its code runs on in production, under a deadline of its own (tests/loops.py).
-from tests.loops import no_loop_errors, pytest_asyncio_loop_factories, pytest_runtest_call  # noqa: F401
-from tests.wire import StartRaw, raw_replicas
+# Each test on the loop its code runs on in production, under a deadline of its own (tests/support/loops.py).
+from tests.support.loops import no_loop_errors, pytest_asyncio_loop_factories, pytest_runtest_call  # noqa: F401
+from tests.support.processes import Serve
+from tests.support.raw_server import Answer, RawServer
+from tests.support.raw_server import StartRaw as StartRawServer
+from tests.support.wire import StartRaw, ending_quietly, raw_replicas
 
 StartFake = Callable[..., Awaitable[FakeReplica]]
 
@@ -57,7 +57,7 @@ def replica_entry(rid: str, fake: FakeReplica, model: str | None = None, **label
 
 @pytest.fixture
 async def start_server() -> AsyncIterator[StartServer]:
-    """The client port's server alone, with a stub handler (tests/http/harness.py): no router, no replica."""
+    """The client port's server alone, with a stub handler (tests/support/http_harness.py): no router, no replica."""
     async with contextlib.AsyncExitStack() as stack:
 
         async def start(handler: Handler | None = None, **settings: Any) -> Harness:
@@ -67,16 +67,34 @@ async def start_server() -> AsyncIterator[StartServer]:
 
 
 @pytest.fixture
+async def raw_server() -> AsyncIterator[StartRawServer]:
+    """Raw HTTP servers standing in for replicas (tests/support/raw_server.py), for the upstream client's tests."""
+    servers: list[RawServer] = []
+
+    async def start(answer: Answer) -> RawServer:
+        raw = RawServer(answer)
+        raw.server = await asyncio.start_server(ending_quietly(raw.handle), "127.0.0.1", 0)
+        servers.append(raw)
+        return raw
+
+    yield start
+    for raw in servers:
+        assert raw.server is not None
+        raw.server.close()
+        await raw.server.wait_closed()
+
+
+@pytest.fixture
 async def start_raw() -> AsyncIterator[StartRaw]:
-    """Misbehaving replicas, each written for its test, on 127.0.0.1 port 0 (tests/wire.py)."""
+    """Misbehaving replicas, each written for its test, on 127.0.0.1 port 0 (tests/support/wire.py)."""
     async with raw_replicas() as start:
         yield start
 
 
 @pytest.fixture
 async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
-    """`router serve` as a real process (tests/helpers.py's Serve); killed at the end."""
-    process = Serve(tmp_path / "router.toml", free_port(), free_port())
+    """`router serve` as a real process on port 0 (tests/support/processes.py's Serve); killed at the end."""
+    process = Serve(tmp_path / "router.toml")
     yield process
     if process.process is not None:
         process.output()
@@ -89,7 +107,7 @@ async def start_router() -> AsyncIterator[StartRouter]:
     async def start(
         replicas: Sequence[dict[str, Any]] = (), *, clock: Clock | None = None, **settings: Any
     ) -> RouterServer:
-        """A router on 127.0.0.1 port 0 with `settings`; `clock`: a fake one for its pool (tests/fake_clock.py)."""
+        """A router on 127.0.0.1 port 0 with `settings`; `clock`: a fake one for its pool (tests/support/clock.py)."""
         raw: dict[str, Any] = {
             "listen": "127.0.0.1:0",
             "admin_listen": "127.0.0.1:0",
@@ -145,6 +163,7 @@ async def receiver() -> AsyncIterator[tuple[str, list[dict[str, Any]], dict[str,
         switches["most_active"] = max(switches["most_active"], switches["active"])
         try:
             received.append(await request.json())
+            # Real time: a slow receiver is slow by the clock the pushes' timeouts count on.
             await asyncio.sleep(switches["delay"])
             return web.Response(status=switches["status"])
         finally:

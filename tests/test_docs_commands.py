@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tests.support.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -212,6 +212,8 @@ def test_the_walkthroughs_commands_run_as_written(path: Path, tmp_path: Path) ->
             # pipx reads the metadata of every dependency of what it installs, and
             # offline they are not installed (PIP_NO_DEPS): run from the index, as CI does.
             continue
+        # The walkthroughs name their ports (8080, 9090, 8000) for a reader to type: each is
+        # swapped for one free a moment ago, the only way to keep the commands as written.
         script = PORTS.sub(lambda m: ports.setdefault(m.group(1), str(free_port())), block.text)
         log = tmp_path / f"block-{block.line}.log"
         with log.open("w") as out:

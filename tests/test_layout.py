@@ -1,4 +1,4 @@
-"""The layout's size rules: no module over 600 lines, no class over 300 (generated gRPC modules aside).
+"""The layout's size rules: no module over 600 lines, no class over 300 (generated gRPC modules aside), tests too.
 
 A module or class past its bound is where concerns pile up unseen; this test
 names the one that grew past it, so that it is split along its seams before
@@ -14,6 +14,7 @@ import grimp
 import pytest
 
 ROUTER = Path(__file__).resolve().parent.parent / "router"
+TESTS = ROUTER.parent / "tests"
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 300
 
@@ -23,9 +24,13 @@ def _modules() -> list[Path]:
     return sorted(p for p in ROUTER.rglob("*.py") if "_pb2" not in p.name)
 
 
-def _oversized() -> list[str]:
+def _test_modules() -> list[Path]:
+    return sorted(TESTS.rglob("*.py"))
+
+
+def _oversized(paths: list[Path] | None = None) -> list[str]:
     found = []
-    for path in _modules():
+    for path in _modules() if paths is None else paths:
         text = path.read_text()
         name = str(path.relative_to(ROUTER.parent))
         lines = text.count("\n")
@@ -42,6 +47,11 @@ def _oversized() -> list[str]:
 
 def test_no_module_or_class_grew_past_its_bound() -> None:
     assert _oversized() == []
+
+
+def test_no_test_module_or_class_grew_past_the_same_bound() -> None:
+    """Tests pile up concerns as code does: a test module past 600 lines is split by what its tests say."""
+    assert _oversized(_test_modules()) == []
 
 
 def test_the_rule_sees_every_module_of_every_layer() -> None:
@@ -161,6 +171,23 @@ def test_every_class_says_what_it_is() -> None:
     unsaid = [
         f"{path.relative_to(ROUTER.parent)}: {node.name}"
         for path in _modules()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and not ast.get_docstring(node)
+    ]
+    assert unsaid == []
+
+
+SUPPORT = TESTS / "support"
+
+
+def test_the_support_package_names_each_of_its_modules_and_each_class_says_what_it_is() -> None:
+    """tests/support/ is where a new test looks first: its docstring lists every module; each class says what it is."""
+    listed = ast.get_docstring(ast.parse((SUPPORT / "__init__.py").read_text())) or ""
+    modules = sorted(p for p in SUPPORT.glob("*.py") if p.name != "__init__.py")
+    assert [p.name for p in modules if p.name not in listed] == []
+    unsaid = [
+        f"{path.name}: {node.name}"
+        for path in modules
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.ClassDef) and not ast.get_docstring(node)
     ]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import uvloop
 
-from tests.loops import ASYNCIO_LOOP_TIERS
+from tests.support.loops import ASYNCIO_LOOP_TIERS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def test_a_hanging_async_test_fails_at_its_timeout_and_the_run_goes_on(tmp_path:
         "timeout = 60\ntimeout_method = thread\n"
     )
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "tests.loops", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        [sys.executable, "-m", "pytest", "-p", "tests.support.loops", "-q", "-p", "no:cacheprovider", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,

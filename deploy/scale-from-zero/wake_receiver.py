@@ -165,11 +165,15 @@ async def main(argv: list[str]) -> None:
     await runner.setup()
     host, _, port = args.listen.rpartition(":")
     await web.TCPSite(runner, host, int(port)).start()
+    # The port bound, which port 0 leaves to the system: the line below says it.
+    bound_host, bound_port = runner.addresses[0][:2]
+    if ":" in bound_host:
+        bound_host = f"[{bound_host}]"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"wake receiver on http://{args.listen}/wake", file=sys.stderr, flush=True)
+    print(f"wake receiver on http://{bound_host}:{bound_port}/wake", file=sys.stderr, flush=True)
     try:
         await stop.wait()
         print("stopping: the engines started here go too", file=sys.stderr, flush=True)

@@ -64,6 +64,11 @@ from router.run.session import make_session
 from router.run.worker_metrics import METRICS_PATH, report
 
 log = logging.getLogger("router")
+# Where a router listens is said whatever --log-level asks for: with port 0
+# (tests, benchmarks, a second router on a laptop) this line is the only
+# way to learn the ports, and a run at --log-level warning needs them too.
+listening_log = logging.getLogger("router.listening")
+listening_log.setLevel(logging.INFO)
 
 # On a worker's private socket only: its whole snapshot, for the supervisor.
 SNAPSHOT_PATH = "/internal/v1/snapshot"
@@ -510,7 +515,9 @@ async def run_until_signalled(
 
     if on_hup is not None:
         loop.add_signal_handler(signal.SIGHUP, hup)
-    log.info("router listening on %s (clients%s) and %s (admin)", server.client_url, listening, server.admin_url)
+    listening_log.info(
+        "router listening on %s (clients%s) and %s (admin)", server.client_url, listening, server.admin_url
+    )
     if on_ready is not None:
         on_ready(server)
     try:

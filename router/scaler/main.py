@@ -33,6 +33,10 @@ from router.scaler.service import ExternalScaler
 from router.scaler.settings import HELP, ScalerSettings, apply, finish, load_section
 
 log = logging.getLogger("router.scaler")
+# Where it listens is said whatever --log-level asks for, as `router serve` says it
+# (router/run/app.py): with port 0 this line is the only way to learn the ports.
+listening_log = logging.getLogger("router.listening")
+listening_log.setLevel(logging.INFO)
 
 # Streams end at once on stop (the board closes them); unary calls in flight get this long.
 STOP_GRACE_SECONDS = 2.0
@@ -138,7 +142,9 @@ async def run(settings: ScalerSettings, *, on_ready: Callable[[Scaler], None] | 
     servers = ", ".join(settings.servers)
     if settings.servers_from_dns is not None:
         servers = ", ".join(filter(None, [servers, f"every address of {settings.servers_from_dns}"]))
-    log.info("router scaler: gRPC on %s, HTTP on %s, polling %s", scaler.grpc_address, scaler.http_url, servers)
+    listening_log.info(
+        "router scaler: gRPC on %s, HTTP on %s, polling %s", scaler.grpc_address, scaler.http_url, servers
+    )
     if on_ready is not None:
         on_ready(scaler)
     try:

@@ -10,7 +10,7 @@ import pytest
 from router.core.config.settings import parse_config
 from router.core.errors import ConfigError
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import run_ctl
+from tests.support.clients import run_ctl
 
 TOKEN = "s3cret-admin"
 READS = ("/api/v1/usage", "/api/v1/replicas", "/api/v1/endpoints", "/api/v1/status", "/metrics")

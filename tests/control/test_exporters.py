@@ -25,7 +25,7 @@ from router.core.config.settings import ReplicaConfig
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica
 from router.core.usage.snapshots import Ticker, UsageSnapshot
-from tests.fake_clock import FakeClock
+from tests.support.clock import FakeClock
 
 WALL = 1_764_000_000.0
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 
 import aiohttp
@@ -14,7 +13,8 @@ import pytest
 from router.core.config.cards import lists_model
 from router.run.app import RouterServer
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import get_json, run_ctl, samples, scrape, wait_for
+from tests.support.clients import get_json, run_ctl, samples, scrape
+from tests.support.waiting import until, wait_for
 
 # What vLLM answers when started without --served-model-name: its listing names the weights' path.
 UNNAMED = {"object": "list", "data": [{"id": "meta-llama/Llama-3.1-8B-Instruct", "owned_by": "vllm"}]}
@@ -47,9 +47,14 @@ async def replicas(server: RouterServer) -> Rows:
 
 async def replicas_when(server: RouterServer, condition: Callable[[Rows], bool]) -> Rows:
     """/api/v1/replicas once `condition` holds of it (the usage tick publishes what the cards said)."""
-    deadline = time.monotonic() + 5
-    while not condition(rows := await replicas(server)) and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
+    rows: Rows = {}
+
+    async def holds() -> bool:
+        nonlocal rows
+        rows = await replicas(server)
+        return condition(rows)
+
+    await until(holds, what="/api/v1/replicas never showed it")
     return rows
 
 
@@ -72,10 +77,14 @@ async def test_a_replica_that_does_not_list_its_model_is_said_in_every_view(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "unnamed" in warnings[0] and "--served-model-name llama" in warnings[0]
     # /metrics shows the last tick's snapshot, the admin API one taken now: a tick later at most.
-    deadline = time.monotonic() + 5
-    while not (missing := samples(await scrape(server), "router_replicas_not_serving_model")):
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.02)
+    missing: dict[tuple[tuple[str, str], ...], float] = {}
+
+    async def scraped() -> bool:
+        nonlocal missing
+        missing = samples(await scrape(server), "router_replicas_not_serving_model")
+        return bool(missing)
+
+    await until(scraped, what="/metrics never said it")
     assert missing == {(("model", "llama"),): 1.0}
     status = await get_json(server.admin_url + "/api/v1/status")
     assert status["not_serving"] == [{"id": "unnamed", "model": "llama", "url": unnamed.url}]

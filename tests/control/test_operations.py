@@ -16,8 +16,9 @@ from router.core.config.settings import ReplicaConfig
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.fake_clock import FakeClock
-from tests.helpers import CHAT, get_json, post, run_ctl, samples, scrape, wait_for
+from tests.support.clients import CHAT, get_json, post, run_ctl, samples, scrape
+from tests.support.clock import FakeClock
+from tests.support.waiting import tick, wait_for
 
 
 async def admin(
@@ -187,7 +188,7 @@ async def test_consecutive_failures_eject_and_the_replica_comes_back(
         await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
         sent += 1
         assert sent < 200
-    await asyncio.sleep(0.1)
+    await tick(server)
     text = await scrape(server)
     key = (("model", "m"), ("replica", "bad"))
     assert samples(text, "router_replica_ejections_total")[key] == 1.0
@@ -268,6 +269,7 @@ async def test_status_summarizes_models_gpus_and_demand(start_fake: StartFake, s
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "a"}))
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "b"}))
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "wanted"}))
+    # Real time: idle_for is measured against the router's wall clock.
     await asyncio.sleep(0.3)
     status = await get_json(server.admin_url + "/api/v1/status?idle_for=0.2")
     models = {m["model"]: m for m in status["models"]}
@@ -414,9 +416,10 @@ async def test_every_view_says_the_same_about_idle_at_several_ages(
     )
     # r1 used now, r0 a moment before the views are read, r2 never: watched only.
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "m1"}))
+    # Real time: the ages the views compare are the router's wall clock's.
     await asyncio.sleep(1.2)
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "m0"}))
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # r0's age, on the same clock
     # Ages now: r0 ~0.1 s, r1 ~1.3 s, r2 watched ~1.3 s and never used.
     for window, idle, unknown in ((0.5, {"r1", "r2"}, 0), (3.0, set(), 1)):
         status = await get_json(server.admin_url + f"/api/v1/status?idle_for={window}")

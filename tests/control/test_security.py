@@ -10,15 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import Serve, free_port, get_json
+from tests.conftest import RefusedUrl
+from tests.support.clients import get_json
+from tests.support.processes import Serve
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 
 
 @pytest.fixture
-async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
-    process = Serve(tmp_path / "router.toml", free_port(), free_port())
-    process.write([{"id": "r0", "model": "m", "url": f"http://127.0.0.1:{free_port()}"}], 'admin_token = "t0k"')
+async def serve(tmp_path: Path, refused_url: RefusedUrl) -> AsyncIterator[Serve]:
+    process = Serve(tmp_path / "router.toml")
+    process.write([{"id": "r0", "model": "m", "url": refused_url()}], 'admin_token = "t0k"')
     await process.start()
     yield process
     process.output()

@@ -19,8 +19,9 @@ from router.core.usage.snapshots import Ticker, UsageSnapshot
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.fake_clock import FakeClock
-from tests.helpers import CHAT, get_json, post, run_ctl, samples, scrape, wait_for
+from tests.support.clients import CHAT, get_json, post, run_ctl, samples, scrape
+from tests.support.clock import FakeClock
+from tests.support.waiting import tick, wait_for
 
 
 async def two_replicas(start_fake: StartFake, start_router: StartRouter, **settings: Any) -> RouterServer:
@@ -60,7 +61,7 @@ async def test_only_the_replica_that_served_is_stamped(start_fake: StartFake, st
     status, headers, _ = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
     assert status == 200
     served = headers["X-Served-By"]
-    await asyncio.sleep(0.15)
+    await tick(server)
     usage = await get_json(server.admin_url + "/api/v1/usage")
     assert list(usage["last_used"]) == [served]
     assert before <= usage["last_used"][served] <= time.time()
@@ -89,7 +90,7 @@ async def test_models_listing_health_and_scrapes_do_not_stamp(start_fake: StartF
                 assert resp.status == 200
     await post(server.client_url + "/v1/chat/completions", b"{not json")
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({"model": "nope"}))
-    await asyncio.sleep(0.15)
+    await tick(server)
     usage = await get_json(server.admin_url + "/api/v1/usage")
     assert usage["last_used"] == {}
 
@@ -102,6 +103,7 @@ async def test_a_long_stream_counts_as_use_while_it_runs(start_fake: StartFake, 
             server.client_url + "/v1/chat/completions", data=orjson.dumps({**CHAT, "stream": True})
         )
         started = time.time()
+        # Real time: a replica in flight is stamped at each tick, which the wall clock paces.
         await asyncio.sleep(0.45)
         usage = await get_json(server.admin_url + "/api/v1/usage")
         # The request began ~0.45 s ago, but a replica in flight is in use now.
@@ -110,7 +112,7 @@ async def test_a_long_stream_counts_as_use_while_it_runs(start_fake: StartFake, 
         await resp.read()
         resp.close()
     ended = time.time()
-    await asyncio.sleep(0.25)
+    await tick(server)
     usage = await get_json(server.admin_url + "/api/v1/usage")
     # Once the stream is over the stamp stays where the last tick in flight put it.
     assert ended - 0.15 <= usage["last_used"]["r0"] <= ended
@@ -141,7 +143,7 @@ async def test_removed_replicas_leave_the_map_and_added_ones_start_unknown(
     ):
         assert resp.status == 200
         assert await resp.json() == {"added": ["b"], "removed": ["a"], "changed": [], "unchanged": 0}
-    await asyncio.sleep(0.15)
+    await tick(server)
     usage = await get_json(server.admin_url + "/api/v1/usage")
     assert usage["last_used"] == {}
     assert list(usage["watching_since"]) == ["b"]
@@ -235,7 +237,7 @@ async def test_a_slow_receiver_never_gets_pushes_stacked(
     for _ in range(5):
         status, _, _ = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
         assert status == 200
-    await asyncio.sleep(0.5)
+    await wait_for(lambda: len(received) >= 3)
     assert switches["most_active"] == 1
     assert len(received) >= 3
     generated = [doc["generated_at"] for doc in received]
@@ -279,7 +281,7 @@ async def test_metrics_cover_the_data_path_and_pass_promtool(start_fake: StartFa
         assert sent < 200
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "x"}))
     await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": "wanted"}))
-    await asyncio.sleep(0.15)
+    await tick(server)
     text = await scrape(server)
     assert samples(text, "router_unserved_requests_total") == {(("model", "wanted"),): 1.0}
     assert samples(text, "router_fallbacks_total") == {(("fallback", "m"), ("model", "x")): 1.0}
@@ -312,6 +314,7 @@ async def test_ctl_idle_merges_two_routers_one_of_which_restarted(
     replicas = [replica_entry("a", a), replica_entry("b", b)]
     old = await start_router(replicas, tick_seconds=0.05)
     await post(old.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
+    # Real time: --idle-for is measured against the router's wall clock.
     await asyncio.sleep(0.5)
     code, out = await asyncio.to_thread(run_ctl, "idle", "--server", old.admin_url, "--idle-for", "0.3", "--json")
     assert code == 0
@@ -386,7 +389,7 @@ async def test_ctl_idle_reads_the_usage_map_alone_when_it_names_the_models(names
 async def test_ctl_usage_prints_dashes_for_unknown(start_fake: StartFake, start_router: StartRouter) -> None:
     server = await two_replicas(start_fake, start_router, tick_seconds=0.05)
     await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
-    await asyncio.sleep(0.15)
+    await tick(server)
     code, out = await asyncio.to_thread(run_ctl, "usage", "--server", server.admin_url)
     assert code == 0
     rows = [line.split() for line in out.splitlines()[2:]]

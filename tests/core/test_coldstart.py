@@ -1,6 +1,6 @@
 """Held requests on fake time: the probes and their pauses, the deadline, the line, and every way out of a hold.
 
-The pool runs on tests/fake_clock.py's clock, so what the clock decides (a
+The pool runs on tests/support/clock.py's clock, so what the clock decides (a
 deadline, a probe's pause) happens when the test moves time, and no test
 waits any real time for it. The replicas are the pool's own records: a try
 is the test saying what the engine did (answered, or refused while loading).
@@ -18,7 +18,7 @@ from router.core.pool.coldstart import Hold, ShuttingDown
 from router.core.pool.pool import Limits, Pool
 from router.core.pool.replicas import Replica
 from router.core.pool.waiters import PROBE_CAP_SECONDS, PROBE_FIRST_SECONDS
-from tests.fake_clock import FakeClock
+from tests.support.clock import FakeClock
 
 
 def cold_pool(clock: FakeClock, replicas: int = 1, limits: Limits | None = None) -> Pool:

@@ -12,7 +12,7 @@ from router.core.config.tenants import Caller, PriorityClass, Queueing, lowered
 from router.core.errors import RateLimited
 from router.core.pool.pool import Limits, Pool
 from router.core.pool.replicas import Replica
-from tests.fake_clock import FakeClock
+from tests.support.clock import FakeClock
 
 CLASSES = (PriorityClass("interactive", 60.0), PriorityClass("batch", 600.0, 30.0))
 RANKS = {b"interactive": 0, b"batch": 1}

@@ -15,7 +15,7 @@ from router.core.pool.replicas import Replica
 from router.core.pool.tallies import MAX_UNSERVED_NAMES, OTHER_MODELS, WORKER_UNSERVED_NAMES, Tallies
 from router.core.usage.merging import Combiner, Memory, WorkerReport, combine, report_json
 from router.core.usage.snapshots import Queued, RouterReport, Ticker, UsageSnapshot, merge_reports
-from tests.fake_clock import FakeClock
+from tests.support.clock import FakeClock
 
 WALL = 1_764_000_000.0
 

@@ -6,7 +6,7 @@ import asyncio
 
 from router.core.config.settings import ReplicaConfig
 from router.core.pool.pool import Limits, Pool
-from tests.fake_clock import FakeClock
+from tests.support.clock import FakeClock
 
 
 def two_replicas(limits: Limits, clock: FakeClock | None = None) -> Pool:

@@ -13,7 +13,8 @@ from router.core.pool.ejection import EjectionPolicy
 from router.core.pool.picking import LeastLoaded
 from router.core.pool.pool import Limits, Pool
 from router.core.pool.replicas import ReplicaState
-from tests.fake_clock import FakeClock
+from tests.support.clock import FakeClock
+from tests.support.waiting import wait_for
 
 
 def configs(model: str, n: int, prefix: str = "r") -> list[ReplicaConfig]:
@@ -238,7 +239,7 @@ async def test_waiters_are_served_first_in_first_out_per_model() -> None:
     assert pool.queues.waiting("a") == 3 and pool.queues.waiting("b") == 3
     # b frees first: only b's waiters move, in arrival order; a's stay queued.
     pool.release(busy_b)
-    await asyncio.sleep(0.01)
+    await wait_for(lambda: len(order) == 3)
     assert order == ["b0", "b1", "b2"]
     assert pool.queues.waiting("a") == 3
     pool.release(busy_a)

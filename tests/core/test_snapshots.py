@@ -13,7 +13,7 @@ from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica
 from router.core.usage.quiet import RouterReport, merge_reports, quiet_bounds
 from router.core.usage.snapshots import ReplicaUsage, Ticker, UsageSnapshot
-from tests.fake_clock import FakeClock
+from tests.support.clock import FakeClock
 
 WALL = 1_764_000_000.0
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from router.core.config.settings import load_config
-from tests.deploy.manifests import KUBERNETES, OVERLAYS, of_kind, render, router_toml
+from tests.support.manifests import KUBERNETES, OVERLAYS, of_kind, render, router_toml
 
 Doc = dict[str, Any]
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from router.core.config.settings import load_config
 from router.run.cli import build_parser
-from tests.control.discovery.kube_api import matches
-from tests.deploy.manifests import container_of, named, of_kind, pod_of, pods_mode_overlay, render, router_toml
+from tests.support.kube_api import matches
+from tests.support.manifests import container_of, named, of_kind, pod_of, pods_mode_overlay, render, router_toml
 
 
 def discovery_settings(tmp_path: Path, text: str) -> Any:

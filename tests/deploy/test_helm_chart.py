@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.manifests import KUBERNETES, pods_mode_overlay, render
+from tests.support.manifests import KUBERNETES, pods_mode_overlay, render
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "router"

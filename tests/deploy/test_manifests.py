@@ -22,7 +22,8 @@ import yaml
 from router.core.config.settings import Config, load_config
 from router.run.cli import build_parser
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.deploy.manifests import (
+from tests.support.clients import scrape
+from tests.support.manifests import (
     OVERLAYS,
     VERSION,
     container_of,
@@ -35,7 +36,6 @@ from tests.deploy.manifests import (
     router_toml,
     secret_refs,
 )
-from tests.helpers import scrape
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # The walkthroughs: Kubernetes (the Secrets its commands make) and the image and systemd.

@@ -9,7 +9,6 @@ workers, so that the whole process group has to go, not only its leader.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import re
@@ -23,8 +22,8 @@ import aiohttp
 import pytest
 
 from tests.conftest import StartRouter
-from tests.deploy.receiver import wake_receiver
-from tests.helpers import free_port
+from tests.support.receiver import wake_receiver
+from tests.support.waiting import until, wait_for
 
 
 def alive(pid: int) -> bool:
@@ -37,10 +36,10 @@ def alive(pid: int) -> bool:
 
 
 async def wait_until(condition: Callable[[], object], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.05)
+    try:
+        await wait_for(condition, timeout=timeout)
+    except AssertionError as exc:
+        raise AssertionError(what) from exc
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -49,20 +48,19 @@ async def test_the_receiver_stops_its_engine_and_the_engine_s_children_on_sigter
 ) -> None:
     """Started with SIGINT ignored, as a background job of a non-interactive shell is: SIGINT stops it all the same."""
     server = await start_router([], models={"m": {"cold_start_seconds": 30}})
-    port = free_port()
     child_pid_file = tmp_path / "engine-child.pid"
     engine = (
         f"sh -c '{sys.executable} -m router.tools.fake --port {{port}} --model m & echo $! > {child_pid_file}; wait'"
     )
     child: int | None = None
-    args = ("--listen", f"127.0.0.1:{port}", "--router-admin", server.admin_url)
+    args = ("--listen", "127.0.0.1:0", "--router-admin", server.admin_url)
     try:
         async with wake_receiver(
             *args, "--model", f"m={engine}", "--stop-grace-seconds", "10", ignoring_sigint=True
         ) as receiver:
             async with aiohttp.ClientSession() as session:
                 wake = {"router": "r", "model": "m", "held": 1, "since": time.time()}
-                async with session.post(f"http://127.0.0.1:{port}/wake", json=wake) as resp:
+                async with session.post(receiver.url, json=wake) as resp:
                     assert resp.status == 200, await resp.text()
             started = await receiver.line()
             match = re.search(r"started m on port (\d+) \(pid (\d+)\)", started)
@@ -72,14 +70,14 @@ async def test_the_receiver_stops_its_engine_and_the_engine_s_children_on_sigter
             child = int(child_pid_file.read_text())
             # The engine answers: it is the replica the receiver pushed.
             async with aiohttp.ClientSession() as session:
-                deadline = time.monotonic() + 20
-                while True:
+
+                async def answers() -> bool:
                     with contextlib.suppress(aiohttp.ClientError):
                         async with session.get(f"http://127.0.0.1:{engine_port}/v1/models") as resp:
-                            if resp.status == 200:
-                                break
-                    assert time.monotonic() < deadline, "the engine never answered"
-                    await asyncio.sleep(0.05)
+                            return resp.status == 200
+                    return False
+
+                await until(answers, timeout=20, what="the engine never answered")
             assert [c.url for c in server.pool.configs()] == [f"http://127.0.0.1:{engine_port}"]
             assert os.getpgid(child) == leader != os.getpgid(receiver.process.pid)
 

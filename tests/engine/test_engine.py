@@ -26,7 +26,9 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from router.run.app import RouterServer
 from tests.conftest import StartRouter
-from tests.helpers import free_port, get_json, post, wait_for
+from tests.support.clients import get_json, post
+from tests.support.processes import free_port
+from tests.support.waiting import polled, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = Path(os.environ.get("ROUTER_ENGINE_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))
@@ -76,6 +78,7 @@ def engine_argv(port: int) -> list[str]:
 
 
 def start_engine(log_dir: Path, name: str, port: int | None = None) -> Engine:
+    # llama.cpp's server is told its port and does not say which it took: the one place left to free_port.
     port = port or free_port()
     log = log_dir / f"{name}.log"
     with log.open("wb") as out:
@@ -85,17 +88,20 @@ def start_engine(log_dir: Path, name: str, port: int | None = None) -> Engine:
 
 def wait_ready(engine: Engine, timeout: float = 60.0) -> None:
     # llama.cpp has no health route; it binds its port only once the model is loaded.
-    deadline = time.monotonic() + timeout
-    while True:
+    def loaded() -> bool:
         try:
             with urllib.request.urlopen(engine.url + "/v1/models", timeout=2) as resp:
                 if resp.status == 200:
-                    return
+                    return True
         except OSError:
             pass
-        if engine.process.poll() is not None or time.monotonic() > deadline:
+        if engine.process.poll() is not None:
             raise RuntimeError(f"engine did not start: {engine.log.read_text()[-2000:]}")
-        time.sleep(0.1)
+        return False
+
+    # Polled: llama.cpp says nothing when it has loaded.
+    if not polled(loaded, timeout=timeout, every=0.1):
+        raise RuntimeError(f"engine did not start: {engine.log.read_text()[-2000:]}")
 
 
 def stop_engine(engine: Engine) -> None:
@@ -200,6 +206,7 @@ async def test_the_usage_map_stamps_the_replica_that_served_and_a_long_generatio
         began = time.time()
         first = await resp.content.readany()
         assert resp.status == 200, first
+        # Real time: a second of a real engine's stream, for the usage map's stamp to move.
         await asyncio.sleep(1.0)
         assert {r.id: r.in_flight for r in server.pool} == {"a": 0, "b": 1}, await resp.read()
         usage = await get_json(server.admin_url + "/api/v1/usage")
@@ -261,6 +268,7 @@ async def test_the_engines_own_error_answers(engines: tuple[Engine, Engine], sta
 async def test_a_replica_still_loading_its_model_is_routed_around(
     engines: tuple[Engine, Engine], start_router: StartRouter, tmp_path: Path
 ) -> None:
+    # The engine that will load there later is told its port (start_engine below), so the port is named first.
     port = free_port()
     server = await start_router(
         [

@@ -12,7 +12,7 @@ from router.core.config.cards import MAX_ADAPTERS, adapters_of
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import wait_for
+from tests.support.waiting import wait_for
 
 
 def sdk(server: RouterServer) -> openai.AsyncOpenAI:

@@ -21,7 +21,8 @@ from router.gateway.affinity import prompt_text
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import CHAT, in_flight, samples, scrape
+from tests.support.clients import CHAT, in_flight, samples, scrape
+from tests.support.waiting import tick
 
 KEYS = [affinity_key(f"session-{i}".encode()) for i in range(10_000)]
 
@@ -204,11 +205,9 @@ async def test_every_turn_of_a_session_reaches_one_replica(start_fake: StartFake
         found = samples(await scrape(server), "router_affinity_total")
         return {dict(labels)["outcome"]: value for labels, value in found.items()}
 
-    for _ in range(100):
-        outcomes = await counted()
-        if outcomes.get("hit") == 1000:
-            break
-        await asyncio.sleep(0.05)
+    # The tallies reach /metrics at the next tick.
+    await tick(server)
+    outcomes = await counted()
     assert outcomes == {"hit": 1000}
 
 
@@ -234,13 +233,9 @@ async def test_a_hot_session_spills_instead_of_piling_up(start_fake: StartFake, 
     # ceil(1.25 x 50 / 4) = 16 at most on any one replica, the session's home first.
     assert max(spread.values()) <= 16
     assert len(spread) >= 4
-    outcomes: dict[str, float] = {}
-    for _ in range(100):
-        found = samples(await scrape(server), "router_affinity_total")
-        outcomes = {dict(labels)["outcome"]: value for labels, value in found.items()}
-        if sum(outcomes.values()) == 50:
-            break
-        await asyncio.sleep(0.05)
+    await tick(server)
+    found = samples(await scrape(server), "router_affinity_total")
+    outcomes = {dict(labels)["outcome"]: value for labels, value in found.items()}
     assert outcomes["hit"] == max(spread.values()) and outcomes["spill"] == 50 - outcomes["hit"]
 
 

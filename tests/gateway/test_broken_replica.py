@@ -13,16 +13,14 @@ import asyncio
 import gzip
 import logging
 import time
-import zlib
-from collections.abc import Callable
 
-import openai
 import orjson
 import pytest
 
 from tests.conftest import StartRouter
-from tests.helpers import protocol_errors, wait_for
-from tests.wire import (
+from tests.support.clients import in_flight, protocol_errors
+from tests.support.waiting import until, until_cancelled, wait_for
+from tests.support.wire import (
     JSON_OK,
     Exchange,
     StartRaw,
@@ -153,12 +151,13 @@ async def test_bytes_on_an_idle_pooled_connection_never_become_the_next_answer(
     start_raw: StartRaw, start_router: StartRouter
 ) -> None:
     evil = orjson.dumps({"id": "unsolicited", "object": "chat.completion", "choices": []})
+    idle = asyncio.Event()
 
     async def answer(exchange: Exchange) -> None:
         await exchange.write(json_answer())
         if exchange.index == 1:
             # Long after the answer, on the now idle connection: an answer nobody asked for.
-            await asyncio.sleep(0.1)
+            await idle.wait()
             await exchange.write(json_answer(evil))
 
     replica = await start_raw(answer)
@@ -166,7 +165,15 @@ async def test_bytes_on_an_idle_pooled_connection_never_become_the_next_answer(
     async with await Wire.open(server.client_address) as wire:
         wire.send(post())
         assert (await wire.answer()).body == JSON_OK
-        await asyncio.sleep(0.3)
+        # Answered and given back: the connection is idle in the router's pool.
+        await wait_for(lambda: in_flight(server) == {"r0": 0})
+        idle.set()
+
+        async def unsolicited() -> bool:
+            return (await protocol_errors(server.admin_url, "upstream")).get("unsolicited_bytes") == 1
+
+        # The bytes nobody asked for are seen on the idle connection before the next request.
+        await until(unsolicited)
         wire.send(post())
         assert (await wire.answer()).body == JSON_OK
     assert (await protocol_errors(server.admin_url, "upstream")).get("unsolicited_bytes") == 1
@@ -217,7 +224,7 @@ async def test_a_stream_that_falls_silent_ends_with_an_error_event_after_the_idl
 ) -> None:
     async def answer(exchange: Exchange) -> None:
         await exchange.write(sse_head() + chunk(b"data: {}\n\n"))
-        await asyncio.sleep(30)
+        await until_cancelled()
 
     replica = await start_raw(answer)
     server = await start_router([entry(replica.url)], upstream_idle_timeout_seconds=0.5)
@@ -240,7 +247,7 @@ async def test_a_body_shorter_than_its_length_then_silence_is_answered_after_the
         await exchange.write(
             b'HTTP/1.1 %d Whatever\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"a"' % status
         )
-        await asyncio.sleep(30)
+        await until_cancelled()
 
     replica = await start_raw(answer)
     server = await start_router([entry(replica.url)], upstream_idle_timeout_seconds=0.5)
@@ -265,8 +272,9 @@ async def test_an_endless_or_huge_replica_head_is_a_502_tried_once(
         else:
             for _ in range(2000):
                 await exchange.write(b"a" * 100)
+                # Real time: each piece in a read of its own, as a slow replica's come.
                 await asyncio.sleep(0.001)
-        await asyncio.sleep(30)
+        await until_cancelled()
 
     first = await start_raw(answer)
     second = await start_raw(answer)
@@ -287,6 +295,7 @@ async def test_early_hints_past_64_kib_are_a_502_tried_once(start_raw: StartRaw,
     async def answer(exchange: Exchange) -> None:
         for _ in range(100):
             await exchange.write(hint)
+            # Real time: each head in a read of its own.
             await asyncio.sleep(0.002)
         await exchange.write(json_answer())
 
@@ -319,7 +328,7 @@ async def test_a_replica_switching_protocols_is_a_502_without_a_traceback(
 ) -> None:
     async def answer(exchange: Exchange) -> None:
         await exchange.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
-        await asyncio.sleep(30)
+        await until_cancelled()
 
     caplog.set_level(logging.WARNING)
     replica = await start_raw(answer)
@@ -491,158 +500,3 @@ async def test_a_replicas_invalid_status_line_is_a_502_tried_once(
     assert b"\x00" not in answer_.head
     assert len(first.requests) + len(second.requests) == 1
     assert (await protocol_errors(server.admin_url, "upstream")).get("invalid_response") == 1
-
-
-# Compressed answers: read under their Content-Encoding, or passed on untouched ----------------------
-
-
-def error_answer(status: int, body: bytes, coding: bytes, content_type: bytes = b"application/json") -> bytes:
-    return (
-        b"HTTP/1.1 %d Whatever\r\nContent-Type: %b\r\nContent-Encoding: %b\r\nVary: Accept-Encoding\r\n"
-        b"Content-Length: %d\r\n\r\n%b" % (status, content_type, coding, len(body), body)
-    )
-
-
-@pytest.mark.parametrize("status", [400, 503])
-@pytest.mark.parametrize(
-    ("body", "content_type"),
-    [
-        (b'{"detail": "the prompt is too long: 9000 tokens, at most 8192"}', b"application/json"),
-        (
-            b'{"error": {"message": "the prompt is too long: 9000 tokens, at most 8192",'
-            b' "type": "invalid_request_error", "param": null, "code": null}}',
-            b"application/json",
-        ),
-        (b"the prompt is too long: 9000 tokens, at most 8192", b"text/plain"),
-    ],
-    ids=["detail", "openai-shaped", "plain-text"],
-)
-async def test_the_openai_sdk_gets_the_words_of_a_gzipped_replica_error(
-    start_raw: StartRaw, start_router: StartRouter, body: bytes, content_type: bytes, status: int
-) -> None:
-    """The SDK asks for gzip; the replica's middleware compresses its error: the client still reads its message."""
-
-    async def answer(exchange: Exchange) -> None:
-        await exchange.write(error_answer(status, gzip.compress(body), b"gzip", content_type))
-
-    replica = await start_raw(answer)
-    server = await start_router([entry(replica.url)])
-    client = openai.AsyncOpenAI(base_url=server.client_url + "/v1", api_key="x", max_retries=0, timeout=10)
-    async with client:
-        with pytest.raises(openai.APIStatusError) as info:
-            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
-    assert info.value.status_code == status
-    assert "the prompt is too long: 9000 tokens, at most 8192" in info.value.message
-    assert b"accept-encoding: gzip" in replica.requests[0].lower()
-
-
-@pytest.mark.parametrize(
-    ("coding", "body"),
-    [
-        (b"br", b"\x1b\x1f\x00\xf8\x25\x40\xa2\x8c\x2c\x00\x07"),
-        (b"zstd", b"\x28\xb5\x2f\xfd\x20\x05\x29\x00\x00hello"),
-        # Inflates to 16 MiB: past what the router decodes, so it is not read at all.
-        (b"gzip", gzip.compress(b" " * (16 << 20))),
-        (b"gzip", b"\x1f\x8b\x08\x00 not gzip after all"),
-    ],
-    ids=["br", "zstd", "gzip-bomb", "not-gzip"],
-)
-async def test_an_error_the_router_cannot_read_passes_through_untouched(
-    start_raw: StartRaw, start_router: StartRouter, coding: bytes, body: bytes
-) -> None:
-    async def answer(exchange: Exchange) -> None:
-        await exchange.write(error_answer(500, body, coding))
-
-    replica = await start_raw(answer)
-    server = await start_router([entry(replica.url)])
-    async with await Wire.open(server.client_address) as wire:
-        wire.send(post())
-        answer_ = await wire.answer(timeout=10)
-    assert answer_.status == 500
-    assert answer_.body == body
-    assert answer_.header(b"content-encoding") == coding
-
-
-async def test_a_reshaped_error_no_longer_names_the_replicas_coding(
-    start_raw: StartRaw, start_router: StartRouter
-) -> None:
-    async def answer(exchange: Exchange) -> None:
-        await exchange.write(error_answer(422, gzip.compress(b'{"detail": "bad role"}'), b"gzip"))
-
-    replica = await start_raw(answer)
-    server = await start_router([entry(replica.url)])
-    async with await Wire.open(server.client_address) as wire:
-        wire.send(post())
-        answer_ = await wire.answer()
-    assert answer_.status == 422
-    assert answer_.header(b"content-encoding") is None
-    assert answer_.json()["error"]["message"] == "bad role"  # type: ignore[index]
-
-
-def sse_event(ident: str) -> bytes:
-    created = {"type": "response.created", "response": {"id": ident, "object": "response", "status": "in_progress"}}
-    return b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n"
-
-
-def raw_deflate(data: bytes) -> bytes:
-    packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
-    return packer.compress(data) + packer.flush()
-
-
-def two_members(data: bytes) -> bytes:
-    """Two gzip members, the first ending 40 bytes in: inside the first event's id."""
-    return gzip.compress(data[:40]) + gzip.compress(data[40:])
-
-
-# A stream's codings, each with the Content-Encoding it is sent under.
-STREAM_CODINGS: dict[str, tuple[Callable[[bytes], bytes], bytes]] = {
-    "gzipped-sse": (gzip.compress, b"gzip"),
-    "gzip-members-sse": (two_members, b"gzip"),
-    "raw-deflate-sse": (raw_deflate, b"deflate"),
-}
-
-
-@pytest.mark.parametrize(
-    "form", ["gzipped-json", "raw-deflate-json", "gzipped-sse", "gzip-members-sse", "raw-deflate-sse", "chunked-json"]
-)
-async def test_the_responses_memory_finds_the_id_of_a_compressed_or_chunked_answer(
-    start_raw: StartRaw, start_router: StartRouter, form: str
-) -> None:
-    """GET /v1/responses/{id} reaches the replica that made it, whatever framing or coding its answer had."""
-    ident = f"resp_{form.replace('-', '_')}"
-    doc = orjson.dumps({"id": ident, "object": "response", "status": "completed", "output": []})
-
-    async def answer(exchange: Exchange) -> None:
-        if exchange.head.startswith(b"GET"):
-            await exchange.write(json_answer(doc))
-        elif form.endswith("-json") and form != "chunked-json":
-            coded, coding = (gzip.compress(doc), b"gzip") if form == "gzipped-json" else (raw_deflate(doc), b"deflate")
-            await exchange.write(
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: %b\r\n"
-                b"Content-Length: %d\r\n\r\n%b" % (coding, len(coded), coded)
-            )
-        elif form in STREAM_CODINGS:
-            code, coding = STREAM_CODINGS[form]
-            coded = code(sse_event(ident) + b"event: response.completed\ndata: {}\n\n")
-            await exchange.write(sse_head(b"Content-Encoding: %b\r\n" % coding))
-            for start in range(0, len(coded), 7):
-                await exchange.write(chunk(coded[start : start + 7]))
-            await exchange.write(b"0\r\n\r\n")
-        else:
-            await exchange.write(
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
-                + chunk(doc[:10])
-                + chunk(doc[10:])
-                + b"0\r\n\r\n"
-            )
-
-    replica = await start_raw(answer)
-    server = await start_router([entry(replica.url)])
-    async with await Wire.open(server.client_address) as wire:
-        wire.send(post(orjson.dumps({"model": "m", "input": "hi"}), path=b"/v1/responses"))
-        assert (await wire.answer()).status == 200
-        wire.send(b"GET /v1/responses/%b HTTP/1.1\r\nHost: router\r\n\r\n" % ident.encode())
-        fetched = await wire.answer()
-    assert fetched.status == 200, fetched.body
-    assert fetched.json()["id"] == ident
-    assert replica.requests[-1].startswith(b"GET /v1/responses/" + ident.encode())

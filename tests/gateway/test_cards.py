@@ -14,8 +14,9 @@ from router.control.cards import CARD_BYTES
 from router.core.config.cards import MAX_ROOT_CHARS, Cards
 from router.run.app import RouterServer
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import get_json, wait_for
-from tests.wire import Exchange, StartRaw, chunk, json_answer
+from tests.support.clients import get_json
+from tests.support.waiting import wait_for
+from tests.support.wire import Exchange, StartRaw, chunk, json_answer
 
 VLLM_CARD = {"max_model_len": 8192, "root": "/models/Llama-3.1-8B-Instruct", "permission": [{"id": "p"}]}
 

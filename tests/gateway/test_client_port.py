@@ -18,8 +18,8 @@ import pytest
 
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import protocol_errors
-from tests.wire import CHAT, Answer, Wire, post
+from tests.support.clients import protocol_errors
+from tests.support.wire import CHAT, Answer, Wire, post
 
 GET_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: router\r\n\r\n"
 

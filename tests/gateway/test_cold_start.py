@@ -5,7 +5,7 @@ model declared with `cold_start_seconds` and no replica (scaled to zero), a
 replica pushed that still refuses connections or answers 503 while it loads,
 a wake receiver that is slow or down, a burst, a shutdown. Where the clock
 decides (a probe's pause, the deadline, the wake cooldown) the router runs
-on a fake clock (tests/fake_clock.py) that the test moves; the rules
+on a fake clock (tests/support/clock.py) that the test moves; the rules
 themselves are tested without sockets in tests/core/test_coldstart.py.
 """
 
@@ -29,10 +29,12 @@ from router.core.pool.waiters import PROBE_CAP_SECONDS
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.fake_clock import FakeClock
-from tests.helpers import CHAT, Serve, samples, wait_for
-from tests.helpers import scrape as scrape_now
-from tests.wire import Exchange, StartRaw
+from tests.support.clients import CHAT, samples
+from tests.support.clients import scrape as scrape_now
+from tests.support.clock import FakeClock
+from tests.support.processes import Serve
+from tests.support.waiting import until, wait_for
+from tests.support.wire import Exchange, StartRaw
 
 COLD = {"m": {"cold_start_seconds": 10}}
 
@@ -254,6 +256,8 @@ async def test_a_client_that_leaves_while_held_leaves_the_queue_and_reaches_no_r
     await wait_for(lambda: held(server) == 0)
     assert (await usage(server))["demand"].get("m", {}).get("held", 0) == 0
     await push(server, [replica_entry("r0", fake)])
+    # Real time: that nothing reaches the replica is no event to wait for; a request sent
+    # after the push would be one, but would change what the replica saw.
     await asyncio.sleep(0.3)
     assert fake.seen == []
     text = await scrape(server)
@@ -303,12 +307,15 @@ async def test_a_held_stream_is_served_as_a_stream(start_fake: StartFake, start_
 @pytest.fixture
 async def wake_receiver() -> AsyncIterator[tuple[str, list[dict[str, Any]], dict[str, Any]]]:
     calls: list[dict[str, Any]] = []
-    switches: dict[str, Any] = {"delay": 0.0, "status": 200, "auth": []}
+    switches: dict[str, Any] = {"silent": False, "status": 200, "auth": []}
+    # A silent receiver answers nothing until the test is over (then, to no one).
+    over = asyncio.Event()
 
     async def wake(request: web.Request) -> web.Response:
         calls.append(await request.json())
         switches["auth"].append(request.headers.get("Authorization"))
-        await asyncio.sleep(switches["delay"])
+        if switches["silent"]:
+            await over.wait()
         return web.Response(status=switches["status"])
 
     app = web.Application()
@@ -319,6 +326,7 @@ async def wake_receiver() -> AsyncIterator[tuple[str, list[dict[str, Any]], dict
     await site.start()
     host, port = runner.addresses[0][:2]
     yield f"http://{host}:{port}/wake", calls, switches
+    over.set()
     await runner.cleanup()
 
 
@@ -362,7 +370,7 @@ async def test_a_wake_receiver_down_or_slow_changes_nothing_on_the_data_path(
     wake_receiver: tuple[str, list[dict[str, Any]], dict[str, Any]],
 ) -> None:
     url, _, switches = wake_receiver
-    switches["delay"] = 10.0  # slower than the call's timeout
+    switches["silent"] = True  # slower than the call's timeout
     fake = await start_fake("m")
     slow = await start_router([], models=COLD, wake_url=url, wake_cooldown_seconds=0.2)
     down = await start_router([], models=COLD, wake_url="http://127.0.0.1:9", wake_cooldown_seconds=0.2)
@@ -373,11 +381,13 @@ async def test_a_wake_receiver_down_or_slow_changes_nothing_on_the_data_path(
         began = time.perf_counter()
         await waiting
         assert time.perf_counter() - began < 0.25
+
     # Failures are counted (and logged once a minute), nothing more.
-    deadline = time.monotonic() + 5
-    while not samples(await scrape(down), "router_wake_calls_total").get((("model", "m"), ("result", "unreachable"))):
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
+    async def counted() -> bool:
+        found = samples(await scrape(down), "router_wake_calls_total")
+        return bool(found.get((("model", "m"), ("result", "unreachable"))))
+
+    await until(counted)
 
 
 async def test_a_model_declared_with_no_replica_is_held_after_a_restart_not_404(start_router: StartRouter) -> None:
@@ -448,10 +458,10 @@ async def test_sigterm_answers_held_requests_at_once(serve: Serve) -> None:
                 doc = await resp.json()
                 return int(doc.get("demand", {}).get("m", {}).get("held", 0))
 
-        deadline = time.monotonic() + 10
-        while await held_now() < 1:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
+        async def one_held() -> bool:
+            return await held_now() >= 1
+
+        await until(one_held, timeout=10)
         assert serve.process is not None
         began = time.perf_counter()
         os.kill(serve.process.pid, signal.SIGTERM)
@@ -469,18 +479,23 @@ async def test_the_example_wake_receiver_starts_a_replica_and_the_held_request_i
     """deploy/scale-from-zero/wake_receiver.py, docs/scale-from-zero.md's example, end to end."""
     import sys
 
-    from tests.deploy.receiver import wake_receiver
-    from tests.helpers import free_port
+    from tests.support.processes import held_port
+    from tests.support.receiver import wake_receiver
 
-    port = free_port()
-    server = await start_router([], models={"m": {"cold_start_seconds": 30}}, wake_url=f"http://127.0.0.1:{port}/wake")
-    async with wake_receiver(
-        *("--listen", f"127.0.0.1:{port}", "--router-admin", server.admin_url),
-        *("--model", f"m={sys.executable} -m router.tools.fake --port {{port}} --model m"),
-    ) as receiver:
-        raw = await ask(server)
-        assert raw.parse().choices[0].message.content == "tok0 tok1 "
-        assert float(raw.headers["x-router-held-seconds"]) > 0
-        assert [c.model for c in server.pool.configs()] == ["m"]
-        # Stopped with SIGINT, as in a terminal: the engine it started goes with it.
-        assert await receiver.stop(signal.SIGINT) == 0
+    # The router names the receiver (wake_url) and the receiver the router (--router-admin): the
+    # receiver first, on port 0, told the router's admin port, which the test holds until the router takes it.
+    with held_port() as admin:
+        admin_listen = f"127.0.0.1:{admin.getsockname()[1]}"
+        async with wake_receiver(
+            *("--listen", "127.0.0.1:0", "--router-admin", f"http://{admin_listen}"),
+            *("--model", f"m={sys.executable} -m router.tools.fake --port {{port}} --model m"),
+        ) as receiver:
+            server = await start_router(
+                [], models={"m": {"cold_start_seconds": 30}}, wake_url=receiver.url, admin_listen=admin_listen
+            )
+            raw = await ask(server)
+            assert raw.parse().choices[0].message.content == "tok0 tok1 "
+            assert float(raw.headers["x-router-held-seconds"]) > 0
+            assert [c.model for c in server.pool.configs()] == ["m"]
+            # Stopped with SIGINT, as in a terminal: the engine it started goes with it.
+            assert await receiver.stop(signal.SIGINT) == 0

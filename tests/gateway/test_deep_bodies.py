@@ -17,8 +17,9 @@ import pytest
 
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import access_log_lines, wait_for
-from tests.wire import CHAT, Wire, post
+from tests.support.clients import access_log_lines
+from tests.support.waiting import wait_for
+from tests.support.wire import CHAT, Wire, post
 
 DEPTH = 1000
 

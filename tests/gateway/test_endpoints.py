@@ -29,7 +29,9 @@ from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from router.tools.fake.echo import ECHOED
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.helpers import CHAT, Serve, access_log_lines, wait_for
+from tests.support.clients import CHAT, access_log_lines
+from tests.support.processes import Serve
+from tests.support.waiting import wait_for
 
 
 def sdk(server: RouterServer) -> openai.AsyncOpenAI:
@@ -355,13 +357,16 @@ async def test_rotating_the_access_log_with_sighup_under_load_loses_no_line(
     loaders = [asyncio.create_task(load(2.0)) for _ in range(4)]
     rotated = []
     for i in range(3):
-        await asyncio.sleep(0.4)
+        # The log is rotated under load, each time after a dozen more requests, once the router
+        # has written lines to the file it reopened (a batch at a time).
+        await wait_for(lambda i=i: sent >= 12 * (i + 1) and bool(access_log_lines(log_path)), timeout=10)
         moved = tmp_path / f"access.log.{i}"
         log_path.rename(moved)
         rotated.append(moved)
         serve.signal(signal.SIGHUP)
     await asyncio.gather(*loaders)
-    await asyncio.sleep(0.5)  # the last batch is written within 0.2 s
+    # The last batch is written within 0.2 s.
+    await wait_for(lambda: sum(len(access_log_lines(path)) for path in [*rotated, log_path]) >= sent)
     counted = sum(len(access_log_lines(path)) for path in [*rotated, log_path])
     assert sent > 50 and counted == sent
     # Every rotated file got lines: the reopen took effect each time.

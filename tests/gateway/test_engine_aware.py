@@ -12,6 +12,7 @@ never holds a request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import aiohttp
@@ -24,7 +25,8 @@ from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from router.tools.fake.engine import Engine, EngineParams
 from tests.conftest import StartRouter
-from tests.helpers import get_json, wait_for
+from tests.support.clients import get_json
+from tests.support.waiting import until, wait_for
 
 FAST = 20.0
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -72,12 +74,17 @@ async def test_each_engines_load_is_read_under_its_own_names_while_its_model_is_
         ]
         try:
             await wait_for(lambda: fake.metrics_reads > 0, timeout=10)
-            for _ in range(200):
+            row: dict[str, Any] = {}
+
+            async def busy() -> bool:
+                nonlocal row
                 row = (await rows(server))["r0"]
                 load = row["engine_load"]
-                if load is not None and load["running"] == 2 and load["waiting"] >= 1:
-                    break
-                await asyncio.sleep(0.05)
+                return load is not None and load["running"] == 2 and load["waiting"] >= 1
+
+            with contextlib.suppress(AssertionError):  # the assertions below say what was seen
+                await until(busy, timeout=10)
+            load = row["engine_load"]
             assert row["engine"] == kind
             assert load is not None and load["running"] == 2 and load["waiting"] >= 1, row
             assert load["source"] == ("loads" if kind == "sglang" else "metrics")
@@ -112,7 +119,9 @@ async def test_a_replica_busy_with_someone_elses_requests_is_passed_over(
                 # A first request makes the model busy, so that its engines are read.
                 await client.chat.completions.create(model="m", messages=HI, max_tokens=1)
                 await wait_for(lambda: busy.metrics_reads > 0 and free.metrics_reads > 0, timeout=10)
-                await asyncio.sleep(0.2)  # a round of readings after the first: real time is the reader's pace
+                # Two rounds of readings after the first: the one read next is the one applied.
+                read = (busy.metrics_reads, free.metrics_reads)
+                await wait_for(lambda: busy.metrics_reads > read[0] + 1 and free.metrics_reads > read[1] + 1)
                 before = {r.id: r.requests for r in server.pool}
                 for _ in range(10):
                     await client.chat.completions.create(model="m", messages=HI, max_tokens=1)

@@ -17,7 +17,9 @@ import pytest
 from router.run.app import RouterServer
 from router.tools.fake import FakeReplica
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import CHAT, get_json, in_flight, post, samples, scrape, wait_for
+from tests.support.clients import CHAT, get_json, in_flight, post, samples, scrape
+from tests.support.clock import FakeClock
+from tests.support.waiting import wait_for
 
 KEYS = {
     "flood": {"key": "sk-flood", "tenant": "a", "priority": "batch"},
@@ -134,11 +136,12 @@ async def test_a_batch_request_aged_past_max_queue_seconds_goes_before_later_int
         {"name": "interactive", "queue_timeout_seconds": 30},
         {"name": "batch", "queue_timeout_seconds": 30, "max_queue_seconds": 0.2},
     ]
-    async with busy(priority_classes=classes) as router:
+    clock = FakeClock()
+    async with busy(priority_classes=classes, clock=clock) as router:
         router.ask("aged", "sk-flood")
         await router.queued(1)
-        # Past its class's max_queue_seconds on the router's clock (the loop's) before the flood comes.
-        await asyncio.sleep(0.3)
+        # Past its class's max_queue_seconds on the router's clock before the flood comes.
+        clock.advance(0.3)
         for i in range(3):
             router.ask(f"chat{i}", "sk-chat")
         await router.queued(4)

@@ -6,8 +6,6 @@ import asyncio
 import re
 import resource
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,8 +16,10 @@ import pytest
 from router.tools.bench import run_load
 from router.tools.fake import Behaviour
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.fake_clock import FakeClock
-from tests.helpers import CHAT, free_port, post, post_cut, wait_for
+from tests.support.clients import CHAT, post, post_cut
+from tests.support.clock import FakeClock
+from tests.support.processes import Serve
+from tests.support.waiting import tick, wait_for
 
 
 async def slow_reader(host: str, port: int, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -48,6 +48,7 @@ async def test_a_slow_reader_is_cut_off_alone_and_memory_stays_bounded(
     received = 0
     for _ in range(30):  # 1 byte every 10 ms
         received += len(await reader.read(1))
+        # Real time: a slow reader is one that reads slowly by the clock the router's stall bound counts on.
         await asyncio.sleep(0.01)
     # The replica is held back too: its stream waits on the router, not in it.
     assert big.active == 1
@@ -113,6 +114,7 @@ async def test_endpoint_pushes_every_100ms_under_load_lose_nothing(
                 async with session.put(server.admin_url + "/api/v1/endpoints", json=body) as resp:
                     assert resp.status == 200
                     acknowledged.append((time.monotonic(), {f.name for f in chosen}))
+                # Real time: pushes spread over the load, as a discovery source's come.
                 await asyncio.sleep(0.1)
 
     async def client(session: aiohttp.ClientSession) -> None:
@@ -126,6 +128,7 @@ async def test_endpoint_pushes_every_100ms_under_load_lose_nothing(
             tasks = []
             for _ in range(100):  # 50 requests/s for 2 s
                 tasks.append(asyncio.ensure_future(client(session)))
+                # Real time: a steady rate of requests under the pushes.
                 await asyncio.sleep(0.02)
             await asyncio.gather(*tasks)
 
@@ -156,47 +159,23 @@ def rss_bytes(pid: int) -> int:
 
 
 @pytest.mark.slow
-async def test_a_soak_of_20000_requests_grows_rss_by_less_than_20_mb(start_fake: StartFake, tmp_path: Path) -> None:
+async def test_a_soak_of_20000_requests_grows_rss_by_less_than_20_mb(start_fake: StartFake, serve: Serve) -> None:
     fakes = [await start_fake("m") for _ in range(2)]
-    client_port, admin_port = free_port(), free_port()
-    config = tmp_path / "router.toml"
-    lines = [f'listen = "127.0.0.1:{client_port}"', f'admin_listen = "127.0.0.1:{admin_port}"', "tick_seconds = 0.5"]
-    for i, fake in enumerate(fakes):
-        lines += ["[[replicas]]", f'id = "r{i}"', 'model = "m"', f'url = "{fake.url}"']
-    config.write_text("\n".join(lines) + "\n")
+    serve.write([{"id": f"r{i}", "model": "m", "url": fake.url} for i, fake in enumerate(fakes)], tick_seconds=0.5)
     for fake in fakes:
         fake.record = False
-    process = subprocess.Popen(
-        [sys.executable, "-m", "router", "serve", "--config", str(config)], stderr=subprocess.DEVNULL
-    )
-    try:
-        url = f"http://127.0.0.1:{client_port}"
-        await wait_for_http(f"http://127.0.0.1:{admin_port}/readyz")
-        samples = []
-        for batch in range(10):
-            result = await run_load(
-                url, model="m", concurrency=16, requests=2000, duration=60, stream=batch % 2 == 1, max_tokens=8
-            )
-            assert (result.requests, result.errors) == (2000, 0)
-            samples.append(rss_bytes(process.pid))
-        assert samples[-1] - samples[0] < 20 * 2**20, samples
-    finally:
-        process.terminate()
-        process.wait(timeout=40)
-
-
-async def wait_for_http(url: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while True:
-            try:
-                async with session.get(url) as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+    await serve.start()
+    assert serve.process is not None
+    samples = []
+    for batch in range(10):
+        result = await run_load(
+            serve.client_url, model="m", concurrency=16, requests=2000, duration=60, stream=batch % 2 == 1, max_tokens=8
+        )
+        assert (result.requests, result.errors) == (2000, 0)
+        samples.append(rss_bytes(serve.process.pid))
+    assert samples[-1] - samples[0] < 20 * 2**20, samples
+    serve.process.terminate()
+    serve.process.wait(timeout=40)
 
 
 @pytest.mark.slow
@@ -245,7 +224,7 @@ async def test_1000_concurrent_streams_succeed_or_get_a_fast_503_and_nothing_lea
 async def test_the_series_count_stays_flat_while_replicas_churn(
     start_fake: StartFake, start_router: StartRouter
 ) -> None:
-    from tests.helpers import scrape
+    from tests.support.clients import scrape
 
     fake = await start_fake("m")
     server = await start_router([replica_entry("r-0", fake)], tick_seconds=0.02)
@@ -256,7 +235,7 @@ async def test_the_series_count_stays_flat_while_replicas_churn(
             async with session.put(server.admin_url + "/api/v1/endpoints", json=body) as resp:
                 assert resp.status == 200
             await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
-            await asyncio.sleep(0.05)
+            await tick(server)
             text = await scrape(server)
             counts.append(sum(1 for line in text.splitlines() if line.startswith("router_replica_watching")))
             named = set(re.findall(r'replica="([^"]+)"', text))
@@ -268,7 +247,7 @@ async def test_the_series_count_stays_flat_while_replicas_churn(
 async def test_after_injected_faults_the_counters_equal_what_was_injected(
     start_fake: StartFake, start_router: StartRouter, refused_url: RefusedUrl
 ) -> None:
-    from tests.helpers import samples, scrape
+    from tests.support.clients import samples, scrape
 
     loading = await start_fake("m", name="loading", behaviour=Behaviour(fail_status=503))
     flaky = await start_fake("m", name="flaky", behaviour=Behaviour(reset_after_chunks=0))
@@ -308,7 +287,7 @@ async def test_after_injected_faults_the_counters_equal_what_was_injected(
         assert (await post(url, orjson.dumps(CHAT)))[0] == 200
         sent += 1
         assert sent < 300
-    await asyncio.sleep(0.1)
+    await tick(server)
     text = await scrape(server)
     errors = samples(text, "router_upstream_errors_total")
     assert errors == {

@@ -24,9 +24,10 @@ from router.core.pool.waiters import PROBE_CAP_SECONDS
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.fake_clock import FakeClock
 from tests.gateway.test_cold_start import ask, held, push, refused_tries, scrape
-from tests.helpers import CHAT, access_log_lines, get_json, samples, wait_for
+from tests.support.clients import CHAT, access_log_lines, get_json, samples
+from tests.support.clock import FakeClock
+from tests.support.waiting import wait_for
 
 
 async def the_line(path: Path) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from router.control.engines import PAGE_BYTES
 from router.core.pool.reports import from_metrics, from_orca, from_sglang_loads
 from router.run.app import RouterServer
 from tests.conftest import StartRouter
-from tests.helpers import get_json, wait_for
+from tests.support.clients import get_json
+from tests.support.waiting import wait_for
 
 GAUGES = 'vllm:num_requests_waiting{{model_name="m"}} {w}\nvllm:num_requests_running{{model_name="m"}} 1\n'
 KV = 'vllm:kv_cache_usage_perc{{model_name="m"}} {kv}\n'

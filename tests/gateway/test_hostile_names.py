@@ -9,14 +9,14 @@ hundred names of a megabyte each must not cost a hundred megabytes.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import orjson
 
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import get_json, samples, scrape, wait_for
-from tests.wire import CHAT, Exchange, StartRaw, Wire, json_answer, post
+from tests.support.clients import get_json, samples, scrape
+from tests.support.waiting import tick, wait_for
+from tests.support.wire import CHAT, Exchange, StartRaw, Wire, json_answer, post
 
 
 def _asking_for(model: str) -> bytes:
@@ -38,11 +38,8 @@ async def test_long_or_unprintable_model_names_are_tallied_as_other_and_never_ex
             # The message quotes enough of the name to recognise it, not all of it.
             assert len(answer.body) < 1024
     # The tally reaches /metrics at the next tick.
-    for _ in range(100):
-        text = await scrape(server)
-        if samples(text, "router_unserved_requests_total"):
-            break
-        await asyncio.sleep(0.05)
+    await tick(server)
+    text = await scrape(server)
     assert samples(text, "router_unserved_requests_total") == {
         (("model", "__other__"),): len(long_names) + len(unprintable),
         (("model", "nope"),): 2,

@@ -24,8 +24,9 @@ import pytest
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.fake_clock import FakeClock
-from tests.helpers import CHAT, samples, scrape, wait_for
+from tests.support.clients import CHAT, samples, scrape
+from tests.support.clock import FakeClock
+from tests.support.waiting import wait_for
 
 
 def sdk(server: RouterServer) -> openai.AsyncOpenAI:

@@ -13,7 +13,8 @@ import orjson
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import access_log_lines, get_json, samples, scrape, wait_for
+from tests.support.clients import access_log_lines, get_json, samples, scrape
+from tests.support.waiting import wait_for
 
 KEYS = {"alpha": {"key": "sk-alpha", "tenant": "a"}, "beta": {"key": "sk-beta", "tenant": "b"}}
 Samples = dict[tuple[tuple[str, str], ...], float]

@@ -18,7 +18,8 @@ from router.core.errors import ConfigError
 from router.run.app import RouterServer
 from router.tools.fake import FakeReplica
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import get_json, wait_for
+from tests.support.clients import get_json
+from tests.support.waiting import wait_for
 
 CLIENTS = {"app": {"key": "sk-client-0001", "tenant": "app"}}
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]

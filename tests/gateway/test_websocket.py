@@ -22,7 +22,9 @@ import pytest
 from router.core.pool.replicas import Replica
 from router.run.app import RouterServer
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.helpers import StartRaw, access_log_lines, fixed, get_json, wait_for
+from tests.support.clients import access_log_lines, get_json
+from tests.support.raw_server import StartRaw, fixed
+from tests.support.waiting import wait_for
 
 # RFC 6455 4.2.2: the accept key is the client's key and this GUID, hashed.
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -105,7 +107,8 @@ async def test_a_draining_router_waits_for_an_open_session(start_fake: StartFake
     async with aiohttp.ClientSession() as session, session.ws_connect(ws_url(server)) as ws:
         await ws.receive_bytes()
         stopping = asyncio.get_running_loop().create_task(server.stop())
-        await asyncio.sleep(0.2)
+        # Into the drain: it no longer accepts, and waits for what is open.
+        await wait_for(lambda: not server.ready and server._client_listener is None)
         # Still carried while the router drains.
         await ws.send_str("still here")
         assert await ws.receive_str() == "still here"

@@ -22,8 +22,10 @@ import pytest
 from router.core.pool.replicas import Replica
 from router.run.app import RouterServer
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import StartRaw, fixed, get_json, wait_for
-from tests.wire import Answer, Wire, chunk
+from tests.support.clients import get_json
+from tests.support.raw_server import StartRaw, fixed
+from tests.support.waiting import wait_for
+from tests.support.wire import Answer, Wire, chunk
 
 KEY = "sk-tenant"
 

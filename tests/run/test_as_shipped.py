@@ -26,7 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import StartFake
-from tests.helpers import Serve, get_json, wait_for
+from tests.support.clients import get_json
+from tests.support.processes import Serve
+from tests.support.waiting import until, wait_for
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 HELLO: list[MessageParam] = [{"role": "user", "content": "hi"}]
@@ -157,12 +159,12 @@ async def test_a_full_replica_serves_its_queue_by_class_before_arrival(serve: Se
 
 async def queued(serve: Serve, count: int) -> None:
     """Until the router says `count` requests wait in its queue."""
-    for _ in range(200):
+
+    async def queued_now() -> bool:
         status = await get_json(serve.admin_url + "/api/v1/status")
-        if sum(model["queued"] for model in status["models"]) == count:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never {count} queued: {status['models']}")
+        return bool(sum(model["queued"] for model in status["models"]) == count)
+
+    await until(queued_now, timeout=10, what=f"never {count} queued")
 
 
 async def test_two_workers_serve_as_one_router(serve: Serve, start_fake: StartFake) -> None:

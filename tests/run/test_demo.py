@@ -16,7 +16,6 @@ import aiohttp
 import pytest
 
 from router.core.config.settings import Config
-from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # A new terminal: the system's PATH, no venv activated.
@@ -32,16 +31,12 @@ class Demo:
 
 @pytest.fixture
 async def demo() -> AsyncIterator[Demo]:
-    client, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "router",
         "demo",
-        "--listen",
-        client,
-        "--admin-listen",
-        admin,
+        *("--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"),
         "--token-delay",
         "0",
         "--log-level",
@@ -58,7 +53,13 @@ async def demo() -> AsyncIterator[Demo]:
             line = await asyncio.wait_for(process.stdout.readline(), timeout=max(0.1, deadline - time.monotonic()))
             assert line, "the demo ended early:\n" + "".join(printed)
             printed.append(line.decode())
-        yield Demo(f"http://{client}", f"http://{admin}", "".join(printed))
+        # Port 0 for both: the printout names the ports taken.
+        text = "".join(printed)
+        client, admin = (
+            re.search(rf"^  {name} +(http://[^/\s]+)/", text, re.MULTILINE) for name in ("clients", "admin")
+        )
+        assert client is not None and admin is not None, text
+        yield Demo(client.group(1), admin.group(1), text)
     finally:
         process.terminate()
         try:

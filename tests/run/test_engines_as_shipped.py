@@ -23,7 +23,9 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import Serve, access_log_lines, get_json
+from tests.support.clients import access_log_lines, get_json
+from tests.support.processes import Serve
+from tests.support.waiting import until
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "count to ten " * 40}]
 
@@ -93,7 +95,7 @@ async def test_each_engine_is_recognised_and_read_under_its_own_names(serve: Ser
         seen.update(await rows())
         return all(seen[kind]["engine"] == kind and seen[kind]["engine_load"] is not None for kind in kinds)
 
-    await until(every_engine_read)
+    await until(every_engine_read, timeout=10)
     loads = {kind: seen[kind]["engine_load"] for kind in kinds}
     # SGLang's small JSON first; vLLM's answers carry their load (ORCA) when not streamed, else its page.
     assert loads["sglang"]["source"] == "loads"
@@ -111,15 +113,6 @@ async def test_each_engine_is_recognised_and_read_under_its_own_names(serve: Ser
         if sample.name == "router_model_saturation"
     }
     assert set(gauges) == {(("model", "m"),)}
-
-
-async def until(check: Callable[[], Any], timeout: float = 10.0) -> None:
-    """Until the async `check` says so (the usage snapshot the admin API answers from is taken each tick)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await check():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)  # the next usage tick (tick_seconds = 0.1): real time on purpose
 
 
 async def test_a_saturated_engine_holds_requests_in_the_router_until_it_frees(
@@ -145,7 +138,7 @@ async def test_a_saturated_engine_holds_requests_in_the_router_until_it_frees(
         (row,) = await get_json(serve.admin_url + "/api/v1/replicas")
         return bool(row["saturated"])
 
-    await until(saturated)
+    await until(saturated, timeout=10)
     texts = await wave(8) + await first
     assert len(texts) == 12 and all(texts)
 
@@ -153,7 +146,7 @@ async def test_a_saturated_engine_holds_requests_in_the_router_until_it_frees(
         # A line is written once its request is over, a moment after the client has the last byte.
         return len(access_log_lines(log)) == 12
 
-    await until(all_logged)
+    await until(all_logged, timeout=10)
     lines = access_log_lines(log)
     assert len(lines) == 12 and all(line["status"] == 200 for line in lines)
     held = [line for line in lines if line.get("queued_for") == "engines"]

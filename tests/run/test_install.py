@@ -31,8 +31,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
-
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 FROM_INDEX = os.environ.get("ROUTER_TEST_FROM_INDEX") == "1"
@@ -128,10 +126,18 @@ def _get(url: str) -> tuple[int, str]:
 @pytest.mark.timeout(600)
 def test_the_installed_routers_demo_serves_and_its_printed_commands_work(venv: Path, tmp_path: Path) -> None:
     """The demo from the wheel starts, prints commands spelled for that venv, and they work in a new shell."""
-    client, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     env = installed_env(tmp_path)
     demo = subprocess.Popen(
-        [venv / "bin" / "router", "demo", "--listen", client, "--admin-listen", admin, "--token-delay", "0"],
+        [
+            venv / "bin" / "router",
+            "demo",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--token-delay",
+            "0",
+        ],
         env=env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -151,6 +157,11 @@ def test_the_installed_routers_demo_serves_and_its_printed_commands_work(venv: P
         assert text.rstrip().endswith("Ctrl-C stops it."), text
         # Spelled for the venv it runs from, not for the clone's .venv.
         assert f"{venv}/bin/router ctl" in text, text
+        # Port 0 for both: the printout names the ports taken.
+        client, admin = (
+            m.group(1) if (m := re.search(rf"^  {name} +http://([^/\s]+)/", text, re.MULTILINE)) else ""
+            for name in ("clients", "admin")
+        )
         status, models = _get(f"http://{client}/v1/models")
         assert status == 200 and "llama-3.1-8b" in models
         ctl = [

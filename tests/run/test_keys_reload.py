@@ -12,7 +12,9 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake
-from tests.helpers import Serve, access_log_lines, wait_for
+from tests.support.clients import access_log_lines
+from tests.support.processes import Serve
+from tests.support.waiting import wait_for
 
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 

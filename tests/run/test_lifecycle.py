@@ -13,7 +13,9 @@ import pytest
 
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake
-from tests.helpers import CHAT, Serve, wait_for
+from tests.support.clients import CHAT
+from tests.support.processes import Serve
+from tests.support.waiting import until, wait_for
 
 
 async def endpoints(serve: Serve) -> Any:
@@ -36,7 +38,12 @@ async def test_sigterm_finishes_streams_in_flight_then_exits_0(
         await stream.content.readany()
         signalled = time.time()
         serve.signal(signal.SIGTERM)
-        await asyncio.sleep(0.2)
+
+        async def unready() -> bool:
+            async with session.get(serve.admin_url + "/readyz") as resp:
+                return resp.status == 503
+
+        await until(unready)
         async with session.get(serve.admin_url + "/readyz") as resp:
             assert resp.status == 503
         with pytest.raises(aiohttp.ClientConnectionError):
@@ -86,13 +93,14 @@ async def test_sighup_reloads_the_replicas_and_a_bad_file_changes_nothing(serve:
         [{"id": "a", "model": "m", "url": a.url}, {"id": "b", "model": "m", "url": b.url}], "shutdown_delay_seconds = 0"
     )
     serve.signal(signal.SIGHUP)
-    deadline = time.monotonic() + 10
-    while [r["id"] for r in (await endpoints(serve))["replicas"]] != ["a", "b"]:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
+
+    async def reloaded() -> bool:
+        return [r["id"] for r in (await endpoints(serve))["replicas"]] == ["a", "b"]
+
+    await until(reloaded, timeout=10)
     serve.path.write_text(serve.path.read_text() + "colour = 'red'\n")
     serve.signal(signal.SIGHUP)
-    await asyncio.sleep(0.5)
+    await serve.says("reload refused, nothing changed")
     assert [r["id"] for r in (await endpoints(serve))["replicas"]] == ["a", "b"]
     serve.signal(signal.SIGTERM)
     assert serve.process is not None
@@ -123,3 +131,22 @@ async def test_a_config_without_replicas_starts_ready_and_a_push_fills_it(serve:
     serve.signal(signal.SIGTERM)
     assert serve.process is not None
     assert serve.process.wait(timeout=15) == 0
+
+
+async def test_router_serve_says_where_it_listens_at_any_log_level(serve: Serve, start_fake: StartFake) -> None:
+    """On port 0 its ports are known only from its output: at `--log-level warning` (the benchmarks') it says them."""
+    fake = await start_fake("m")
+    serve.write([{"id": "r0", "model": "m", "url": fake.url}])
+    await serve.start("--log-level", "warning")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(serve.client_url + "/v1/chat/completions", data=orjson.dumps(CHAT)) as resp,
+    ):
+        assert resp.status == 200
+    output = serve.output()
+    assert (
+        f"INFO router.listening: router listening on {serve.client_url} (clients) and {serve.admin_url} (admin)"
+        in output
+    )
+    # The rest of the info lines stay quiet, as asked.
+    assert [line for line in output.splitlines() if " INFO " in line and "router.listening" not in line] == []

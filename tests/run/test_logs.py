@@ -10,8 +10,8 @@ import pytest
 from router.http.messages import Reply, Request
 from router.http.writer import Writer
 from router.run.logs import RequestIdFilter
-from tests.http.harness import StartServer
-from tests.wire import Wire
+from tests.support.http_harness import StartServer
+from tests.support.wire import Wire
 
 log = logging.getLogger("router.test")
 
@@ -71,6 +71,7 @@ async def test_a_refusal_read_after_a_request_ended_is_not_put_on_that_request(
 
     async def handler(request: Request, writer: Writer) -> None:
         if request.path == "/slow":
+            # Real time: long enough for the bytes behind it to be read and queued meanwhile.
             await asyncio.sleep(0.1)
         writer.answer(Reply(200, b"ok", []))
 

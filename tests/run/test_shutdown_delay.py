@@ -19,7 +19,8 @@ import pytest
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake
 from tests.deploy.balancer import Backend, Balancer
-from tests.helpers import CHAT, Serve, free_port
+from tests.support.clients import CHAT
+from tests.support.processes import Serve
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ async def wait_ready_503(session: aiohttp.ClientSession, serve: Serve, within: f
     began = time.monotonic()
     while await status(session, serve.admin_url + "/readyz") != 503:
         assert time.monotonic() - began < within, "/readyz still 200"
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # real time: the seconds until it fails are what is measured
     return time.monotonic() - began
 
 
@@ -103,7 +104,7 @@ async def test_a_client_pool_sending_through_a_router_that_gets_sigterm_sees_no_
     routers = []
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        serve = Serve(tmp_path / name / "router.toml", free_port(), free_port())
+        serve = Serve(tmp_path / name / "router.toml")
         serve.write([{"id": "r0", "model": "m", "url": fake.url}], "shutdown_delay_seconds = 2")
         await serve.start()
         routers.append(serve)
@@ -114,12 +115,13 @@ async def test_a_client_pool_sending_through_a_router_that_gets_sigterm_sees_no_
         async with aiohttp.ClientSession() as session:
             probing = asyncio.create_task(balancer.probe(stop))
             pool = [asyncio.create_task(balancer.client(session, CHAT, stop)) for _ in range(8)]
+            # Real time: the pool's load runs a second on both routers before one is replaced.
             await asyncio.sleep(1.0)
             before = balancer.sent_to[a.client_url]
             a.signal(signal.SIGTERM)
             assert a.process is not None
             await asyncio.to_thread(a.process.wait, 20)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # real time: the pool keeps sending, to the router left, a while after
             stop.set()
             await asyncio.gather(probing, *pool)
     finally:

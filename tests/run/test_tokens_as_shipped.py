@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import aiohttp
 import anthropic
@@ -21,7 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake
-from tests.helpers import Serve, get_json, run_ctl
+from tests.support.clients import get_json, run_ctl
+from tests.support.processes import Serve
+from tests.support.waiting import until
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 HELLO: list[MessageParam] = [{"role": "user", "content": "hello there router"}]
@@ -32,10 +35,12 @@ def openai_sdk(serve: Serve, key: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=serve.client_url + "/v1", api_key=key, max_retries=0, timeout=30)
 
 
-async def token_samples(serve: Serve, until: int) -> dict[tuple[str, str, str], float]:
-    """router_tokens_total by (model, tenant, kind), once the completion tokens add up to `until`."""
+async def token_samples(serve: Serve, completion: int) -> dict[tuple[str, str, str], float]:
+    """router_tokens_total by (model, tenant, kind), once the completion tokens add up to `completion`."""
     found: dict[tuple[str, str, str], float] = {}
-    for _ in range(250):
+
+    async def added_up() -> bool:
+        nonlocal found
         async with aiohttp.ClientSession() as session, session.get(serve.admin_url + "/metrics") as resp:
             text = await resp.text()
         found = {
@@ -44,10 +49,10 @@ async def token_samples(serve: Serve, until: int) -> dict[tuple[str, str, str], 
             for s in family.samples
             if s.name == "router_tokens_total"
         }
-        if sum(v for (_, _, kind), v in found.items() if kind == "completion") >= until:
-            return found
-        await asyncio.sleep(0.04)
-    raise AssertionError(f"the tokens never added up to {until}: {found}")
+        return sum(v for (_, _, kind), v in found.items() if kind == "completion") >= completion
+
+    await until(added_up, timeout=10, what=f"the tokens never added up to {completion}")
+    return found
 
 
 async def test_every_answer_shape_through_the_sdks_is_counted_by_tenant(serve: Serve, start_fake: StartFake) -> None:
@@ -74,7 +79,7 @@ async def test_every_answer_shape_through_the_sdks_is_counted_by_tenant(serve: S
     ):
         final = await messages.get_final_message()
     assert final.usage.input_tokens == 3 and final.usage.output_tokens == 4
-    found = await token_samples(serve, until=5 + 3 + 2 + 4)
+    found = await token_samples(serve, completion=5 + 3 + 2 + 4)
     assert found == {
         # Two chat answers of 4 prompt tokens each and a response of 4 input tokens.
         ("m", "a", "prompt"): 12,
@@ -109,11 +114,14 @@ async def test_a_stream_that_did_not_ask_for_usage_gets_none_and_is_unknown(
         chunks = [chunk async for chunk in stream]
     assert all(chunk.usage is None and chunk.choices for chunk in chunks)
     assert "stream_options" not in json.loads(fake.seen[-1].body)
-    for _ in range(250):
+    status: dict[str, Any] = {}
+
+    async def counted() -> bool:
+        nonlocal status
         status = await get_json(serve.admin_url + "/api/v1/status")
-        if status["tenants"]:
-            break
-        await asyncio.sleep(0.04)
+        return bool(status["tenants"])
+
+    await until(counted, timeout=10, what="the status never showed the tenant")
     assert status["tenants"] == [
         {"tenant": "a", "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "unknown_requests": 1}
     ]
@@ -127,5 +135,5 @@ async def test_with_two_workers_the_supervisor_sums_every_workers_tokens(serve: 
     for _ in range(12):
         async with openai_sdk(serve, "sk-alpha") as client:
             await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
-    found = await token_samples(serve, until=24)
+    found = await token_samples(serve, completion=24)
     assert found == {("m", "a", "prompt"): 48, ("m", "a", "cached"): 0, ("m", "a", "completion"): 24}

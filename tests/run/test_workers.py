@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.run.workers import usable_cores, worker_count
 from router.tools.fake import Behaviour, FakeReplica
 from tests.conftest import StartFake
-from tests.helpers import CHAT, Serve, wait_for
+from tests.support.clients import CHAT
+from tests.support.processes import Serve
+from tests.support.waiting import until, wait_for
 
 STREAMS = 16
 
@@ -124,12 +125,13 @@ async def test_the_admin_view_is_one_router_over_both_workers(
             (("sample", "router_request_duration_seconds_count"), ("model", "m"))
         ]
         assert durations == 10
+
         # The usage map moves once a tick (0.1 s here).
-        for _ in range(50):
-            usage = await get(session, serve.admin_url + "/api/v1/usage")
-            if "r0" in usage["last_used"]:
-                break
-            await asyncio.sleep(0.1)
+        async def used() -> bool:
+            return "r0" in (await get(session, serve.admin_url + "/api/v1/usage"))["last_used"]
+
+        await until(used)
+        usage = await get(session, serve.admin_url + "/api/v1/usage")
         assert set(usage["last_used"]) == {"r0"}
         assert set(usage["watching_since"]) == {"r0"}
         families = await metrics(session, serve)
@@ -233,24 +235,16 @@ async def test_a_worker_that_dies_is_restarted_and_nothing_goes_backwards(serve:
         counted = (await metrics(session, serve))["router_time_to_first_byte_seconds"][first_bytes]
         assert counted == 20
         os.kill(pids[0], signal.SIGKILL)
-        # Scrapes while it dies and restarts answer, and their counters never go down.
-        for _ in range(10):
-            families = await metrics(session, serve)
-            assert families["router_time_to_first_byte_seconds"][first_bytes] == 20
-            await asyncio.sleep(0.02)
 
+        # Scrapes while it dies and restarts answer, and their counters never go down.
         async def restarted() -> bool:
             families = await metrics(session, serve)
+            assert families["router_time_to_first_byte_seconds"][first_bytes] == 20
             return sum(per_worker(families, "router_worker_restarts").values()) == 1 and (
                 families["router_workers"][(("sample", "router_workers"),)] == 2
             )
 
-        for _ in range(100):
-            if await restarted():
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("the worker was not restarted")
+        await until(restarted, timeout=10, what="the worker was not restarted")
         after = (await replicas(session, serve))["r0"]
         # The dead worker's totals stay; its stamps too; the watch restarts.
         assert after["requests"] == 20
@@ -294,7 +288,7 @@ async def test_workers_refuse_a_port_that_something_else_listens_on(serve: Serve
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        serve.client_url = f"http://127.0.0.1:{port}"
+        serve.ports = (port, 0)
         serve.write([{"id": "r0", "model": "m", "url": fake.url}])
         done = subprocess.run(
             [sys.executable, "-m", "router", "serve", "--config", str(serve.path), "--workers", "2"],
@@ -347,13 +341,12 @@ async def test_sighup_reloads_every_worker_and_sigterm_pushes_the_last_map(
     serve.write([{"id": "second", "model": "m", "url": second.url}], push)
     serve.signal(signal.SIGHUP)
     async with aiohttp.ClientSession() as session:
-        for _ in range(100):
+
+        async def reloaded() -> bool:
             endpoints = await get(session, serve.admin_url + "/api/v1/endpoints")
-            if [r["id"] for r in endpoints["replicas"]] == ["second"]:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the reload was not applied")
+            return [r["id"] for r in endpoints["replicas"]] == ["second"]
+
+        await until(reloaded, what="the reload was not applied")
     # Both workers route to the new set only (new connections reach both).
     for _ in range(20):
         async with (
@@ -441,10 +434,14 @@ async def test_held_requests_are_merged_over_the_workers_and_each_holds_its_shar
 
         # Each worker holds its share (max_held 4 over 2 workers: 2), and refuses
         # the rest at once; the merged view sums what they hold.
-        deadline = time.monotonic() + 10
-        while (now := await held()) + sum(t.done() for t in tasks) < 6:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
+        now = 0
+
+        async def all_placed() -> bool:
+            nonlocal now
+            now = await held()
+            return now + sum(t.done() for t in tasks) >= 6
+
+        await until(all_placed, timeout=10)
         refused = [t.result() for t in tasks if t.done()]
         assert 2 <= now <= 4
         assert refused == [503] * (6 - now)
@@ -479,13 +476,14 @@ async def test_a_tenants_queue_bound_is_split_over_the_workers_and_their_queues_
     tasks = [asyncio.create_task(one()) for _ in range(count)]
     label = (("sample", "router_queued_requests"), ("model", "m"), ("priority", "batch"), ("tenant", "a"))
     async with aiohttp.ClientSession() as session:
-        deadline = time.monotonic() + 15
-        while True:
+        queued = 0
+
+        async def all_placed() -> bool:
+            nonlocal queued
             queued = int((await metrics(session, serve)).get("router_queued_requests", {}).get(label, 0))
-            if len(fake.seen) + queued + sum(t.done() for t in tasks) == count:
-                break
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
+            return len(fake.seen) + queued + sum(t.done() for t in tasks) == count
+
+        await until(all_placed, timeout=15)
     # Each worker: one request in flight (its share of 2), two queued (its share of 4), the rest refused.
     in_flight = len(fake.seen)
     assert in_flight == 2 and queued == 4
@@ -525,10 +523,14 @@ async def test_the_unserved_names_are_bounded_over_both_workers_and_each_shown_c
             }
 
         # The metrics are the last tick's (0.1 s here): wait for the one that has every request.
-        deadline = time.monotonic() + 10
-        while sum((unserved := await unserved_now()).values()) < 300:
-            assert time.monotonic() < deadline, unserved
-            await asyncio.sleep(0.05)
+        unserved: dict[str, float] = {}
+
+        async def all_counted() -> bool:
+            nonlocal unserved
+            unserved = await unserved_now()
+            return sum(unserved.values()) >= 300
+
+        await until(all_counted, timeout=10)
         workers = per_worker(await metrics(session, serve), "router_worker_in_flight_requests")
     assert len(workers) == 2
     other = unserved.pop("__other__")

@@ -15,24 +15,21 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tests.support.processes import LISTENING, held_port, said
+from tests.support.waiting import polled
 
 pytestmark = pytest.mark.slow
 
 
-def write_config(path: Path) -> tuple[int, int]:
-    client, admin = free_port(), free_port()
+def write_config(path: Path, client: int = 0) -> None:
     path.write_text(
-        f'listen = "127.0.0.1:{client}"\nadmin_listen = "127.0.0.1:{admin}"\n'
-        "tick_seconds = 0.2\nshutdown_delay_seconds = 0\n"
+        f'listen = "127.0.0.1:{client}"\nadmin_listen = "127.0.0.1:0"\ntick_seconds = 0.2\nshutdown_delay_seconds = 0\n'
     )
-    return client, admin
 
 
 def environment(**changes: str) -> dict[str, str]:
@@ -40,24 +37,24 @@ def environment(**changes: str) -> dict[str, str]:
     return {**env, **changes}
 
 
-def ready(admin: int) -> bool:
+def ready(admin: tuple[str, int]) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", admin), timeout=1) as s:
+        with socket.create_connection(admin, timeout=1) as s:
             s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             return s.recv(64).startswith(b"HTTP/1.1 200")
     except OSError:
         return False
 
 
-def run_until_ready(argv: list[str], env: dict[str, str], admin: int) -> subprocess.Popen[bytes]:
+def run_until_ready(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while not ready(admin):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            out, _ = process.communicate(timeout=10)
-            pytest.fail(f"router serve --workers 2 did not become ready: {out.decode()}")
-        time.sleep(0.05)
+    host, port = said(process, LISTENING).group(2).removeprefix("http://").rsplit(":", 1)
+    admin = (host, int(port))
+    # The supervisor's readiness is an HTTP answer, no event a test can await.
+    if not polled(lambda: process.poll() is not None or ready(admin), timeout=30) or process.poll() is not None:
+        process.kill()
+        out, _ = process.communicate(timeout=10)
+        pytest.fail(f"router serve --workers 2 did not become ready: {out.decode()}")
     return process
 
 
@@ -75,9 +72,9 @@ def test_the_workers_directory_is_made_where_systemd_or_tmpdir_says_and_removed_
 ) -> None:
     """systemd's $RUNTIME_DIRECTORY (RuntimeDirectory=), else $TMPDIR, holds the sockets; it is gone after SIGTERM."""
     config = tmp_path / "router.toml"
-    _, admin = write_config(config)
+    write_config(config)
     argv = [sys.executable, "-m", "router", "serve", "--config", str(config), "--workers", "2"]
-    process = run_until_ready(argv, environment(**{variable: str(short_dir)}), admin)
+    process = run_until_ready(argv, environment(**{variable: str(short_dir)}))
     try:
         (made,) = short_dir.glob("router-workers-*")
         assert sorted(p.name for p in made.glob("*.sock")) == ["worker-0.sock", "worker-1.sock"]
@@ -91,24 +88,24 @@ def test_the_workers_directory_is_made_where_systemd_or_tmpdir_says_and_removed_
 
 def test_no_writable_runtime_directory_is_exit_2_in_one_line_before_anything_listens(tmp_path: Path) -> None:
     config = tmp_path / "router.toml"
-    client, _ = write_config(config)
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("")
-    done = subprocess.run(
-        [sys.executable, "-m", "router", "serve", "--config", str(config), "--workers", "2"],
-        env=environment(RUNTIME_DIRECTORY=str(not_a_directory)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 2, done.stderr
-    (line,) = done.stderr.splitlines()
-    assert line.startswith("router: --workers needs a writable directory for its workers' sockets and state")
-    assert str(not_a_directory) in line and "TMPDIR" in line
-    # Nothing was left listening on the client port.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", client))
+    with held_port() as client:
+        write_config(config, client.getsockname()[1])
+        done = subprocess.run(
+            [sys.executable, "-m", "router", "serve", "--config", str(config), "--workers", "2"],
+            env=environment(RUNTIME_DIRECTORY=str(not_a_directory)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 2, done.stderr
+        (line,) = done.stderr.splitlines()
+        assert line.startswith("router: --workers needs a writable directory for its workers' sockets and state")
+        assert str(not_a_directory) in line and "TMPDIR" in line
+        # Nothing was left listening on the client port.
+        client.listen()
 
 
 def unshare() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,7 +14,7 @@ from router.core.config.settings import Address
 from router.scaler.externalscaler_pb2_grpc import ExternalScalerStub
 from router.scaler.main import Scaler
 from router.scaler.settings import ScalerSettings
-from tests.scaler.helpers import Canned, CannedRouter, Keda, Routers, StartScaler
+from tests.support.scaler import Canned, CannedRouter, Keda, Routers, StartScaler
 
 if TYPE_CHECKING:
     from router.scaler.externalscaler_pb2_grpc import ExternalScalerAsyncStub
@@ -21,11 +22,12 @@ if TYPE_CHECKING:
 
 @pytest.fixture
 async def routers(tmp_path: Path) -> AsyncIterator[Routers]:
-    fleet = Routers(tmp_path)
-    yield fleet
-    for router in fleet.all:
-        if router.process is not None:
-            router.output()
+    with contextlib.ExitStack() as ports:
+        fleet = Routers(tmp_path, ports)
+        yield fleet
+        for router in fleet.all:
+            if router.process is not None:
+                router.output()
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ import yaml
 from router.core.config.settings import load_config, parse_config
 from router.scaler.main import build_parser, settings_from
 from router.scaler.view import parse_metadata
-from tests.control.discovery.kube_api import matches
-from tests.deploy.manifests import named, of_kind, render, router_toml
+from tests.support.kube_api import matches
+from tests.support.manifests import named, of_kind, render, router_toml
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((Path(__file__).resolve().parent / "scaledobject.schema.json").read_text())

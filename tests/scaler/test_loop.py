@@ -3,7 +3,7 @@
 quiet -> IsActive false -> scaled to 0 -> a request held -> StreamIsActive
 true -> scaled to 1 -> the replica pushed to the routers -> the held request
 served; then the HPA's part: requests in flight size the Deployment.
-tests/scaler/keda_standin.py is the stand-in, scaling a "Deployment" of fake
+tests/support/keda_standin.py is the stand-in, scaling a "Deployment" of fake
 replicas on the scaler's answers as KEDA would.
 """
 
@@ -23,8 +23,8 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.helpers import free_port
-from tests.scaler.helpers import Events, Routers, scaled
+from tests.support.scaler import Events, Routers, scaled, scaler_listening
+from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,16 +41,16 @@ async def process(*argv: str, **kwargs: Any) -> AsyncIterator[asyncio.subprocess
 
 
 async def wait_healthy(url: str, proc: asyncio.subprocess.Process) -> None:
-    deadline = time.monotonic() + 20
     async with aiohttp.ClientSession() as session:
-        while True:
+
+        async def healthy() -> bool:
+            assert proc.returncode is None, "router scaler exited"
             with contextlib.suppress(aiohttp.ClientError):
                 async with session.get(url + "/healthz") as resp:
-                    if resp.status == 200:
-                        return
-            assert proc.returncode is None, "router scaler exited"
-            assert time.monotonic() < deadline, "router scaler did not come up"
-            await asyncio.sleep(0.05)
+                    return resp.status == 200
+            return False
+
+        await until(healthy, timeout=20, what="router scaler did not come up")
 
 
 async def ask(client_url: str, *, max_tokens: int, stream: bool = False) -> tuple[int, dict[str, str], float]:
@@ -66,23 +66,24 @@ async def ask(client_url: str, *, max_tokens: int, stream: bool = False) -> tupl
 
 @pytest.mark.slow
 async def test_keda_s_stand_in_scales_a_model_to_zero_and_back_on_the_scaler_s_answers(routers: Routers) -> None:
-    grpc_port, http_port = free_port(), free_port()
     # One file configures both: each router's own, with the scaler's [scaler] table (router serve skips it).
     scaler_table = (
-        f'[scaler]\nservers = {orjson.dumps(routers.admins).decode()}\nlisten = "127.0.0.1:{grpc_port}"\n'
-        f'http_listen = "127.0.0.1:{http_port}"\npoll_seconds = 0.2\n'
+        f'[scaler]\nservers = {orjson.dumps(routers.admins).decode()}\nlisten = "127.0.0.1:0"\n'
+        'http_listen = "127.0.0.1:0"\npoll_seconds = 0.2\n'
     )
-    routers.write(
-        [],
-        f'wake_url = "http://127.0.0.1:{http_port}/wake"\n[models."m"]\ncold_start_seconds = 30\n{scaler_table}',
-    )
-    await routers.start()
-    a, b = (r.client_url for r in routers.all)
+    routers.write([], f'[models."m"]\ncold_start_seconds = 30\n{scaler_table}')
     scaler_argv = ["-m", "router", "scaler", "--config", str(routers.all[0].path), "--log-level", "warning"]
-    async with process(*scaler_argv) as scaler:
-        await wait_healthy(f"http://127.0.0.1:{http_port}", scaler)
+    # The scaler first, on port 0 (the routers' ports are held: it may name them before they
+    # listen); then the routers, told the wake URL it said.
+    async with process(*scaler_argv, stderr=subprocess.PIPE) as scaler:
+        assert scaler.stderr is not None
+        grpc_address, http_url = await scaler_listening(scaler.stderr)
+        await wait_healthy(http_url, scaler)
+        routers.write([], f'wake_url = "{http_url}/wake"\n[models."m"]\ncold_start_seconds = 30\n{scaler_table}')
+        await routers.start()
+        a, b = (r.client_url for r in routers.all)
         standin_argv = [
-            *("-m", "tests.scaler.keda_standin", "--scaler", f"127.0.0.1:{grpc_port}"),
+            *("-m", "tests.support.keda_standin", "--scaler", grpc_address),
             *(arg for admin in routers.admins for arg in ("--router-admin", admin)),
             *("--model", "m", "--idle-after", "2", "--cooldown", "1", "--polling-interval", "0.5"),
             *("--max-replicas", "3", "--target-in-flight", "2", "--replicas", "1"),

@@ -28,8 +28,9 @@ from router.scaler.main import STOP_GRACE_SECONDS
 from router.scaler.view import metric_name
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake
-from tests.helpers import StartRaw, free_port, samples
-from tests.scaler.helpers import (
+from tests.support.clients import samples
+from tests.support.raw_server import StartRaw
+from tests.support.scaler import (
     Keda,
     Routers,
     StartScaler,
@@ -38,6 +39,7 @@ from tests.scaler.helpers import (
     metric,
     never_answer,
     ref,
+    scaler_listening,
     until,
 )
 
@@ -175,10 +177,12 @@ async def test_a_stopped_router_makes_the_model_active_until_it_is_back_and_watc
     assert samples(text, "router_scaler_incomplete_polls_total")[()] >= 1
     # The merge age grows while a router is missing.
     first_age = samples(text, "router_scaler_last_complete_merge_age_seconds")[()]
+    # Real time: the age is the scaler's wall clock's.
     await asyncio.sleep(0.5)
     later = samples(await scaler_metrics(scaler.http_url), "router_scaler_last_complete_merge_age_seconds")[()]
     assert later > first_age
-    # Still active while it is missing, whatever idleAfter.
+    # Still active while it is missing, whatever idleAfter: real time, for idleAfter (1 s below)
+    # passes on the scaler's wall clock.
     await asyncio.sleep(1.5)
     assert await is_active(keda(scaler), ref("m", idleAfter="1"))
     assert stream.values[-1][1] is True
@@ -326,6 +330,7 @@ async def test_stream_metric_spec_sends_the_spec_and_stays_open(
     assert (spec.metricName, spec.targetSizeFloat) == (metric_name("llama-3.1-8b"), 4.0)
     # Nothing more, and not ended, until the scaler stops; then it ends cleanly.
     more = asyncio.ensure_future(anext(answers))
+    # Real time: that nothing comes is no event; a while of nothing is what can be seen.
     await asyncio.sleep(0.3)
     assert not more.done()
     await scaler.stop()
@@ -354,11 +359,15 @@ async def test_streams_that_clients_leave_end_on_the_scaler_and_leave_no_task_be
 
 
 async def test_sigterm_ends_the_command_promptly_with_streams_open(refused_url: Any) -> None:
-    grpc_port, http_port = free_port(), free_port()
-    argv = ["--server", refused_url().removeprefix("http://"), "--listen", f"127.0.0.1:{grpc_port}"]
-    argv += ["--http-listen", f"127.0.0.1:{http_port}", "--log-level", "warning"]
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "router", "scaler", *argv, cwd=ROOT)
-    channel = aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+    argv = ["--server", refused_url().removeprefix("http://"), "--listen", "127.0.0.1:0"]
+    argv += ["--http-listen", "127.0.0.1:0", "--log-level", "warning"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router", "scaler", *argv, cwd=ROOT, stderr=asyncio.subprocess.PIPE
+    )
+    assert proc.stderr is not None
+    # Port 0 for both: the one line it says at --log-level warning names them.
+    grpc_address, _ = await scaler_listening(proc.stderr)
+    channel = aio.insecure_channel(grpc_address)
     try:
         stub = ExternalScalerStub(channel)
         await channel.channel_ready()

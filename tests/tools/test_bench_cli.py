@@ -8,8 +8,7 @@ import sys
 import orjson
 
 from router.tools.bench import DEFAULT_REQUESTS, DEFAULT_SECONDS, limits, run_load
-from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import free_port
+from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
 
 
 async def bench(*args: str) -> tuple[int, str]:
@@ -39,8 +38,8 @@ async def test_errors_are_counted_by_kind_with_status_code_and_message(
     assert kind.startswith("404 model_not_found: ") and "nope" in kind
 
 
-async def test_a_refused_connection_is_an_error_kind_too() -> None:
-    status, out = await bench("--url", f"http://127.0.0.1:{free_port()}", "-n", "3", "-c", "1")
+async def test_a_refused_connection_is_an_error_kind_too(refused_url: RefusedUrl) -> None:
+    status, out = await bench("--url", refused_url(), "-n", "3", "-c", "1")
     assert status == 1, out
     counted = out.splitlines()[out.splitlines().index("errors:") + 1 :]
     assert len(counted) == 1 and counted[0].split(None, 1)[0] == "3", out

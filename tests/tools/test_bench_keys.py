@@ -12,7 +12,8 @@ import pytest
 
 from router.tools.bench import parse_mix
 from tests.conftest import StartFake, StartRouter, replica_entry
-from tests.helpers import access_log_lines, wait_for
+from tests.support.clients import access_log_lines
+from tests.support.waiting import wait_for
 
 KEYS = {
     "alpha": {"key": "sk-alpha-0001", "tenant": "alpha"},

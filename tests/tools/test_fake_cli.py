@@ -20,8 +20,6 @@ from collections.abc import Iterator
 
 import orjson
 
-from tests.helpers import free_port
-
 FAKE = [sys.executable, "-m", "router", "fake"]
 
 
@@ -61,6 +59,17 @@ def ready_line(process: subprocess.Popen[str]) -> str:
     return line.rstrip("\n")
 
 
+@contextlib.contextmanager
+def port_group() -> Iterator[int]:
+    """A port of the test's own for fakes told it: a socket in their SO_REUSEPORT group, never listening
+    (it takes no connections), held while the block runs, so that no other test's listener takes the port."""
+    with socket.socket() as group:
+        group.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        group.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        group.bind(("127.0.0.1", 0))
+        yield group.getsockname()[1]
+
+
 def models_at(url: str) -> list[str]:
     with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
         return [m["id"] for m in orjson.loads(resp.read())["data"]]
@@ -82,8 +91,8 @@ def test_sigint_stops_it_though_it_was_started_ignoring_sigint() -> None:
 
 
 def test_a_port_in_use_is_refused_in_one_line_unless_asked_to_share_it() -> None:
-    port = free_port()
-    with running("--port", str(port), "--model", "first") as first:
+    # A port given (SO_REUSEPORT is set on a given port only, for a second fake to share), held by the test.
+    with port_group() as port, running("--port", str(port), "--model", "first") as first:
         assert ready_line(first) == f"fake replica of first at http://127.0.0.1:{port}"
         refused = subprocess.run([*FAKE, "--port", str(port)], capture_output=True, text=True, timeout=30, check=False)
         assert refused.returncode == 2
@@ -115,8 +124,8 @@ def test_a_port_held_by_something_that_does_not_share_is_refused_even_when_asked
 
 
 def test_several_processes_say_where_they_listen_once() -> None:
-    port = free_port()
-    with running("--port", str(port), "--processes", "2") as fake:
+    # --processes refuses port 0 (each process would take a port of its own).
+    with port_group() as port, running("--port", str(port), "--processes", "2") as fake:
         assert ready_line(fake) == f"fake replica of fake-model at http://127.0.0.1:{port} in 2 processes"
         assert models_at(f"http://127.0.0.1:{port}") == ["fake-model"]
         fake.send_signal(signal.SIGINT)

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.tools.fake import Behaviour, FakeReplica
 from router.tools.fake.engine import Engine, EngineParams, Sequence
 from router.tools.fake.exposition import ENGINES
+from tests.support.waiting import wait_for
 
 FAST = 1000.0
 
@@ -32,6 +33,7 @@ async def test_a_full_batch_queues_the_rest_first_come_first_served() -> None:
     engine = Engine(EngineParams(max_running=2, time_scale=FAST))
     try:
         seqs = [engine.submit(f"prompt {i} " * 10, 50) for i in range(4)]
+        # Real time: the engine's batch step runs on its clock (scaled), not on an event.
         await asyncio.sleep(0.001)
         finished: list[int] = []
 
@@ -52,10 +54,7 @@ async def test_the_gauges_show_the_queue_and_the_batch_while_they_last() -> None
     engine = Engine(EngineParams(max_running=3, time_scale=5.0))
     try:
         seqs = [engine.submit("x" * 400, 100_000) for _ in range(5)]
-        for _ in range(200):
-            await asyncio.sleep(0.005)
-            if engine.report.running == 3:
-                break
+        await wait_for(lambda: engine.report.running == 3, timeout=1)
         assert engine.report.running == 3 and engine.report.waiting == 2
         assert 0 < engine.report.kv_usage < 1
         for seq in seqs:

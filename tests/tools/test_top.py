@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,8 +20,9 @@ from router.run.app import RouterServer
 from router.tools.fake import Behaviour
 from router.tools.top import SORT_KEYS, Frame, Row, build_frame, render, sort_rows
 from tests.conftest import RefusedUrl, StartFake, StartRouter, replica_entry
-from tests.deploy.observability.needs import program
-from tests.helpers import CHAT, post, wait_for
+from tests.support.clients import CHAT, post
+from tests.support.programs import program
+from tests.support.waiting import until, wait_for
 
 NOW = 1_800_000_000.0
 
@@ -171,6 +171,7 @@ async def load(server: RouterServer, model: str = "m", every: float = 0.02) -> A
             if stop.is_set():
                 return
             await post(server.client_url + "/v1/chat/completions", orjson.dumps({**CHAT, "model": model}))
+            # Real time: a steady rate of requests, which top shows as a rate.
             await asyncio.sleep(every)
 
     task = asyncio.create_task(run())
@@ -263,13 +264,19 @@ class Tmux:
 
     async def until(self, pattern: str, timeout: float = 15.0) -> str:
         """The screen once `pattern` (a regex) is on it."""
-        deadline = time.monotonic() + timeout
-        while True:
+        text = ""
+
+        async def shown() -> bool:
+            # Polled: a tmux screen changes without telling anyone.
+            nonlocal text
             text = await self.screen()
-            if re.search(pattern, text, re.MULTILINE):
-                return text
-            assert time.monotonic() < deadline, f"{pattern!r} never showed:\n{text}"
-            await asyncio.sleep(0.2)
+            return re.search(pattern, text, re.MULTILINE) is not None
+
+        try:
+            await until(shown, timeout=timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"{pattern!r} never showed:\n{text}") from exc
+        return text
 
 
 @pytest.fixture
@@ -330,10 +337,7 @@ async def test_top_under_tmux_shows_the_fleet_live_sorts_on_keys_and_quits_on_q(
         await tmux.run("send-keys", "-t", "top", "i")
         await tmux.until(r"^sort: id \(A-Z\)")
     await tmux.run("send-keys", "-t", "top", "q")
-    deadline = time.monotonic() + 10
-    while not (status.exists() and status.read_text().endswith("\n")):
-        assert time.monotonic() < deadline, "top did not exit on q"
-        await asyncio.sleep(0.2)
+    await wait_for(lambda: status.exists() and status.read_text().endswith("\n"), timeout=10)
     assert status.read_text() == "0\n"
     held.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,8 +16,9 @@ from router.control.discovery.source import KubernetesSource
 from router.core.config.settings import parse_config
 from router.run.app import RouterServer
 from tests.control.discovery.harness import Pods, StartDiscovery
-from tests.control.discovery.kube_api import FakeKubernetesApi
 from tests.control.discovery.recorded import SELECTOR
+from tests.support.kube_api import FakeKubernetesApi
+from tests.support.processes import held_port
 
 
 @pytest.fixture
@@ -30,16 +31,40 @@ async def kube() -> AsyncIterator[FakeKubernetesApi]:
 
 @pytest.fixture
 async def pods() -> AsyncIterator[Pods]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    fleet = Pods(port)
-    yield fleet
-    await fleet.close()
+    # The pods share one port on addresses of their own (127.0.0.2 and on): held on 127.0.0.1
+    # for the whole test, so that no other test's listener there takes it meanwhile.
+    with held_port() as held:
+        fleet = Pods(int(held.getsockname()[1]))
+        yield fleet
+        await fleet.close()
+
+
+class SourceClock:
+    """The discovery source's monotonic clock: the real one, moved on by a test that would otherwise wait.
+
+    The source reads it for how stale its view is and when to report again;
+    its pauses between attempts stay real (they are short here: backoff_cap 0.5 s).
+    """
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
 
 
 @pytest.fixture
-async def start_discovery(kube: FakeKubernetesApi, tmp_path: Path) -> AsyncIterator[StartDiscovery]:
+def source_clock() -> SourceClock:
+    return SourceClock()
+
+
+@pytest.fixture
+async def start_discovery(
+    kube: FakeKubernetesApi, tmp_path: Path, source_clock: SourceClock
+) -> AsyncIterator[StartDiscovery]:
     """A router whose set comes from the fake API server; `keys` go into [discovery.kubernetes]."""
     path = tmp_path / "kubeconfig"
     path.write_text(kube.kubeconfig())
@@ -59,6 +84,7 @@ async def start_discovery(kube: FakeKubernetesApi, tmp_path: Path) -> AsyncItera
         source = KubernetesSource(
             config.discovery,
             resolve_access(config.discovery, {}),
+            mono=source_clock,
             rng=random.Random(7),
             backoff_first=0.05,
             backoff_cap=0.5,

@@ -12,9 +12,10 @@ import orjson
 from router.control.discovery.source import KubernetesSource
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour, FakeReplica
-from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice, matches, pod
 from tests.control.discovery.recorded import NS, SELECTOR
-from tests.helpers import CHAT, in_flight, post, wait_for
+from tests.support.clients import CHAT, in_flight, post
+from tests.support.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice, matches, pod
+from tests.support.waiting import wait_for
 
 # A fleet of pods on loopback addresses, one port ------------------------------------------
 
@@ -62,6 +63,19 @@ def expect(endpoints: dict[str, tuple[str, Endpoint]], port: int) -> dict[str, t
 
 async def in_sync(server: RouterServer, wanted: dict[str, tuple[str, str]], timeout: float = 15.0) -> None:
     await wait_for(lambda: router_set(server) == wanted, timeout)
+
+
+async def delivered(kube: FakeKubernetesApi) -> None:
+    """Until every open watch has sent the changes put so far: a churn goes at the pace its watches carry it."""
+    await wait_for(lambda: all(w.queue.empty() for w in kube.watches))
+
+
+async def cut(kube: FakeKubernetesApi, kind: str | None = None) -> None:
+    """Ends the open watches (of `kind`, or all), as the API server does at its timeout, and waits
+    until the source has opened another: each cut is one the source saw end."""
+    before = set(kube.watches)
+    kube.close_watches(kind)
+    await wait_for(lambda: any(w not in before and (kind is None or w.resource.kind == kind) for w in kube.watches))
 
 
 async def traffic(server: RouterServer, models: Iterable[str], n: int = 6) -> None:

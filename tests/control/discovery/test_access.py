@@ -10,8 +10,8 @@ import pytest
 from router.control.discovery.access import ApiAccess, resolve_access
 from router.core.config.settings import KubernetesDiscovery, parse_config
 from router.core.errors import ConfigError
-from tests.control.discovery.kube_api import FakeKubernetesApi
 from tests.control.discovery.recorded import SETTINGS
+from tests.support.kube_api import FakeKubernetesApi
 
 # Configuration ---------------------------------------------------------------------
 

@@ -12,7 +12,6 @@ import orjson
 import pytest
 
 from router.control.discovery.parse import read_pod, read_slice
-from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice, pod
 from tests.control.discovery.recorded import (
     ON_PODS,
     SELECTOR,
@@ -22,6 +21,7 @@ from tests.control.discovery.recorded import (
     recorded_pods,
     recorded_watch,
 )
+from tests.support.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice, pod
 
 
 def _paths(value: Any, prefix: str = "") -> set[str]:
@@ -175,7 +175,7 @@ def test_the_fake_writes_no_field_the_recording_does_not_have() -> None:
         }
     ) <= _paths(bookmark)
     error = next(e for e in events if e["type"] == "ERROR")
-    from tests.control.discovery.kube_api import _status
+    from tests.support.kube_api import _status
 
     assert _paths({"type": "ERROR", "object": _status(410, "Expired", "m")}) == _paths(error)
     # And its pods, their bookmarks and errors.

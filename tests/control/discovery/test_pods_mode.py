@@ -10,7 +10,6 @@ import asyncio
 import json
 import logging
 import random
-import time
 
 import aiohttp
 import orjson
@@ -18,11 +17,14 @@ import pytest
 
 from router.control.discovery.source import KubernetesSource
 from router.run.app import RouterServer
+from tests.control.discovery.conftest import SourceClock
 from tests.control.discovery.harness import (
     Pods,
     StartDiscovery,
     api_says,
     caught_up,
+    cut,
+    delivered,
     expect,
     fleet_pod,
     in_sync,
@@ -31,9 +33,10 @@ from tests.control.discovery.harness import (
     settled,
     traffic,
 )
-from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice, pod
 from tests.control.discovery.recorded import NS
-from tests.helpers import get_json, run_ctl, samples, scrape, wait_for
+from tests.support.clients import get_json, run_ctl, samples, scrape
+from tests.support.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice, pod
+from tests.support.waiting import until, wait_for
 
 
 async def test_pods_mode_follows_pods_added_made_unready_and_deleted(
@@ -223,45 +226,37 @@ async def test_a_selected_pod_no_slice_serves_is_warned_of_once_and_joins_when_o
 async def test_the_pod_watch_closed_again_and_again_during_a_churn(
     kube: FakeKubernetesApi, pods: Pods, start_discovery: StartDiscovery
 ) -> None:
-    """Pods join, leave, change model and stop matching while every pod watch is closed twice a second."""
+    """Pods join, leave, change model and stop matching while the pod watch is closed every fifth step."""
     # Slice watches that outlast the test: only the pod watch is cut, and only it relists.
     server, source = await start_discovery(selector_on="pods", watch_seconds=300.0)
     endpoints = [await pods.add(f"pod-{i:02d}") for i in range(60)]
     await wait_for(source.ready)
 
-    async def close_pod_watches() -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            kube.close_watches("Pod")
-
-    closer = asyncio.ensure_future(close_pod_watches())
     rng = random.Random(1717)
     in_slice: dict[str, Endpoint] = {}
-    try:
-        for step in range(30):
-            for e in endpoints[step * 2 : step * 2 + 2]:
+    for step in range(30):
+        for e in endpoints[step * 2 : step * 2 + 2]:
+            kube.put(fleet_pod(e, rng.choice(["a", "b"])))
+            in_slice[e.pod] = e
+        for name in rng.sample(sorted(in_slice), k=min(3, len(in_slice))):
+            e = in_slice[name]
+            change = rng.randrange(5)
+            if change == 0:
                 kube.put(fleet_pod(e, rng.choice(["a", "b"])))
-                in_slice[e.pod] = e
-            for name in rng.sample(sorted(in_slice), k=min(3, len(in_slice))):
-                e = in_slice[name]
-                change = rng.randrange(5)
-                if change == 0:
-                    kube.put(fleet_pod(e, rng.choice(["a", "b"])))
-                elif change == 1:
-                    kube.put(pod(e.pod, e.address, labels={"app.kubernetes.io/part-of": "elsewhere"}))
-                elif change == 2 and ("Pod", NS, name) in kube.objects:
-                    kube.delete(NS, name, kind="Pod")
-                elif change == 3:
-                    in_slice[name] = Endpoint(name, e.address, ready=not e.ready, serving=not e.ready)
-                else:
-                    kube.put(fleet_pod(e, rng.choice(["a", "b"])))
-            for shard in range(2):
-                members = [e for e in in_slice.values() if int(e.pod[-2:]) % 2 == shard]
-                kube.put(service_slice(f"engines-{shard}", members, pods.port))
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.2)  # more closes with the churn over
-    finally:
-        closer.cancel()
+            elif change == 1:
+                kube.put(pod(e.pod, e.address, labels={"app.kubernetes.io/part-of": "elsewhere"}))
+            elif change == 2 and ("Pod", NS, name) in kube.objects:
+                kube.delete(NS, name, kind="Pod")
+            elif change == 3:
+                in_slice[name] = Endpoint(name, e.address, ready=not e.ready, serving=not e.ready)
+            else:
+                kube.put(fleet_pod(e, rng.choice(["a", "b"])))
+        for shard in range(2):
+            members = [e for e in in_slice.values() if int(e.pod[-2:]) % 2 == shard]
+            kube.put(service_slice(f"engines-{shard}", members, pods.port))
+        # The pod watch ends every fifth step (as the API server ends one at its timeout), mid-churn.
+        await (cut(kube, "Pod") if step % 5 == 4 else delivered(kube))
+    await cut(kube, "Pod")  # one more with the churn over
     wanted = api_says(kube)
     assert wanted, "the churn left no replica to check"
     await in_sync(server, wanted)
@@ -277,6 +272,7 @@ async def test_api_server_down_in_pods_mode_keeps_the_set_and_the_gauge_grows(
     pods: Pods,
     pod_discovery: tuple[RouterServer, KubernetesSource],
     caplog: pytest.LogCaptureFixture,
+    source_clock: SourceClock,
 ) -> None:
     server, source = pod_discovery
     a, b = await pods.add("pod-a"), await pods.add("pod-b")
@@ -287,15 +283,26 @@ async def test_api_server_down_in_pods_mode_keeps_the_set_and_the_gauge_grows(
     await in_sync(server, wanted)
     caplog.set_level(logging.WARNING, "router.control.discovery")
     await kube.stop()
-    down_since = time.monotonic()
+    # The source has found the API gone (its view is stale from then on).
+    await wait_for(lambda: source.stale_seconds() > 0)
     stale: list[float] = []
-    while time.monotonic() - down_since < 3:
+    # Down for 3 s of the source's clock, 0.3 s at a time; traffic goes on at each step.
+    for _ in range(10):
         await traffic(server, ["m"], n=2)
         assert router_set(server) == wanted
         async with aiohttp.ClientSession() as session, session.get(server.admin_url + "/readyz") as r:
             assert r.status == 200
         stale.append(samples(await scrape(server), "router_discovery_stale_seconds")[()])
-        await asyncio.sleep(0.3)
+        source_clock.advance(0.3)
+
+    async def both_retried() -> bool:
+        relists = samples(await scrape(server), "router_discovery_relists_total")
+        return all(
+            relists.get((("reason", "error"), ("resource", kind)), 0) >= 1 for kind in ("pods", "endpointslices")
+        )
+
+    # Each watch has failed, said so, and begun its next attempt.
+    await until(both_retried)
     assert stale[-1] >= 2.0 and stale == sorted(stale)
     assert "cannot read Pods from the Kubernetes API" in caplog.text
     assert "cannot read EndpointSlices from the Kubernetes API" in caplog.text

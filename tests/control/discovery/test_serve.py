@@ -14,9 +14,11 @@ import orjson
 import pytest
 
 from tests.control.discovery.harness import Pods, fleet_pod, model_slice, service_slice
-from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi
 from tests.control.discovery.recorded import NS, SELECTOR
-from tests.helpers import CHAT, Serve, free_port, samples
+from tests.support.clients import CHAT, samples
+from tests.support.kube_api import Endpoint, FakeKubernetesApi
+from tests.support.processes import Serve, held_socket
+from tests.support.waiting import until
 
 # A real `router serve`, one process or a supervisor and its workers --------------------------
 
@@ -28,7 +30,9 @@ async def test_router_serve_discovers_through_a_plain_http_kubeconfig_and_waits_
 ) -> None:
     """Not ready before the API answers; then the set, 409 on pushes, the gauge; with --workers one watch only."""
     kube = FakeKubernetesApi(bookmark_seconds=0.2)
-    kube.port = free_port()
+    # Refused until the API listens, on this port: held by the test, never to be taken by another.
+    api = held_socket()
+    kube.port = api.getsockname()[1]
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(kube.kubeconfig())
     a, b = await pods.add("pod-a"), await pods.add("pod-b")
@@ -50,6 +54,7 @@ async def test_router_serve_discovers_through_a_plain_http_kubeconfig_and_waits_
     api_up_at: list[float] = []
 
     async def api_later() -> None:
+        # Real time: a while of the router asking an API that refuses, which it does on its own clock.
         await asyncio.sleep(1.5)
         api_up_at.append(time.monotonic())
         await kube.start()
@@ -70,13 +75,12 @@ async def test_router_serve_discovers_through_a_plain_http_kubeconfig_and_waits_
                 assert "Kubernetes discovery" in (await resp.json())["error"]["message"]
             # A pod leaves: every worker stops using it.
             kube.put(engines(a))
-            deadline = time.monotonic() + 15
-            while True:
+
+            async def only_a() -> bool:
                 async with session.get(serve.admin_url + "/api/v1/endpoints") as resp:
-                    if [r["id"] for r in (await resp.json())["replicas"]] == [f"{NS}/pod-a"]:
-                        break
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.1)
+                    return [r["id"] for r in (await resp.json())["replicas"]] == [f"{NS}/pod-a"]
+
+            await until(only_a, timeout=15)
             seen_b = len(pods.fakes["pod-b"].seen)
             for _ in range(8):
                 async with session.post(serve.client_url + "/v1/chat/completions", data=body) as resp:
@@ -94,6 +98,7 @@ async def test_router_serve_discovers_through_a_plain_http_kubeconfig_and_waits_
     finally:
         later.cancel()
         await kube.stop()
+        api.close()
 
 
 def test_router_serve_says_when_there_is_no_kubernetes_api_to_ask(tmp_path: Path) -> None:

@@ -19,9 +19,12 @@ from router.control.discovery.source import KubernetesSource
 from router.core.pool.replicas import ReplicaState
 from router.run.app import RouterServer
 from router.tools.fake import Behaviour
+from tests.control.discovery.conftest import SourceClock
 from tests.control.discovery.harness import (
     Pods,
     StartDiscovery,
+    cut,
+    delivered,
     expect,
     in_sync,
     model_slice,
@@ -29,9 +32,10 @@ from tests.control.discovery.harness import (
     settled,
     traffic,
 )
-from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi
 from tests.control.discovery.recorded import NS
-from tests.helpers import CHAT, post_cut, samples, scrape, wait_for
+from tests.support.clients import CHAT, post_cut, samples, scrape
+from tests.support.kube_api import Endpoint, FakeKubernetesApi
+from tests.support.waiting import wait_for
 
 
 async def test_not_ready_until_the_first_list_then_pods_added_unready_and_deleted_follow(
@@ -92,41 +96,33 @@ async def test_a_terminating_pod_drains_its_streams_finish_and_it_reads_drained(
     await settled(server, pods, ["pod-slow"], ["m"])
 
 
-async def test_the_watch_closed_every_second_during_a_churn_of_200_pods(
+async def test_the_watch_closed_every_eighth_step_during_a_churn_of_200_pods(
     kube: FakeKubernetesApi, pods: Pods, discovery: tuple[RouterServer, KubernetesSource]
 ) -> None:
     server, source = discovery
     endpoints = [await pods.add(f"pod-{i:03d}") for i in range(200)]
 
-    async def close_every_second() -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            kube.close_watches()
-
-    closer = asyncio.ensure_future(close_every_second())
     rng = random.Random(17)
     live: dict[str, Endpoint] = {}
     deadline = time.monotonic() + 20
-    try:
-        # Pods arrive in batches over four Services, some leave, some turn unready and back.
-        for step in range(40):
-            for e in endpoints[step * 5 : step * 5 + 5]:
-                live[e.pod] = e
-            for name in rng.sample(sorted(live), k=min(2, len(live))):
-                if rng.random() < 0.5:
-                    del live[name]
-                else:
-                    live[name] = Endpoint(
-                        name, live[name].address, ready=not live[name].ready, serving=not live[name].ready
-                    )
-            for shard in range(4):
-                members = [e for e in live.values() if int(e.pod[-3:]) % 4 == shard]
-                kube.put(model_slice(f"svc-{shard}", "m", members, pods.port))
-            await asyncio.sleep(0.1)
-            assert time.monotonic() < deadline
-        await asyncio.sleep(1.5)  # at least one more close with the churn over
-    finally:
-        closer.cancel()
+    # Pods arrive in batches over four Services, some leave, some turn unready and back.
+    for step in range(40):
+        for e in endpoints[step * 5 : step * 5 + 5]:
+            live[e.pod] = e
+        for name in rng.sample(sorted(live), k=min(2, len(live))):
+            if rng.random() < 0.5:
+                del live[name]
+            else:
+                live[name] = Endpoint(
+                    name, live[name].address, ready=not live[name].ready, serving=not live[name].ready
+                )
+        for shard in range(4):
+            members = [e for e in live.values() if int(e.pod[-3:]) % 4 == shard]
+            kube.put(model_slice(f"svc-{shard}", "m", members, pods.port))
+        # The watch ends every eighth step (as the API server ends one at its timeout), mid-churn.
+        await (cut(kube) if step % 8 == 7 else delivered(kube))
+        assert time.monotonic() < deadline
+    await cut(kube)  # one more with the churn over
     wanted = {f"{NS}/{e.pod}": ("m", f"http://{e.address}:{pods.port}") for e in live.values() if e.ready}
     await in_sync(server, wanted)
     assert source.relists["watch_ended"] >= 2
@@ -179,6 +175,7 @@ async def test_api_server_down_keeps_the_set_grows_the_stale_gauge_and_traffic_g
     pods: Pods,
     discovery: tuple[RouterServer, KubernetesSource],
     caplog: pytest.LogCaptureFixture,
+    source_clock: SourceClock,
 ) -> None:
     """Down for 6 s here (the production backoff cap is 30 s, the report a minute; neither depends on the length)."""
     server, source = discovery
@@ -189,15 +186,19 @@ async def test_api_server_down_keeps_the_set_grows_the_stale_gauge_and_traffic_g
     assert samples(await scrape(server), "router_discovery_stale_seconds") == {(): 0.0}
     caplog.set_level(logging.WARNING, "router.control.discovery")
     await kube.stop()
-    down_since = time.monotonic()
+    # The source has found the API gone (its view is stale from then on).
+    await wait_for(lambda: source.stale_seconds() > 0)
     stale: list[float] = []
-    while time.monotonic() - down_since < 6:
+    # Down for 6 s of the source's clock, half a second at a time; traffic goes on at each step.
+    for _ in range(12):
         await traffic(server, ["m"], n=2)
         assert router_set(server) == wanted
         async with aiohttp.ClientSession() as session, session.get(server.admin_url + "/readyz") as r:
             assert r.status == 200
         stale.append(samples(await scrape(server), "router_discovery_stale_seconds")[()])
-        await asyncio.sleep(0.5)
+        source_clock.advance(0.5)
+    # Its next attempt, past report_every on its clock, says so again.
+    await wait_for(lambda: any("still cannot read" in r.getMessage() for r in caplog.records))
     assert stale[-1] >= 4.0 and stale == sorted(stale)
     reports = [r.getMessage() for r in caplog.records if "cannot read EndpointSlices" in r.getMessage()]
     assert "keeping the last known set of 2 replicas" in reports[0]

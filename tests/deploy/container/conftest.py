@@ -1,6 +1,6 @@
 """The container tier: the image of the Containerfile, built by scripts/build-image and run by podman.
 
-Every container here runs from a rendered manifest (tests/deploy/manifests.py) the way
+Every container here runs from a rendered manifest (tests/support/manifests.py) the way
 the kubelet would run it (tests/deploy/container/podman.py), on a podman network of
 its own, reached from the tests through ports published on 127.0.0.1. The
 tier skips, saying why, where containers cannot run: no podman, not root
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.container.podman import Podman
-from tests.deploy.manifests import ROOT
+from tests.support.manifests import ROOT
 
 KUBERNETES_DOC = (ROOT / "docs" / "kubernetes.md").read_text()
 

@@ -1,6 +1,6 @@
 """podman for the container tier: settings and storage of its own (.cache/containers), and a pod spec run by it.
 
-`Podman.run_spec` takes a container of a rendered Deployment (tests/deploy/manifests.py)
+`Podman.run_spec` takes a container of a rendered Deployment (tests/support/manifests.py)
 and runs it as the kubelet would: the image and args, env (a secretKeyRef
 from the secrets given), the named ports (published on 127.0.0.1), the
 securityContext (user, read-only root, no new privileges, capabilities),
@@ -16,15 +16,14 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.deploy.manifests import ROOT, Doc
-from tests.helpers import free_port
+from tests.support.manifests import ROOT, Doc
+from tests.support.waiting import polled
 
 
 def fake_replica(image: str, *options: str) -> list[str]:
@@ -202,10 +201,9 @@ def run_spec(
     for key in env:
         # The value from the environment given to podman: not on its command line.
         argv += ["--env", key]
-    ports = {}
     for port in container.get("ports", []):
-        ports[port["name"]] = free_port()
-        argv += ["--publish", f"127.0.0.1:{ports[port['name']]}:{port['containerPort']}"]
+        # No host port: podman takes a free one, read back once the container runs.
+        argv += ["--publish", f"127.0.0.1::{port['containerPort']}"]
     limits = container.get("resources", {}).get("limits", {})
     if "cpu" in limits:
         argv += ["--cpus", cpus(str(limits["cpu"]))]
@@ -262,16 +260,24 @@ def run_spec(
     finally:
         for key in env:
             podman.env.pop(key, None)
+    ports = {}
+    for port in container.get("ports", []):
+        published = podman("port", name, f"{port['containerPort']}/tcp").stdout.split()[0]
+        ports[port["name"]] = int(published.rsplit(":", 1)[1])
     return Running(name, ports, container, float(pod.get("terminationGracePeriodSeconds", 30)), mounts, env)
 
 
 def wait_ready(podman: Podman, running: Running, probe: str = "readinessProbe", timeout: float = 60) -> None:
     """Until the probe answers 200, as the kubelet waits for a pod to be ready; the logs if it exits first."""
-    deadline = time.monotonic() + timeout
-    while running.probe(probe) != 200:
+
+    def passed() -> bool:
+        if running.probe(probe) == 200:
+            return True
         state = podman.inspect(running.name)["State"]
         if not state["Running"]:
             raise PodmanError(f"{running.name} exited {state['ExitCode']}: {podman.logs(running.name)}")
-        if time.monotonic() > deadline:
-            raise PodmanError(f"{running.name} never passed its {probe}: {podman.logs(running.name)}")
-        time.sleep(0.1)
+        return False
+
+    # Polled, as the kubelet polls a probe.
+    if not polled(passed, timeout=timeout, every=0.1):
+        raise PodmanError(f"{running.name} never passed its {probe}: {podman.logs(running.name)}")

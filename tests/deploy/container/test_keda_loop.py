@@ -5,7 +5,7 @@ the routers' Deployment (with the overlay's router.toml: requests for the
 model held, `wake_url` at the scaler) under the headless Service's name
 (router-admin, which the scaler resolves to both,
 as `--servers-from-dns` in its args says), the scaler's Deployment under its
-Service's name. KEDA's stand-in (tests/scaler/keda_standin.py, from this
+Service's name. KEDA's stand-in (tests/support/keda_standin.py, from this
 checkout, mounted read-only into the image) keeps StreamIsActive open at the
 ScaledObject's scalerAddress and scales the model's "Deployment": fake
 replicas on its own container, pushed to both routers.
@@ -29,8 +29,9 @@ from typing import Any
 import aiohttp
 
 from tests.deploy.container.podman import Podman, Running, run_spec, wait_ready
-from tests.deploy.manifests import ROOT, of_kind, render, router_toml
-from tests.scaler.helpers import Events, scaled
+from tests.support.manifests import ROOT, of_kind, render, router_toml
+from tests.support.scaler import Events, scaled
+from tests.support.waiting import until
 
 # The short names the overlay writes (resolved in the pods' own namespace), and the one with
 # a namespace: the ScaledObject's scalerAddress, which KEDA dials from its own.
@@ -77,16 +78,15 @@ async def scaler_health(scaler: Running) -> dict[str, Any]:
 
 async def scaler_sees(scaler: Running, routers: int, timeout: float = 30) -> None:
     """Until a round of the scaler's merged every router its DNS name gives, as an operator checks /healthz."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    async def merged() -> bool:
         health = await scaler_health(scaler)
         answering = [
             r for r in health["routers"] if r["ok"] and ":9090" in r["server"] and not r["server"].startswith(HEADLESS)
         ]
-        if len(answering) == routers and health["last_complete_merge_age_seconds"] is not None:
-            return
-        assert time.monotonic() < deadline, f"the scaler never merged {routers} routers: {health}"
-        await asyncio.sleep(0.2)
+        return len(answering) == routers and health["last_complete_merge_age_seconds"] is not None
+
+    await until(merged, timeout=timeout, what=f"the scaler never merged {routers} routers")
 
 
 @contextlib.asynccontextmanager
@@ -112,7 +112,7 @@ async def stand_in(podman: Podman, image: str, network: str, *args: str) -> Asyn
     process = await asyncio.create_subprocess_exec(
         *("podman", "run", "--rm", "--pull", "never", "--name", name, "--network", network),
         *("--volume", f"{ROOT / 'tests'}:/src/tests:ro", "--workdir", "/src", "--env", "PYTHONPATH=/src"),
-        *("--entrypoint", "python", image, "-m", "tests.scaler.keda_standin"),
+        *("--entrypoint", "python", image, "-m", "tests.support.keda_standin"),
         *(*args, "--pod-host", "0.0.0.0", "--pod-address", name),
         stdout=asyncio.subprocess.PIPE,
         env=podman.env,

@@ -26,7 +26,7 @@ import pytest
 from tests.deploy.balancer import Backend, Balancer
 from tests.deploy.container.conftest import new_network
 from tests.deploy.container.podman import Podman, Running, fake_replica, run_spec, wait_ready
-from tests.deploy.manifests import container_of, named, render
+from tests.support.manifests import container_of, named, render
 
 # The fake replicas' answers: 40 tokens, 50 ms apart (2 s streams, long enough
 # to be in flight when the router is told to stop).

@@ -8,8 +8,8 @@ and the rules' queries meet.
 
 from __future__ import annotations
 
-import asyncio
 import copy
+import re
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -19,8 +19,8 @@ from typing import Any, BinaryIO
 import aiohttp
 import yaml
 
-from tests.deploy.observability.needs import program
-from tests.helpers import free_port
+from tests.support.programs import program
+from tests.support.waiting import until, wait_for
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 
@@ -39,11 +39,14 @@ def scrape_config(targets: Mapping[str, Sequence[str]], rule_file: str, interval
     return config
 
 
+# Prometheus' line once its web port listens (the exporter toolkit's, at info).
+LISTENING = re.compile(r'msg="Listening on" address=(\S+)')
+
+
 class Prometheus:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = ""
         self.process: subprocess.Popen[bytes] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._log: BinaryIO | None = None
@@ -59,24 +62,37 @@ class Prometheus:
                 program("prometheus"),
                 f"--config.file={self.folder / 'prometheus.yml'}",
                 f"--storage.tsdb.path={self.folder / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--log.level=warn",
+                # Port 0: the log's "Listening on" line names the port (at info, hence the level).
+                "--web.listen-address=127.0.0.1:0",
+                "--log.level=info",
             ],
             stdout=subprocess.DEVNULL,
             stderr=self._log,
         )
         self._session = aiohttp.ClientSession()
         deadline = time.monotonic() + 30
-        while True:
-            assert self.process.poll() is None, self.log()
+        process = self.process
+
+        def said() -> bool:
+            # Its log is a file: nothing to await but the next look.
+            assert process.poll() is None, self.log()
+            match = LISTENING.search((self.folder / "prometheus.log").read_text(errors="replace"))
+            if match is not None:
+                self.url = f"http://{match.group(1)}"
+            return bool(self.url)
+
+        await wait_for(said, timeout=30)
+        session = self._session
+
+        async def ready() -> bool:
+            assert self.process is not None and self.process.poll() is None, self.log()
             try:
-                async with self._session.get(self.url + "/-/ready") as resp:
-                    if resp.status == 200:
-                        return
+                async with session.get(self.url + "/-/ready") as resp:
+                    return resp.status == 200
             except aiohttp.ClientError:
-                pass
-            assert time.monotonic() < deadline, "prometheus did not become ready: " + self.log()
-            await asyncio.sleep(0.1)
+                return False
+
+        await until(ready, timeout=max(1.0, deadline - time.monotonic()), what="prometheus did not become ready")
 
     def log(self) -> str:
         path = self.folder / "prometheus.log"

@@ -47,10 +47,12 @@ from router.scaler.externalscaler_pb2_grpc import ExternalScalerStub
 from router.scaler.main import Scaler
 from router.scaler.settings import ScalerSettings
 from router.tools.fake import Behaviour, FakeReplica
-from tests.control.discovery.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice
 from tests.deploy.observability.dashboard import load, queries, substitute
 from tests.deploy.observability.prometheus import DEPLOY, Prometheus, scrape_config
-from tests.helpers import Serve, StartRaw, fixed, free_port
+from tests.support.kube_api import Endpoint, FakeKubernetesApi, endpoint_slice
+from tests.support.processes import Serve, held_socket
+from tests.support.raw_server import StartRaw, fixed
+from tests.support.waiting import until
 
 if TYPE_CHECKING:
     from router.scaler.externalscaler_pb2_grpc import ExternalScalerAsyncStub
@@ -89,13 +91,14 @@ class Fleet:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.a = Serve(folder / "router-a.toml", free_port(), free_port())
-        self.b = Serve(folder / "router-b.toml", free_port(), free_port())
+        # The admin ports held (support/processes.py's held_socket): the scaler is told them before the routers listen.
+        self.held: list[socket.socket] = [held_socket(), held_socket()]
+        self.a = Serve(folder / "router-a.toml", 0, self.held[0].getsockname()[1])
+        self.b = Serve(folder / "router-b.toml", 0, self.held[1].getsockname()[1])
         self.fakes: dict[str, FakeReplica] = {}
         self.kube = FakeKubernetesApi(bookmark_seconds=0.5)
         self.scaler: Scaler | None = None
         self.channel: aio.Channel | None = None
-        self.held: list[socket.socket] = []
         self.tasks: list[asyncio.Task[None]] = []
         self.stopping = asyncio.Event()
         self.session: aiohttp.ClientSession | None = None
@@ -103,7 +106,7 @@ class Fleet:
 
     @property
     def admins(self) -> list[str]:
-        return [self.a.admin_url.removeprefix("http://"), self.b.admin_url.removeprefix("http://")]
+        return [f"127.0.0.1:{self.a.ports[1]}", f"127.0.0.1:{self.b.ports[1]}"]
 
     async def fake(self, rid: str, model: str, **behaviour: Any) -> FakeReplica:
         fake = FakeReplica(models=(model,), name=rid, record=False, behaviour=Behaviour(**behaviour))
@@ -147,7 +150,7 @@ class Fleet:
         self.a.path.write_text(
             "\n".join(
                 [
-                    f'listen = "{self.a.client_url.removeprefix("http://")}"',
+                    'listen = "127.0.0.1:0"',
                     f'admin_listen = "{self.admins[0]}"',
                     'router_name = "router-a"',
                     "tick_seconds = 0.5",
@@ -175,7 +178,7 @@ class Fleet:
         labels = {"app.kubernetes.io/part-of": "llm-fleet", "router.llm/model": "kube"}
         self.kube.put(endpoint_slice("kube-abc", [Endpoint("kube-0", "127.0.0.1")], labels=labels, port=port))
         self.b.path.write_text(
-            f'listen = "{self.b.client_url.removeprefix("http://")}"\n'
+            'listen = "127.0.0.1:0"\n'
             f'admin_listen = "{self.admins[1]}"\n'
             'router_name = "router-b"\ntick_seconds = 0.5\n'
             f'[discovery.kubernetes]\nselector = "{SELECTOR}"\nport = "http"\nkubeconfig = "{kubeconfig}"\n'
@@ -295,6 +298,8 @@ async def run_load(fleet: Fleet, prom: Prometheus) -> None:
 
     fleet.loop(0.3, chat, sessions, tell_keda)
     fleet.loop(1.0, lambda: fleet.ask(a, "fb"), lambda: fleet.ask(a, "ghost"), lambda: fleet.ask(b, "kube"))
+    # Real time, here and below: Prometheus scrapes and evaluates on its own clock, and the
+    # rates the alerts read are over real seconds of traffic.
     await asyncio.sleep(1)
     await fleet.drain("solo0")
     # Held: no replica of cold yet; the router calls wake_url (the scaler) and waits.
@@ -307,6 +312,7 @@ async def run_load(fleet: Fleet, prom: Prometheus) -> None:
         await fleet.ask(a, "junk")
     # More at once than the limits let through: some wait, some are refused after the queue timeout.
     await asyncio.gather(*(fleet.ask(a, "chat", stream=True) for _ in range(16)))
+    # Held long enough to count as a cold start in the hold histogram's seconds.
     await asyncio.sleep(2)
     cold = ("cold0", "cold", fleet.fakes["cold0"].url)
     await fleet.push([cold])
@@ -314,27 +320,30 @@ async def run_load(fleet: Fleet, prom: Prometheus) -> None:
     # Scaled to zero and back once more: a histogram's first observation makes its series, the second a rate.
     await fleet.push([])
     held = asyncio.create_task(fleet.ask(a, "cold"))
+    # Real time again: the second hold's seconds.
     await asyncio.sleep(2)
     await fleet.push([cold])
     assert await held == 200
-    # Load goes on while the rules turn firing; the last scrapes see it.
+    # Load goes on while the rules turn firing; the last scrapes see it (Prometheus' clock, real time).
     await asyncio.sleep(IDLE_SECONDS)
 
 
 async def firing(prom: Prometheus, timeout: float = 20.0) -> dict[str, list[dict[str, str]]]:
     """The alerts firing once every rule has fired (each rule's alerts' labels), or an AssertionError."""
-    deadline = time.monotonic() + timeout
-    while True:
+    rules: list[dict[str, Any]] = []
+
+    async def all_fired() -> bool:
+        # Polled: Prometheus evaluates its rules on its own clock, with nothing to wait on.
+        nonlocal rules
         groups = (await prom.api("rules", type="alert"))["groups"]
         rules = [rule for group in groups for rule in group["rules"]]
-        state = {rule["name"]: rule["state"] for rule in rules}
-        if all(s == "firing" for s in state.values()):
-            return {
-                rule["name"]: [alert["labels"] for alert in rule["alerts"] if alert["state"] == "firing"]
-                for rule in rules
-            }
-        assert time.monotonic() < deadline, f"not every rule fired: {state}"
-        await asyncio.sleep(0.5)
+        return all(rule["state"] == "firing" for rule in rules)
+
+    try:
+        await until(all_fired, timeout=timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"not every rule fired: { {rule['name']: rule['state'] for rule in rules} }") from exc
+    return {rule["name"]: [alert["labels"] for alert in rule["alerts"] if alert["state"] == "firing"] for rule in rules}
 
 
 def has_number(result: dict[str, Any]) -> bool:
@@ -358,10 +367,11 @@ async def test_every_dashboard_query_and_alert_rule_evaluates_over_a_real_fleet(
         {"router": fleet.admins, "router-scaler": [fleet.scaler.http_url.removeprefix("http://")]}, "alerts.yml"
     )
     await prometheus.start(config, shrink(rules))
-    deadline = time.monotonic() + 15
-    while set((await prometheus.targets_up()).values()) != {"up"}:
-        assert time.monotonic() < deadline, await prometheus.targets_up()
-        await asyncio.sleep(0.2)
+
+    async def all_up() -> bool:
+        return set((await prometheus.targets_up()).values()) == {"up"}
+
+    await until(all_up, timeout=15)
     began = time.time()
     await run_load(fleet, prometheus)
 

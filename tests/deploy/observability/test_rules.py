@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tests.deploy.observability.needs import program
+from tests.support.programs import program
 
 HERE = Path(__file__).resolve().parent
 

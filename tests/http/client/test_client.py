@@ -24,9 +24,10 @@ import pytest
 
 from router.http.client import BodyTooLarge, Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response
 from router.http.origin import Origin
-from tests.fake_clock import FakeClock
-from tests.helpers import HEAD, OK, StartRaw, fixed, wait_for
-from tests.wire import ending_quietly
+from tests.support.clock import FakeClock
+from tests.support.raw_server import HEAD, OK, StartRaw, fixed
+from tests.support.waiting import wait_for
+from tests.support.wire import ending_quietly
 
 
 @pytest.fixture

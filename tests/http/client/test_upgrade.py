@@ -18,7 +18,7 @@ from router.http.client import MAX_HEAD_BYTES, ConnectFailed, ConnectionBroken, 
 from router.http.client.upgrade import Answer, upgrade
 from router.http.origin import Origin
 from tests.conftest import RefusedUrl
-from tests.helpers import RawServer, StartRaw, fixed
+from tests.support.raw_server import RawServer, StartRaw, fixed
 
 HEAD = (
     b"GET /v1/realtime?model=m HTTP/1.1\r\nHost: h\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"

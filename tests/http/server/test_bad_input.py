@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.http.harness import StartServer, Stub
+from tests.support.http_harness import StartServer, Stub
 
 BODY = b'{"model": "m", "messages": []}'
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
@@ -57,7 +57,7 @@ async def test_a_slowloris_client_is_closed_and_others_keep_their_latency(start_
 
     import orjson
 
-    from tests.helpers import CHAT, post
+    from tests.support.clients import CHAT, post
 
     stub = Stub()
     server = await start_server(stub, header_timeout=1.0)
@@ -96,7 +96,7 @@ async def test_a_slow_head_after_a_first_request_is_closed_too(start_server: Sta
 
     import orjson
 
-    from tests.helpers import CHAT
+    from tests.support.clients import CHAT
 
     stub = Stub()
     server = await start_server(stub, header_timeout=1.0)

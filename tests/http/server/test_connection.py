@@ -18,9 +18,9 @@ from router.gateway.answers import server_error
 from router.http.messages import Reply, Request
 from router.http.server import Server
 from router.http.writer import Writer
-from tests.helpers import wait_for
-from tests.http.harness import StartServer, Stub, serving
-from tests.wire import CHAT, Wire, post, stream_post
+from tests.support.http_harness import StartServer, Stub, serving
+from tests.support.waiting import until_cancelled, wait_for
+from tests.support.wire import CHAT, Wire, post, stream_post
 
 GET = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -192,7 +192,7 @@ async def test_a_handler_cancelled_when_its_client_leaves_lets_go_of_its_body(st
 
     async def handler(request: Request, writer: Writer) -> None:
         began.set()
-        await asyncio.Event().wait()  # until cancelled
+        await until_cancelled()
 
     server = await start_server(handler)
     async with await Wire.open(server.address) as wire:
@@ -209,7 +209,7 @@ async def test_shutdown_cancels_what_still_runs_after_its_grace() -> None:
     async def handler(request: Request, writer: Writer) -> None:
         began.set()
         try:
-            await asyncio.Event().wait()  # until cancelled
+            await until_cancelled()
         except asyncio.CancelledError:
             cancelled.set()
             raise

@@ -2,7 +2,7 @@
 
 No socket and no server: `read()` judges the first head of some bytes with a
 parser of its own, and h11, a strict server, reads the same bytes. They must
-agree (tests/http/differential.py names where they may differ, and why):
+agree (tests/support/differential.py names where they may differ, and why):
 a head h11 reads is taken, with the same method, target, version, persistence
 and framing, unless a policy of the router's allows a refusal; a head h11
 rejects is refused, unless RFC 9110 or 9112 lets the router read it (then
@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.http.server.head import Refusal, Rules, read, unknown_method
-from tests.http.differential import Parsed, Reference, h11_one, head_policy, lenient_reading, tail_policy
-from tests.http.streams import request_bytes
+from tests.support.differential import head_policy, tail_policy
+from tests.support.h11_reference import Parsed, Reference, h11_one, lenient_reading
+from tests.support.streams import request_bytes
 
 
 def h11_head(data: bytes) -> tuple[str, Parsed | None]:

@@ -17,9 +17,10 @@ import orjson
 
 from router.http.messages import Reply, Request
 from router.http.writer import Writer
-from tests.helpers import CHAT
-from tests.http.harness import StartServer, Stub
-from tests.wire import Wire
+from tests.support.clients import CHAT
+from tests.support.http_harness import StartServer, Stub
+from tests.support.waiting import until_cancelled
+from tests.support.wire import Wire
 
 
 def request(body: bytes, *, version: bytes = b"1.1", extra: bytes = b"") -> bytes:
@@ -255,7 +256,7 @@ async def test_what_a_handler_writes_after_its_client_left_goes_nowhere(start_se
     async def handler(request: Request, writer: Writer) -> None:
         began.set()
         try:
-            await asyncio.Event().wait()  # until cancelled
+            await until_cancelled()
         except asyncio.CancelledError:
             if request.path == "/whole":
                 writer.answer(Reply(200, b"late", []))

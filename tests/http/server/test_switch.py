@@ -12,7 +12,7 @@ import asyncio
 
 from router.http.messages import Reply, Request
 from router.http.writer import Writer
-from tests.http.harness import StartServer
+from tests.support.http_harness import StartServer
 
 HEAD = b"GET /tunnel HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n"
 

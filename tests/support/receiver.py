@@ -21,6 +21,7 @@ from pathlib import Path
 
 RECEIVER = Path(__file__).resolve().parents[2] / "deploy" / "scale-from-zero" / "wake_receiver.py"
 STARTED = re.compile(r"started (\S+) on port (\d+) \(pid (\d+)\)")
+LISTENING = re.compile(r"wake receiver on (http://\S+)/wake")
 
 
 def _ignore_sigint() -> None:
@@ -28,9 +29,12 @@ def _ignore_sigint() -> None:
 
 
 class Receiver:
+    """The receiver's process and what it said; `url` its /wake URL, once it said where it listens."""
+
     def __init__(self, process: subprocess.Popen[str]) -> None:
         self.process = process
         self.said: list[str] = []
+        self.url = ""
 
     @property
     def engines(self) -> list[int]:
@@ -79,7 +83,7 @@ class Receiver:
 
 @contextlib.asynccontextmanager
 async def wake_receiver(*args: str, ignoring_sigint: bool = False) -> AsyncIterator[Receiver]:
-    """The receiver with `args`, ready (it said where it listens); `ignoring_sigint`: started as a
+    """The receiver with `args`, ready (it said where it listens: port 0 is fine); `ignoring_sigint`: started as a
     background job of a non-interactive shell is, with SIGINT ignored."""
     process = subprocess.Popen(
         [sys.executable, str(RECEIVER), *args],
@@ -91,8 +95,9 @@ async def wake_receiver(*args: str, ignoring_sigint: bool = False) -> AsyncItera
     )
     receiver = Receiver(process)
     try:
-        line = await receiver.line()
-        assert "wake receiver on" in line, "".join(receiver.said)
+        listening = LISTENING.search(await receiver.line())
+        assert listening is not None, "".join(receiver.said)
+        receiver.url = listening.group(1) + "/wake"
         yield receiver
     finally:
         await receiver.close()

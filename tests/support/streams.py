@@ -1,4 +1,4 @@
-"""Byte streams for one client connection, for the differential fuzzes against h11 (tests/http/differential.py):
+"""Byte streams for one client connection, for the differential fuzzes against h11 (tests/support/differential.py):
 valid, near-valid and hostile requests, several pipelined; and one stream per rule, pinned."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import TypeVar
 import orjson
 from hypothesis import strategies as st
 
-from tests.http.differential import CHAT_PATH, MAX_BODY, MAX_HEADERS, MAX_LINE, MODELS_PATH
+from tests.support.h11_reference import CHAT_PATH, MAX_BODY, MAX_HEADERS, MAX_LINE, MODELS_PATH
 
 T = TypeVar("T")
 

@@ -17,6 +17,8 @@ from router.core.clock import Timer
 
 
 class FakeTimer:
+    """A call FakeClock will make at `when`, unless cancelled first."""
+
     __slots__ = ("callback", "cancelled", "when")
 
     def __init__(self, when: float, callback: Callable[[], object]) -> None:
@@ -29,6 +31,8 @@ class FakeTimer:
 
 
 class FakeClock:
+    """The core's `Clock` on fake time: `advance` moves it, making every call due on the way."""
+
     def __init__(self, now: float = 1000.0) -> None:
         self.time = now
         self._timers: list[tuple[float, int, FakeTimer]] = []

@@ -1,6 +1,6 @@
 """A stand-in for KEDA: scales a "Deployment" of fake replicas on `router scaler`'s answers, as KEDA does.
 
-    python -m tests.scaler.keda_standin --scaler 127.0.0.1:9091 \\
+    python -m tests.support.keda_standin --scaler 127.0.0.1:9091 \\
         --router-admin 127.0.0.1:9090 --router-admin 127.0.0.1:9190 \\
         --model m --idle-after 30 --cooldown 10 --polling-interval 1 --max-replicas 3
 
@@ -118,6 +118,8 @@ class Deployment:
 
 
 class KedaStandIn:
+    """KEDA's part for one ScaledObject: IsActive and its stream, the cooldown, and the HPA on the metric."""
+
     def __init__(self, args: argparse.Namespace, deployment: Deployment) -> None:
         self.args = args
         self.deployment = deployment
@@ -167,10 +169,12 @@ class KedaStandIn:
                     await self._seen(answer.result, "StreamIsActive")
             except grpc.aio.AioRpcError as exc:
                 emit("stream_broken", code=exc.code().name)
+            # Real time: KEDA's pollingInterval, which this process of its own keeps as KEDA does.
             await asyncio.sleep(self.args.polling_interval)
 
     async def _poll(self, stub: ExternalScalerAsyncStub) -> None:
         while True:
+            # Real time: KEDA's pollingInterval, which this process of its own keeps as KEDA does.
             await asyncio.sleep(self.args.polling_interval)
             try:
                 answer = await stub.IsActive(self.ref, timeout=10)
@@ -181,6 +185,7 @@ class KedaStandIn:
 
     async def _cooldown(self) -> None:
         while True:
+            # Real time: KEDA's cooldownPeriod is counted on the wall clock.
             await asyncio.sleep(0.05)
             since = self.inactive_since
             if since is not None and time.time() - since >= self.args.cooldown:
@@ -190,6 +195,7 @@ class KedaStandIn:
 
     async def _hpa(self, stub: ExternalScalerAsyncStub, name: str, target: float) -> None:
         while True:
+            # Real time: KEDA's pollingInterval, which this process of its own keeps as KEDA does.
             await asyncio.sleep(self.args.polling_interval)
             if self.deployment.replicas == 0 or not self.active:
                 continue

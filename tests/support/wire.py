@@ -44,6 +44,8 @@ def stream_post(*, extra: bytes = b"", version: bytes = b"1.1") -> bytes:
 
 @dataclass
 class Answer:
+    """One answer read off the wire, as the client received it, with how its body was delimited."""
+
     status: int
     head: bytes
     headers: list[tuple[bytes, bytes]]
@@ -161,7 +163,7 @@ def ending_quietly(handler: ConnectionHandler) -> ConnectionHandler:
 
     Its task is start_server's, whose done callback (Python 3.11) asks a
     cancelled task for its exception and logs the raise as an error of the
-    loop, which the suite fails a test for (tests/loops.py).
+    loop, which the suite fails a test for (tests/support/loops.py).
     """
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

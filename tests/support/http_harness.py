@@ -153,6 +153,8 @@ def _model(body: bytes) -> str | None:
 
 @dataclass
 class Harness:
+    """The client port's server, listening: what a test speaks to."""
+
     server: Server
     listener: asyncio.Server
 
@@ -179,7 +181,7 @@ async def serving(handler: Handler, **settings: Any) -> AsyncIterator[Harness]:
 def _log_exception(message: str) -> None:
     import logging
 
-    logging.getLogger("tests.http.harness").exception(message)
+    logging.getLogger("tests.support.http_harness").exception(message)
 
 
 StartServer = Callable[..., Awaitable[Harness]]

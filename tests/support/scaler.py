@@ -7,6 +7,8 @@ called over a real channel exactly as KEDA calls an external scaler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -18,22 +20,44 @@ from aiohttp import web
 
 from router.scaler.externalscaler_pb2 import GetMetricsRequest, ScaledObjectRef
 from router.scaler.main import Scaler
-from tests.helpers import Serve, free_port
+from tests.support.processes import Serve, held_port
+from tests.support.waiting import until as wait
+from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
     # Only in the generated stubs: what ExternalScalerStub is over an asyncio channel.
     from router.scaler.externalscaler_pb2_grpc import ExternalScalerAsyncStub
 
 
-class Routers:
-    """Two `router serve` processes (router-a, router-b) with the same replicas, tick 0.1 s."""
+# `router scaler`'s line once both its ports listen (router/scaler/main.py), at info whatever --log-level says.
+SCALER_LISTENING = re.compile(r"router scaler: gRPC on (\S+), HTTP on (\S+), polling")
 
-    def __init__(self, folder: Path) -> None:
-        self.all = [Serve(folder / f"router-{name}.toml", free_port(), free_port()) for name in ("a", "b")]
+
+async def scaler_listening(stderr: asyncio.StreamReader) -> tuple[str, str]:
+    """Where a `router scaler` process listens (its gRPC address, its HTTP URL), read from its standard error."""
+    seen = []
+    async for line in stderr:
+        seen.append(line.decode(errors="replace"))
+        if (match := SCALER_LISTENING.search(seen[-1])) is not None:
+            return match.group(1), match.group(2)
+    raise AssertionError("router scaler exited without saying where it listens: " + "".join(seen))
+
+
+class Routers:
+    """Two `router serve` processes (router-a, router-b) with the same replicas, tick 0.1 s.
+
+    Their ports are held from the start (tests/support/processes.py's held_port): a scaler
+    is given their admin addresses before they listen, and a router restarted
+    comes back where the scaler polls, a port nothing else could take meanwhile.
+    """
+
+    def __init__(self, folder: Path, stack: contextlib.ExitStack) -> None:
+        ports = [stack.enter_context(held_port()).getsockname()[1] for _ in range(4)]
+        self.all = [Serve(folder / f"router-{name}.toml", *ports[i * 2 : i * 2 + 2]) for i, name in enumerate("ab")]
 
     @property
     def admins(self) -> list[str]:
-        return [r.admin_url.removeprefix("http://") for r in self.all]
+        return [f"127.0.0.1:{r.ports[1]}" for r in self.all]
 
     def write(self, replicas: list[dict[str, str]], extra: str = "") -> None:
         for router, name in zip(self.all, ("router-a", "router-b"), strict=True):
@@ -55,8 +79,7 @@ class Routers:
         """Kills the router (its output read and its pipes closed); start() brings it back on the same ports."""
         router = self.all[index]
         router.output()
-        client, admin = (int(url.rsplit(":", 1)[1]) for url in (router.client_url, router.admin_url))
-        self.all[index] = Serve(router.path, client, admin)
+        self.all[index] = Serve(router.path, *router.ports)
 
     async def restart(self, index: int) -> None:
         self.stop(index)
@@ -93,10 +116,7 @@ async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
 
 async def until(check: Callable[[], Awaitable[bool]], timeout: float = 15.0) -> float:
     """Polls `check` until it is true; the time.time() at which it was; AssertionError past `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
+    await wait(check, timeout=timeout)
     return time.time()
 
 
@@ -118,11 +138,15 @@ class Stream:
 
     async def wait_for(self, value: bool, timeout: float = 15.0) -> float:
         """Waits until the newest value is `value`; the time.time() it arrived."""
-        deadline = time.monotonic() + timeout
-        while self.last is not value:
+
+        def turned() -> bool:
             assert not self._task.done() or self._task.exception() is None, self._task.exception()
-            assert time.monotonic() < deadline, f"StreamIsActive did not turn {value}: {self.values}"
-            await asyncio.sleep(0.01)
+            return self.last is value
+
+        try:
+            await wait_for(turned, timeout=timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"StreamIsActive did not turn {value}: {self.values}") from exc
         return self.values[-1][0]
 
     async def close(self) -> None:
@@ -197,7 +221,7 @@ Canned = Callable[[str], Awaitable[CannedRouter]]
 
 
 class Events:
-    """The KEDA stand-in's JSON lines (tests/scaler/keda_standin.py) as they come."""
+    """The KEDA stand-in's JSON lines (tests/support/keda_standin.py) as they come."""
 
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         self.process = process
@@ -213,14 +237,21 @@ class Events:
         self, match: Callable[[dict[str, Any]], bool], *, after: float = 0.0, timeout: float = 20.0
     ) -> dict[str, Any]:
         """The first event at or after `after` (Unix seconds) that matches."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for event in self.seen:
-                if event["t"] >= after and match(event):
-                    return event
+
+        def found() -> dict[str, Any] | None:
+            return next((event for event in self.seen if event["t"] >= after and match(event)), None)
+
+        def seen() -> bool:
             assert self.process.returncode is None, f"the stand-in exited: {self.seen}"
-            assert time.monotonic() < deadline, f"no such event: {self.seen}"
-            await asyncio.sleep(0.02)
+            return found() is not None
+
+        try:
+            await wait_for(seen, timeout=timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"no such event: {self.seen}") from exc
+        event = found()
+        assert event is not None
+        return event
 
 
 def scaled(to: int) -> Callable[[dict[str, Any]], bool]:

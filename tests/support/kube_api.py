@@ -41,6 +41,8 @@ GROUP_VERSION = "discovery.k8s.io/v1"
 
 @dataclass(frozen=True)
 class Resource:
+    """A kind of object the fake API serves: its names and the path it is listed and watched under."""
+
     kind: str
     plural: str
     api_version: str
@@ -62,6 +64,8 @@ RESOURCES = {r.kind: r for r in (ENDPOINT_SLICES, PODS)}
 
 @dataclass(frozen=True)
 class Endpoint:
+    """A pod's address in an EndpointSlice, with the slice's conditions for it."""
+
     pod: str
     address: str
     ready: bool = True
@@ -131,7 +135,7 @@ def _split(selector: str) -> list[str]:
 
 
 class BadSelector(ValueError):
-    pass
+    """A label selector the API server would refuse to parse."""
 
 
 def matches(selector: str, labels: dict[str, str]) -> bool:
@@ -177,6 +181,8 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
 
 @dataclass(eq=False)
 class _Watch:
+    """One open watch: what it asked for, and the queue of events still to send it (None ends it)."""
+
     resource: Resource
     namespace: str
     selector: str
@@ -188,6 +194,8 @@ _Change = tuple[int, Resource, str, dict[str, Any] | None, dict[str, Any]]
 
 
 class FakeKubernetesApi:
+    """A fake API server: objects at revisions, lists and watches over them, bookmarks, 410 Gone, RBAC refusals."""
+
     def __init__(self, *, bookmark_seconds: float = 0.5) -> None:
         self.bookmark_seconds = bookmark_seconds
         # etcd's revision: every change bumps it; objects carry the one they were last written at.

@@ -1,7 +1,7 @@
 """Which loop each test runs on, and a deadline that holds on it: hooks, imported by tests/conftest.py.
 
 Kept apart so that a pytest run of its own can load them alone
-(`-p tests.loops`): tests/test_loops.py checks that they do what they say.
+(`-p tests.support.loops`): tests/test_loops.py checks that they do what they say.
 """
 
 from __future__ import annotations
