@@ -127,7 +127,14 @@ DOCUMENT: dict[str, Any] = {
             "get": {
                 "summary": "The fleet summary",
                 "parameters": [
-                    {"name": "idle_for", "in": "query", "required": False, "schema": {"type": "number", "minimum": 0}}
+                    {"name": "idle_for", "in": "query", "required": False, "schema": {"type": "number", "minimum": 0}},
+                    {
+                        "name": "replicas",
+                        "in": "query",
+                        "required": False,
+                        "description": "true: also the rows of /api/v1/replicas, from the same snapshot",
+                        "schema": {"type": "boolean", "default": False},
+                    },
                 ],
                 "responses": {"200": _json({"type": "object"}), "400": _ERRORS["400"]},
             }
