@@ -81,6 +81,9 @@ def replica_rows(snapshot: UsageSnapshot, now: float) -> list[dict[str, Any]]:
                 "saturated": r.saturated,
                 # false: its /v1/models does not list the model sent to it (its engine answers 404); null: not read.
                 "serves_model": r.serves_model,
+                # The node it runs on and its fabric (null: not said): `fabrics` in /api/v1/status.
+                "node": r.node,
+                "fabric": r.fabric,
             }
         )
     return rows

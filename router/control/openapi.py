@@ -37,6 +37,18 @@ _REPLICA = {
             "enum": list(ENGINES),
             "description": "the engine it runs, whose load is read; absent: recognised from its /metrics",
         },
+        "node": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 253,
+            "description": "the node (machine) it runs on; absent: not said (status counts it under no_node)",
+        },
+        "fabric": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 253,
+            "description": "the interconnect fabric of its node; status's `fabrics` groups the nodes by it",
+        },
     },
 }
 
