@@ -48,6 +48,8 @@ def waiting_of(snapshot: UsageSnapshot) -> WaitingNow:
     """What `snapshot` says was held and queued when it was taken."""
     held = {model: 0 for model, _ in snapshot.hold_outcomes}
     for model, demand in snapshot.demand.items():
-        held[model] = demand.held
+        # A model only asked for (held 0, never held) has no series, as waiting_now() gives none.
+        if demand.held:
+            held[model] = demand.held
     queued = {key: figures.queued for key, figures in snapshot.queues.items()}
     return WaitingNow(snapshot.generated_at, MappingProxyType(held), MappingProxyType(queued))
