@@ -33,6 +33,7 @@ from router.control.health import HealthChecker
 from router.control.sinks import Sinks, build_sinks
 from router.control.sinks.latest import LatestSink
 from router.control.sinks.push import PushSink
+from router.control.sinks.waiting import waiting_now
 from router.control.sources import (
     ReplicaSource,
     build_sources,
@@ -246,6 +247,7 @@ class RouterServer(Listening):
             ticker.snapshot,
             # A worker's series are its supervisor's to export.
             exposition=bytes if worker else sinks.exposition,
+            before_scrape=lambda: sinks.prometheus.read_waiting(waiting_now(self.pool, self.wall())),
         )
         admin = Admin(
             fleet,

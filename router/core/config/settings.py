@@ -66,11 +66,19 @@ class ReplicaConfig:
     engine: str | None = None
     # Its own API key and extra headers (router.core.config.upstream): the config file's only, never shown.
     upstream: Upstream | None = None
+    # The machine it runs on and the interconnect fabric that machine is on (router/control/nodes.py:
+    # the whole nodes that could be freed); None: not said, counted apart, never guessed.
+    node: str | None = None
+    fabric: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"id": self.id, "model": self.model, "url": self.url, "labels": dict(self.labels)}
         if self.engine is not None:
             doc["engine"] = self.engine
+        if self.node is not None:
+            doc["node"] = self.node
+        if self.fabric is not None:
+            doc["fabric"] = self.fabric
         return doc
 
 
@@ -124,6 +132,9 @@ class KubernetesDiscovery:
     # "pods": `selector` picks pods, whose labels name the model and fill `labels_from`
     # (the slices of the namespace still say which serve); needs list/watch on pods.
     selector_on: str = SELECTOR_ON[0]
+    # With "pods": the pod's label naming its node's fabric (a replica's `fabric`); its node is
+    # the pod's spec.nodeName. None: no fabric read.
+    fabric_label: str | None = None
 
 
 # Each setting is declared once, as a field of Config below: its type and
@@ -310,7 +321,7 @@ _TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery", "priority_class
 # `router scaler`'s table (router/scaler/settings.py reads and checks it), so
 # that one file may configure both; `router serve` does not read it.
 _OTHER_COMMANDS_TABLES = {"scaler"}
-_REPLICA_KEYS = {"id", "model", "url", "labels", "engine"}
+_REPLICA_KEYS = {"id", "model", "url", "labels", "engine", "node", "fabric"}
 
 
 def _labels(where: check.Where, key: str, value: object) -> Mapping[str, LabelValue]:
@@ -379,7 +390,20 @@ def parse_replica(
         labels=_labels(where, f"{item_key}.labels", table.get("labels", {})),
         engine=_engine(where, f"{item_key}.engine", table.get("engine")),
         upstream=upstream,
+        node=_name(where, f"{item_key}.node", table.get("node")),
+        fabric=_name(where, f"{item_key}.fabric", table.get("fabric")),
     )
+
+
+def _name(where: check.Where, key: str, value: object) -> str | None:
+    """A node's or a fabric's name: absent is unknown (None), never an empty string standing for it."""
+    if value is None:
+        return None
+    name = check.string(where, key, value)
+    # A Kubernetes node name is a DNS subdomain: at most 253 characters.
+    if len(name) > 253:
+        raise where.error(key, f"must be at most 253 characters, got {len(name)}")
+    return name
 
 
 def _engine(where: check.Where, key: str, value: object) -> str | None:
@@ -439,6 +463,7 @@ _KUBERNETES_KEYS = {
     "engine_label",
     "labels_from",
     "kubeconfig",
+    "fabric_label",
 }
 # RFC 1123 labels (namespaces, and EndpointSlice port names), label keys: what the API server accepts.
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -483,6 +508,14 @@ def _discovery(where: check.Where, value: object) -> KubernetesDiscovery:
     selector_on = check.string(where, f"{key}.selector_on", raw.get("selector_on", SELECTOR_ON[0]))
     if selector_on not in SELECTOR_ON:
         raise where.error(f"{key}.selector_on", f"must be 'endpointslices' or 'pods', got {selector_on!r}")
+    fabric_label = None
+    if "fabric_label" in raw:
+        fabric_label = check.label_key(where, f"{key}.fabric_label", raw["fabric_label"])
+        if selector_on != "pods":
+            raise where.error(
+                f"{key}.fabric_label",
+                'is read from the pods: it needs selector_on = "pods" (an EndpointSlice carries no pod labels)',
+            )
     return KubernetesDiscovery(
         selector=selector,
         port=port,
@@ -492,6 +525,7 @@ def _discovery(where: check.Where, value: object) -> KubernetesDiscovery:
         labels_from=labels_from,
         kubeconfig=kubeconfig,
         selector_on=selector_on,
+        fabric_label=fabric_label,
     )
 
 
