@@ -166,6 +166,8 @@ class Ledgers:
         else:
             prompt, completion, cached = tokens
             tallies.count_tokens(model, call.caller.tenant, prompt, cached, completion)
+            if call.charge is not None:
+                call.charge.settle(prompt, completion)
             if entry is not None:
                 entry.prompt_tokens = prompt
                 entry.completion_tokens = completion

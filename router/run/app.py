@@ -135,7 +135,13 @@ class RouterServer(Listening):
             ),
             limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
             routing={name: Routing(model.routing, model.balance_factor) for name, model in config.models.items()},
-            queueing=Queueing(config.priority_classes, config.max_queued_per_tenant, unit_weight(config.api_keys)),
+            queueing=Queueing(
+                config.priority_classes,
+                config.max_queued_per_tenant,
+                unit_weight(config.api_keys),
+                config.fairness_unit,
+                config.fairness_output_weight,
+            ),
             engines=engine_view(config, clock),
         )
         if worker_socket is not None:

@@ -28,6 +28,7 @@ from router.core.config.engines import ENGINES, ROUTED_PATHS, UPGRADE_PATHS
 from router.core.config.models import ModelConfig, parse_models
 from router.core.config.tenants import (
     DEFAULT_CLASSES,
+    FAIRNESS_UNITS,
     ClientKey,
     PriorityClass,
     check_key_classes,
@@ -222,6 +223,18 @@ class Config:
     # So that one tenant's flood cannot fill a model's queue for the others.
     max_queued_per_tenant: int = _count(
         0, "per model and tenant (per worker); one more gets 429 rate_limit_exceeded; 0 = no bound"
+    )
+    # What a tenant's share of a full model counts (docs/fairness.md): a long prompt costs more than a short one.
+    fairness_unit: str = _setting(
+        "requests",
+        lambda w, k, v: check.one_of(w, k, v, FAIRNESS_UNITS),
+        '"requests" or "tokens": what the tenants\' shares of a full model count',
+    )
+    # An output token is about four times a prompt token's GPU time (prefill is batched, decode is not).
+    fairness_output_weight: float = _setting(
+        4.0,
+        lambda w, k, v: check.number(w, k, v, minimum=0.0),
+        "with tokens: an output token counts this many prompt tokens",
     )
     shutdown_delay_seconds: float = _seconds(
         5.0,
