@@ -188,7 +188,7 @@ class Chain:
         if replica is None and not timed_out:
             # Gone, draining or ejected (at once or while it waited): not a wait of the limits.
             raise lost(response_id, replica_id)
-        self._waited(entry, keeper.model, klass, started)
+        self._waited(entry, keeper.model, klass, started, replica is not None)
         if replica is None:
             self.pool.tallies.refused_overloaded(keeper.model)
             raise Overloaded(
@@ -217,7 +217,7 @@ class Chain:
             priority=rank,
             charge=call.charge,
         )
-        self._waited(call.entry, model, klass, started)
+        self._waited(call.entry, model, klass, started, replica is not None)
         if timed_out:
             self.pool.tallies.refused_overloaded(model)
             raise Overloaded(
@@ -227,12 +227,16 @@ class Chain:
             )
         return replica
 
-    def _waited(self, entry: Entry | None, model: str, klass: PriorityClass, started: float) -> None:
+    def _waited(
+        self, entry: Entry | None, model: str, klass: PriorityClass, started: float, served: bool = True
+    ) -> None:
         """A wait for a slot ended, served or not: a wait that ended in a 503 counts too, it is the one
         the client saw. The access log sums a request's waits, one per attempt that waited."""
         waited = time.perf_counter() - started
         self.metrics.observe_queue_wait(model, klass.name, waited)
         if entry is not None:
+            if entry.trace is not None:
+                entry.trace.waited(klass.name, waited, served)
             entry.priority = klass.name
             entry.queued_seconds = waited + (entry.queued_seconds or 0.0)
 

@@ -35,6 +35,7 @@ from router.core.config.tenants import (
     parse_api_keys,
     parse_priority_classes,
 )
+from router.core.config.tracing import TracingConfig, parse_tracing
 from router.core.config.upstream import UPSTREAM_KEYS, Upstream, parse_upstream
 from router.core.errors import ConfigError
 
@@ -309,6 +310,8 @@ class Config:
     priority_classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
     # [discovery.kubernetes]: the replica set comes from the Kubernetes API instead of [[replicas]].
     discovery: KubernetesDiscovery | None = None
+    # [tracing]: OpenTelemetry traces (router.core.config.tracing); None: off, nothing of it runs.
+    tracing: TracingConfig | None = None
     source: str = "<defaults>"
 
 
@@ -319,7 +322,7 @@ def settings() -> dict[str, tuple[Any, Setting]]:
 
 _SETTINGS = settings()
 # The tables beside the settings.
-_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery", "priority_classes"}
+_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery", "priority_classes", "tracing"}
 # `router scaler`'s table (router/scaler/settings.py reads and checks it), so
 # that one file may configure both; `router serve` does not read it.
 _OTHER_COMMANDS_TABLES = {"scaler"}
@@ -437,8 +440,15 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         raise where.error("replicas", "cannot be used with [discovery.kubernetes], which owns the whole replica set")
     classes = parse_priority_classes(where, raw.get("priority_classes"), values["queue_timeout_seconds"])
     check_key_classes(where, values["api_keys"], classes)
+    tracing = parse_tracing(where, raw["tracing"]) if "tracing" in raw else None
     return Config(
-        **values, replicas=replicas, models=models, priority_classes=classes, discovery=discovery, source=source
+        **values,
+        replicas=replicas,
+        models=models,
+        priority_classes=classes,
+        discovery=discovery,
+        tracing=tracing,
+        source=source,
     )
 
 
