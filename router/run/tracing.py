@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
+import re
 import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -55,6 +57,8 @@ _OPERATIONS = {
 _ANTHROPIC = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 # The SDK's spans take wall-clock nanoseconds.
 _NS = 1_000_000_000
+# A traceparent of version 00 (W3C Trace Context): trace id, parent id, flags; all-zero ids are invalid.
+_TRACEPARENT = re.compile(rb"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 
 
 def check_installed(config: Config) -> None:
@@ -102,7 +106,7 @@ class OtelTracer:
         from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
         from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
         from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased  # noqa: PLC0415
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased  # noqa: PLC0415
         from opentelemetry.trace import SpanKind, set_span_in_context  # noqa: PLC0415
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator  # noqa: PLC0415
         from opentelemetry.trace.status import Status, StatusCode  # noqa: PLC0415
@@ -111,9 +115,11 @@ class OtelTracer:
         self.in_context = set_span_in_context
         self.error = Status(StatusCode.ERROR)
         self.propagator = TraceContextTextMapPropagator()
-        # A client's sampled traceparent is followed (its trace is whole); else sample_ratio decides.
+        # A client's traceparent decides (its trace is whole, or not at all); else sample_ratio, in begin():
+        # what reaches the SDK without a sampled parent is a request already chosen.
+        self.ratio = settings.sample_ratio
         self.provider = TracerProvider(
-            sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)),
+            sampler=ParentBased(ALWAYS_ON),
             resource=Resource.create({"service.name": settings.service_name}),
             shutdown_on_exit=False,
         )
@@ -131,19 +137,30 @@ class OtelTracer:
         self.tracer = self.provider.get_tracer("router")
         self._failed = False
 
-    def begin(self, request: Request) -> RequestTraceImpl:
-        """The request's SERVER span, begun now, the client's traceparent its parent when it sent a valid one."""
+    def begin(self, request: Request) -> RequestTraceImpl | Unsampled:
+        """The request's SERVER span, begun now, the client's traceparent its parent when it sent a valid one.
+
+        A request not sampled (its client's traceparent says so, or sample_ratio
+        passed it over) makes no span: the SDK is not asked (a third of a short
+        request's instructions), and its attempts are sent a traceparent of the
+        same trace with the sampled flag off, as the SDK would send.
+        """
+        sent = request.header(b"traceparent")
+        parent = None
+        if sent is not None and (found := _TRACEPARENT.fullmatch(sent.strip())) is not None:
+            trace_id, parent_id, flags = found.groups()
+            if trace_id.strip(b"0") and parent_id.strip(b"0"):
+                if not int(flags, 16) & 1:
+                    return Unsampled(trace_id, request.header(b"tracestate"))
+                carrier = {"traceparent": sent.strip().decode("ascii")}
+                state = request.header(b"tracestate")
+                if state is not None:
+                    carrier["tracestate"] = state.decode("latin-1")
+                parent = self.propagator.extract(carrier)
+        if parent is None and (self.ratio < 1.0 and random.random() >= self.ratio):
+            return Unsampled(b"%032x" % (random.getrandbits(128) or 1), None)
         path = request.path
         operation = _OPERATIONS.get(path) or path.rsplit("/", 1)[-1]
-        parent = None
-        sent = request.header(b"traceparent")
-        if sent is not None:
-            carrier = {"traceparent": sent.decode("latin-1")}
-            state = request.header(b"tracestate")
-            if state is not None:
-                carrier["tracestate"] = state.decode("latin-1")
-            # An invalid one is ignored by the propagator: a new trace begins.
-            parent = self.propagator.extract(carrier)
         provider = "anthropic" if path in _ANTHROPIC else "openai"
         span = self.tracer.start_span(
             operation,
@@ -168,6 +185,35 @@ class OtelTracer:
     def close(self) -> None:
         """Flush what is queued, within the exporter's timeout, and stop its thread (the SDK's shutdown)."""
         self.provider.shutdown()
+
+
+class Unsampled:
+    """router.gateway.traces.RequestTrace of a request not sampled: no span, only its trace's context passed on."""
+
+    __slots__ = ("_lines",)
+
+    def __init__(self, trace_id: bytes, state: bytes | None) -> None:
+        # The parent id a replica sees: any, as long as it is not zero (nothing records it).
+        parent = b"%016x" % (random.getrandbits(64) or 1)
+        lines = b"traceparent: 00-" + trace_id + b"-" + parent + b"-00\r\n"
+        if state is not None:
+            lines += b"tracestate: " + state + b"\r\n"
+        self._lines = lines
+
+    def attempt(self, replica: Replica, model: str) -> bytes:
+        return self._lines
+
+    def outcome(self, outcome: str, status: int, ttfb: float | None, reason: str) -> None:
+        pass
+
+    def waited(self, priority: str, seconds: float, served: bool) -> None:
+        pass
+
+    def held(self, began_ago: float, seconds: float, outcome: str) -> None:
+        pass
+
+    def end(self, entry: Entry) -> None:
+        pass
 
 
 class RequestTraceImpl:

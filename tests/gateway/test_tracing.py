@@ -312,3 +312,32 @@ async def test_a_tracing_mistake_is_one_line_naming_the_key(serve: Serve, table:
     with pytest.raises(AssertionError):
         await serve.start()
     assert said in serve.output()
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        "garbage",
+        "00-" + "0" * 32 + "-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-" + "0" * 16 + "-01",
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+    ],
+)
+async def test_a_malformed_traceparent_begins_a_trace_of_the_routers_own(
+    start_fake: StartFake, serve: Serve, otlp: OtlpReceiver, sent: str
+) -> None:
+    """What W3C Trace Context says a receiver must not accept is ignored: a new trace, never an error."""
+    fake = await start_fake("m")
+    await serving(serve, [fake], tracing(otlp.url))
+    async with openai_client(serve) as client:
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], max_tokens=1, extra_headers={"traceparent": sent}
+        )
+    trace_id, parent, sampled = sent_traceparent(fake)
+    assert trace_id not in sent and sampled == "1"
+    spans = await spans_of(otlp, trace_id, 2)
+    (root,) = [s for s in spans if s.kind == "server"]
+    assert root.parent_id == ""
+    assert [s.span_id for s in spans if s.kind == "client"] == [parent]
