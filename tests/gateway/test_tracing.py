@@ -341,3 +341,20 @@ async def test_a_malformed_traceparent_begins_a_trace_of_the_routers_own(
     (root,) = [s for s in spans if s.kind == "server"]
     assert root.parent_id == ""
     assert [s.span_id for s in spans if s.kind == "client"] == [parent]
+
+
+async def test_each_worker_traces_its_own_requests(start_fake: StartFake, serve: Serve, otlp: OtlpReceiver) -> None:
+    """With --workers, every worker exports its requests' spans itself: a trace per request, whole."""
+    fake = await start_fake("m")
+    serve.write([{"id": "r0", "model": "m", "url": fake.url}], tracing(otlp.url))
+    await serve.start("--workers", "2")
+    async with openai_client(serve) as client:
+        for i in range(6):
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"{i}"}], max_tokens=1
+            )
+    traces = {sent_traceparent(fake, i)[0] for i in range(6)}
+    assert len(traces) == 6
+    for trace_id in traces:
+        spans = await spans_of(otlp, trace_id, 2)
+        assert sorted(s.kind for s in spans) == ["client", "server"]
