@@ -62,6 +62,7 @@ from router.http.protocol_errors import ProtocolErrorCollector
 from router.http.server import Server as ClientServer
 from router.run.readers import engine_view, start_readers
 from router.run.session import make_session
+from router.run.tracing import start_tracing
 from router.run.worker_metrics import METRICS_PATH, report
 
 log = logging.getLogger("router")
@@ -136,7 +137,13 @@ class RouterServer(Listening):
             ),
             limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
             routing={name: Routing(model.routing, model.balance_factor) for name, model in config.models.items()},
-            queueing=Queueing(config.priority_classes, config.max_queued_per_tenant, unit_weight(config.api_keys)),
+            queueing=Queueing(
+                config.priority_classes,
+                config.max_queued_per_tenant,
+                unit_weight(config.api_keys),
+                config.fairness_unit,
+                config.fairness_output_weight,
+            ),
             engines=engine_view(config, clock),
         )
         if worker_socket is not None:
@@ -223,9 +230,9 @@ class RouterServer(Listening):
         # The client port's own HTTP/1.1 server (router/http/server/): the request
         # path stays in one protocol object, with no framework per request.
         proxy.access_log = access_log
+        start_tracing(proxy, config, stack)
         self._client_server = client = ClientServer(
-            # With no access log, the handler keeps nothing per request for it.
-            proxy.dispatch_logged if proxy.access_log is not None else proxy.dispatch,
+            proxy.handler(),
             max_body_bytes=config.max_body_bytes,
             header_timeout=config.header_timeout_seconds,
             body_timeout=config.body_timeout_seconds,

@@ -165,7 +165,7 @@ def test_the_configuration_reference_says_what_the_code_declares() -> None:
     block = section.split("```toml\n", 1)[1].split("```", 1)[0]
     documented = tomllib.loads(block)
     declared = settings()
-    assert set(documented) - {"replicas", "models", "discovery", "priority_classes"} == set(declared)
+    assert set(documented) - {"replicas", "models", "discovery", "priority_classes", "tracing"} == set(declared)
     comments = {
         m.group(1): (m.group(2) or "").strip()
         for m in re.finditer(r"^(\w+) = [^#\n]*?(?:# (.*))?$", block.split("[[replicas]]")[0], re.M)
@@ -186,6 +186,14 @@ def test_the_configuration_reference_says_what_the_code_declares() -> None:
     from router.core.config.settings import _KUBERNETES_KEYS
 
     assert set(documented["discovery"]["kubernetes"]) == _KUBERNETES_KEYS
+    from dataclasses import fields
+
+    from router.core.config.tracing import TRACING_KEYS, TracingConfig
+
+    assert set(documented["tracing"]) == TRACING_KEYS
+    defaults = {f.name: f.default for f in fields(TracingConfig)}
+    for key in TRACING_KEYS - {"endpoint", "headers"}:
+        assert documented["tracing"][key] == defaults[key], key
     # The classes shown are the ones the router has when none is declared, every key shown.
     from router.core.config.tenants import (
         _CLASS_KEYS,

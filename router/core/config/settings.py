@@ -28,12 +28,14 @@ from router.core.config.engines import ENGINES, ROUTED_PATHS, UPGRADE_PATHS
 from router.core.config.models import ModelConfig, parse_models
 from router.core.config.tenants import (
     DEFAULT_CLASSES,
+    FAIRNESS_UNITS,
     ClientKey,
     PriorityClass,
     check_key_classes,
     parse_api_keys,
     parse_priority_classes,
 )
+from router.core.config.tracing import TracingConfig, parse_tracing
 from router.core.config.upstream import UPSTREAM_KEYS, Upstream, parse_upstream
 from router.core.errors import ConfigError
 
@@ -234,6 +236,18 @@ class Config:
     max_queued_per_tenant: int = _count(
         0, "per model and tenant (per worker); one more gets 429 rate_limit_exceeded; 0 = no bound"
     )
+    # What a tenant's share of a full model counts (docs/fairness.md): a long prompt costs more than a short one.
+    fairness_unit: str = _setting(
+        "requests",
+        lambda w, k, v: check.one_of(w, k, v, FAIRNESS_UNITS),
+        '"requests" or "tokens": what the tenants\' shares of a full model count',
+    )
+    # An output token is about four times a prompt token's GPU time (prefill is batched, decode is not).
+    fairness_output_weight: float = _setting(
+        4.0,
+        lambda w, k, v: check.number(w, k, v, minimum=0.0),
+        "with tokens: an output token counts this many prompt tokens",
+    )
     shutdown_delay_seconds: float = _seconds(
         5.0,
         "SIGTERM: /readyz answers 503 while still serving this long, then the drain; 0 = drain at once",
@@ -307,6 +321,8 @@ class Config:
     priority_classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
     # [discovery.kubernetes]: the replica set comes from the Kubernetes API instead of [[replicas]].
     discovery: KubernetesDiscovery | None = None
+    # [tracing]: OpenTelemetry traces (router.core.config.tracing); None: off, nothing of it runs.
+    tracing: TracingConfig | None = None
     source: str = "<defaults>"
 
 
@@ -317,7 +333,7 @@ def settings() -> dict[str, tuple[Any, Setting]]:
 
 _SETTINGS = settings()
 # The tables beside the settings.
-_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery", "priority_classes"}
+_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery", "priority_classes", "tracing"}
 # `router scaler`'s table (router/scaler/settings.py reads and checks it), so
 # that one file may configure both; `router serve` does not read it.
 _OTHER_COMMANDS_TABLES = {"scaler"}
@@ -448,8 +464,15 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         raise where.error("replicas", "cannot be used with [discovery.kubernetes], which owns the whole replica set")
     classes = parse_priority_classes(where, raw.get("priority_classes"), values["queue_timeout_seconds"])
     check_key_classes(where, values["api_keys"], classes)
+    tracing = parse_tracing(where, raw["tracing"]) if "tracing" in raw else None
     return Config(
-        **values, replicas=replicas, models=models, priority_classes=classes, discovery=discovery, source=source
+        **values,
+        replicas=replicas,
+        models=models,
+        priority_classes=classes,
+        discovery=discovery,
+        tracing=tracing,
+        source=source,
     )
 
 
