@@ -20,6 +20,7 @@ from typing import Any
 from router.core.config.tenants import ANYONE, Caller
 from router.gateway.access_log import Entry
 from router.gateway.bodies import with_model
+from router.gateway.tokens import Tokens
 from router.http.messages import Request
 from router.http.writer import Writer
 
@@ -40,6 +41,7 @@ class Call:
         "requested",
         "started",
         "stream",
+        "usage",
         "writer",
     )
 
@@ -79,6 +81,8 @@ class Call:
         # When it arrived (time.perf_counter()): a stream's time to first token runs from here.
         self.started = time.perf_counter() if started is None else started
         self.metered = True
+        # What its answer said it took, once read (Ledgers.tokens): a rate limit's settlement reads it.
+        self.usage: Tokens | None = None
 
     def body_for(self, target: str) -> bytes:
         """The body as `target` must get it: the client's own bytes, or re-encoded under `target`'s name

@@ -165,6 +165,7 @@ class Ledgers:
             tallies.count_unknown_usage(model, call.caller.tenant)
         else:
             prompt, completion, cached = tokens
+            call.usage = tokens
             tallies.count_tokens(model, call.caller.tenant, prompt, cached, completion)
             if entry is not None:
                 entry.prompt_tokens = prompt

@@ -54,6 +54,7 @@ from router.core.usage.snapshots import Ticker
 from router.gateway.access_log import AccessLog
 from router.gateway.answers import server_error
 from router.gateway.dispatch import Proxy
+from router.gateway.limits import build_limiter
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.wake import Waker
 from router.http.client import Client
@@ -217,6 +218,9 @@ class RouterServer(Listening):
         )
         stack.push_async_callback(self.upstream.close)
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
+        if config.limits is not None:
+            proxy.limiter = limiter = build_limiter(config.limits, self.clock.now, self.registry)
+            stack.push_async_callback(limiter.store.close)
         if config.wake_url:
             proxy.waker = waker_of(self, session)
         # The client port's own HTTP/1.1 server (router/http/server/): the request

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 from router.core.config import checks as check
 from router.core.config.engines import ENGINES, ROUTED_PATHS, UPGRADE_PATHS
+from router.core.config.limits import LimitsConfig, parse_limits, tenant_limits
 from router.core.config.models import ModelConfig, parse_models
 from router.core.config.tenants import (
     DEFAULT_CLASSES,
@@ -296,6 +297,8 @@ class Config:
     priority_classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
     # [discovery.kubernetes]: the replica set comes from the Kubernetes API instead of [[replicas]].
     discovery: KubernetesDiscovery | None = None
+    # [limits] and the tenants' limits (router.core.config.limits); None: no tenant is limited.
+    limits: LimitsConfig | None = None
     source: str = "<defaults>"
 
 
@@ -306,7 +309,7 @@ def settings() -> dict[str, tuple[Any, Setting]]:
 
 _SETTINGS = settings()
 # The tables beside the settings.
-_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery", "priority_classes"}
+_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery", "priority_classes", "limits"}
 # `router scaler`'s table (router/scaler/settings.py reads and checks it), so
 # that one file may configure both; `router serve` does not read it.
 _OTHER_COMMANDS_TABLES = {"scaler"}
@@ -425,8 +428,29 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
     classes = parse_priority_classes(where, raw.get("priority_classes"), values["queue_timeout_seconds"])
     check_key_classes(where, values["api_keys"], classes)
     return Config(
-        **values, replicas=replicas, models=models, priority_classes=classes, discovery=discovery, source=source
+        **values,
+        replicas=replicas,
+        models=models,
+        priority_classes=classes,
+        discovery=discovery,
+        limits=_limits(where, raw.get("limits"), values["api_keys"], values["count_tokens"]),
+        source=source,
     )
+
+
+def _limits(where: check.Where, raw: object, keys: tuple[ClientKey, ...], counting: bool) -> LimitsConfig | None:
+    """[limits] with the tenants' limits; None when no key limits its tenant (nothing of it then runs)."""
+    tenants = tenant_limits(where, keys)
+    limits = parse_limits(where, raw, tenants)
+    if not counting:
+        for client_key in keys:
+            if client_key.tokens_per_minute is not None:
+                raise where.error(
+                    f"{client_key.name}.tokens_per_minute",
+                    "needs count_tokens = true: a token limit is settled with each answer's usage, "
+                    "which only counting reads (docs/limits.md)",
+                )
+    return limits if tenants else None
 
 
 _DISCOVERY_KEYS = {"kubernetes"}
