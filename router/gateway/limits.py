@@ -26,6 +26,7 @@ from router.core.limits.estimates import estimate
 from router.gateway.answers import JSON, error_body
 from router.gateway.call import Call
 from router.gateway.limit_metrics import LimitCounters
+from router.gateway.redis_limits import RedisStore
 from router.http.messages import Reply
 from router.http.pipe import Pipe
 from router.http.writer import Meter, Writer
@@ -276,5 +277,5 @@ def build_limiter(config: LimitsConfig, now: Callable[[], float], registry: Coll
     """The limiter [limits] asks for, its counters registered: buckets in memory, or in Redis (redis_url)."""
     counters = LimitCounters()
     registry.register(counters)
-    store: Store = MemoryStore(dict(config.tenants), now)
+    store: Store = MemoryStore(dict(config.tenants), now) if config.redis is None else RedisStore(config, counters, now)
     return RateLimiter(config, store, counters, now)

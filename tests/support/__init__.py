@@ -18,6 +18,7 @@ manifests.py     the rendered deploy/ manifests
 receiver.py      deploy/scale-from-zero/wake_receiver.py as a test's process
 kube_api.py      a fake Kubernetes API server: lists, watches, bookmarks, 410 Gone
 programs.py      the outside programs a test needs (Prometheus, promtool), found or skipped
+redis.py         a real redis-server per test (or a skip saying it is missing), and Redis fakes on raw sockets
 
 Left beside their one area: the discovery harness and its recordings
 (tests/control/discovery/), the Prometheus and dashboard readers
