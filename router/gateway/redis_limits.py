@@ -158,6 +158,7 @@ class RedisStore:
         self._logged_at: float | None = None
         self._unavailable = False
         self._flusher: asyncio.Task[None] | None = None
+        self._forgetting: set[asyncio.Task[None]] = set()
 
     async def check(self, tenant: str, cost: int, *, debit: bool) -> Verdict | None:
         limit = self.limits.get(tenant)
@@ -187,7 +188,10 @@ class RedisStore:
         for tenant in changed:
             self.pending.pop(tenant, None)
         if changed:
-            asyncio.get_running_loop().create_task(self._forget(changed))
+            task = asyncio.get_running_loop().create_task(self._forget(changed))
+            # Held until done: the loop keeps only a weak reference to a task.
+            self._forgetting.add(task)
+            task.add_done_callback(self._forgetting.discard)
 
     async def _forget(self, tenants: set[str]) -> None:
         with contextlib.suppress(RedisUnavailable):

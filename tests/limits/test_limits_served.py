@@ -8,6 +8,7 @@ and hostile bounds (huge, negative, fractional max_tokens).
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import Any
 
@@ -204,3 +205,18 @@ async def test_the_anthropic_path_refuses_with_its_own_rate_limit_error(serve: S
     assert isinstance(body, dict) and body["type"] == "error"
     assert body["error"]["type"] == "rate_limit_error"
     assert int(refused.value.response.headers["retry-after"]) >= 59
+
+
+async def test_sighup_reads_the_limits_again_and_a_changed_tenant_starts_full(
+    serve: Serve, start_fake: StartFake
+) -> None:
+    fake = await started(serve, start_fake, keys(requests_per_minute=1))
+    async with sdk(serve) as client:
+        await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1)
+        with pytest.raises(openai.RateLimitError):
+            await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1)
+        serve.write([{"id": "r0", "model": "m", "url": fake.url}], keys(requests_per_minute=5))
+        serve.signal(signal.SIGHUP)
+        await serve.says("reloaded api_keys")
+        raw = await client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=1)
+        assert (raw.headers["x-ratelimit-limit-requests"], raw.headers["x-ratelimit-remaining-requests"]) == ("5", "4")
