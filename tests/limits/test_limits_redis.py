@@ -78,7 +78,8 @@ async def test_two_routers_share_one_tenants_limit_exactly(tmp_path: Path, start
     need_redis()
     fake = await start_fake("m")
     async with redis_server(tmp_path) as redis:
-        text = config(redis.url, requests_per_minute=4)
+        # In database 3 (SELECT once per connection).
+        text = config(redis.url + "?db=3", requests_per_minute=4)
         routers = [await serving(tmp_path, name, fake.url, text) for name in ("a", "b")]
         try:
             remaining = []
@@ -97,7 +98,9 @@ async def test_two_routers_share_one_tenants_limit_exactly(tmp_path: Path, start
             # One round trip per request: the script loaded once per router, each check one EVALSHA.
             for serve in routers:
                 calls = await metric(serve, "router_rate_limit_redis_calls_total")
-                assert calls == {(("call", "check"),): 3.0, (("call", "load"),): 1.0}
+                assert calls == {(("call", "check"),): 3.0, (("call", "load"),): 1.0, (("call", "select"),): 1.0}
+            assert await redis.command(b"EXISTS", b"router:limits:a") == b":0\r\n"
+            assert await redis.command(b"EXISTS", b"router:limits:a", db=3) == b":1\r\n"
         finally:
             for serve in routers:
                 serve.output()

@@ -59,10 +59,14 @@ class RedisServer:
         except OSError:
             return False
 
-    async def command(self, *args: bytes) -> bytes:
-        """One command sent raw, its reply read raw: a line, a bulk's head and body, or an array of integers."""
+    async def command(self, *args: bytes, db: int = 0) -> bytes:
+        """One command sent raw (in database `db`), its reply read raw: a line, a bulk's head and body, or an
+        array of integers."""
         reader, writer = await asyncio.open_unix_connection(str(self.socket))
         try:
+            if db:
+                writer.write(b"*2\r\n$6\r\nSELECT\r\n$%d\r\n%d\r\n" % (len(str(db)), db))
+                assert await reader.readline() == b"+OK\r\n"
             writer.write(b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args))
             await writer.drain()
             line = await reader.readline()
