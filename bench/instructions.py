@@ -113,7 +113,10 @@ def measure(
     if extra:
         # Top-level keys go before the first table; tables after the last.
         text = config.read_text()
-        config.write_text(text + extra if extra.startswith("[") else extra + text)
+        tables = 0 if extra.startswith("[") else extra.find("\n[") + 1
+        if tables <= 0 and not extra.startswith("["):
+            tables = len(extra)
+        config.write_text(extra[:tables] + text + extra[tables:])
     out = tmp / f"{name.replace('@', '-')}.callgrind"
     process = subprocess.Popen(
         [
@@ -228,7 +231,10 @@ def limits_runs(tmp: Path, fake_url: str, requests: int) -> dict[str, dict[str, 
             if socket.exists():
                 break
             time.sleep(0.01)
-        shared = LIMITED.replace("[api_keys.bench]", f'[limits]\nredis_url = "unix://{socket}"\n[api_keys.bench]')
+        # A timeout far above callgrind's slowness: every request checked, none admitted unchecked.
+        shared = LIMITED.replace(
+            "[api_keys.bench]", f'[limits]\nredis_url = "unix://{socket}"\nredis_timeout_seconds = 5\n[api_keys.bench]'
+        )
         before = redis_calls(socket)
         results["router-limits-redis"] = measure(
             "router-limits-redis", None, tmp, fake_url, requests, shared, key="sk-bench"

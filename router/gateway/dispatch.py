@@ -246,7 +246,12 @@ class Proxy:
     async def limited(self, limiter: RateLimiter, call: Call, obj: dict[str, Any]) -> None:
         """A limited tenant's request: admitted or refused (429), its answer with x-ratelimit-*, then settled."""
         request = call.request
-        ticket = await limiter.admit(call.caller.tenant, len(request.body), obj)
+        tenant = call.caller.tenant
+        ticket = (
+            limiter.admit_now(tenant, len(request.body), obj)
+            if limiter.memory is not None
+            else await limiter.admit(tenant, len(request.body), obj)
+        )
         if isinstance(ticket, Reply):
             call.writer.answer(ticket)
             return

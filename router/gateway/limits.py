@@ -76,7 +76,7 @@ class MemoryStore:
 
 
 class Ticket:
-    """An admitted request: its tenant, what it was estimated at, and whether that was taken from the buckets."""
+    """An admitted request: its tenant, what it was estimated at, and whether tokens were taken for it (to settle)."""
 
     __slots__ = ("charged", "estimate", "headers", "tenant")
 
@@ -94,9 +94,10 @@ def duration(seconds: float) -> bytes:
     """A reset time as OpenAI writes it: `20ms`, `1s`, `6m0s`, `17.5s`."""
     if seconds < 1.0:
         return b"%dms" % math.ceil(seconds * 1000.0)
+    if seconds < 60.0:
+        return (b"%.3f" % seconds).rstrip(b"0").rstrip(b".") + b"s"
     minutes, rest = divmod(seconds, 60.0)
-    text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
-    return (f"{int(minutes)}m{text}" if minutes else text).encode()
+    return b"%dm%ss" % (minutes, (b"%.3f" % rest).rstrip(b"0").rstrip(b"."))
 
 
 def headers_of(verdict: Verdict) -> list[tuple[bytes, bytes]]:
@@ -161,11 +162,23 @@ class RateLimiter:
         self._refuse_unavailable = config.redis_unavailable == "refuse"
         self._now = now
         self._logged: dict[str, float] = {}
+        # The buckets themselves when they are in memory: checked without a coroutine.
+        self.memory: Buckets | None = store.buckets if isinstance(store, MemoryStore) else None
+
+    def admit_now(self, tenant: str, body_bytes: int, parsed: dict[str, Any]) -> Ticket | Reply:
+        """admit(), for buckets in memory (`memory` set): no await, no coroutine."""
+        assert self.memory is not None
+        cost = estimate(body_bytes, parsed, self._unbounded)
+        return self._ticket(tenant, cost, self.memory.admit(tenant, cost))
 
     async def admit(self, tenant: str, body_bytes: int, parsed: dict[str, Any]) -> Ticket | Reply:
+        """A Ticket for a request of a limited `tenant` whose body is `body_bytes` long and reads as `parsed`,
+        or the answer that refuses it."""
         cost = estimate(body_bytes, parsed, self._unbounded)
+        return self._ticket(tenant, cost, await self.store.check(tenant, cost, debit=True))
+
+    def _ticket(self, tenant: str, cost: int, verdict: Verdict | None) -> Ticket | Reply:
         shadow = self._shadow
-        verdict = await self.store.check(tenant, cost, debit=True)
         if verdict is None:
             # Redis unavailable: no verdict (the store counted why and logged).
             if self._refuse_unavailable and not shadow:
@@ -175,8 +188,8 @@ class RateLimiter:
             self.counters.unchecked_request("admitted")
             return Ticket(tenant, cost, False)
         if verdict.admitted:
-            # Shadow mode changes nothing the client sees: no headers.
-            return Ticket(tenant, cost, True, None if shadow else headers_of(verdict))
+            # Shadow mode changes nothing the client sees: no headers. Only tokens taken are settled.
+            return Ticket(tenant, cost, verdict.limit_tokens > 0, None if shadow else headers_of(verdict))
         self.counters.limited(tenant, verdict.kind, shadow=shadow)
         self._log(tenant, verdict, cost)
         if shadow:

@@ -6,7 +6,9 @@ a bulk string or an array of those (RESP2, redis.io's protocol spec and
 Redis's own `src/networking.c` writer). Commands of concurrent requests go
 out on one connection as they come and their replies are matched in order
 (Redis answers a connection's commands in order), so a request costs one
-round trip and no connection of its own.
+round trip and no connection of its own. The connection is an asyncio
+Protocol: replies are parsed from its buffer as bytes arrive, by a plain
+function (`parse`), with no task or coroutine per reply.
 
 Whatever goes wrong is a `RedisUnavailable` with a `reason` (timeout,
 connect, reset, protocol), and the connection is dropped: a reply not read
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Sequence
+from typing import cast
 
 from router.core.config.limits import RedisTarget
 
@@ -66,14 +69,48 @@ def encode(args: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
-async def _line(reader: asyncio.StreamReader) -> bytes:
-    try:
-        line = await reader.readuntil(b"\r\n")
-    except asyncio.LimitOverrunError as overrun:
-        raise RedisUnavailable("protocol", "a reply line past its bound") from overrun
-    except asyncio.IncompleteReadError as cut:
-        raise RedisUnavailable("reset", "the connection closed mid-reply") from cut
-    return line[:-2]
+def parse(buffer: bytes | bytearray, at: int = 0, depth: int = 0) -> tuple[RespValue, int]:
+    """One whole reply from `buffer` at `at`: (it, where the next begins), or (None, -1) while it is incomplete;
+    RedisUnavailable("protocol") for anything RESP2 does not say or a reply past its bounds."""
+    end = buffer.find(b"\r\n", at)
+    if end < 0:
+        if len(buffer) - at > MAX_LINE:
+            raise RedisUnavailable("protocol", "a reply line past its bound")
+        return None, -1
+    kind = buffer[at]
+    line = bytes(buffer[at + 1 : end])
+    after = end + 2
+    if kind == 0x2B:  # +
+        return line, after
+    if kind == 0x2D:  # -
+        return RedisError(line.decode("utf-8", "replace")), after
+    if kind == 0x3A:  # :
+        return _number(line), after
+    if kind == 0x24:  # $
+        size = _number(line)
+        if size == -1:
+            return None, after
+        if not 0 <= size <= MAX_BULK:
+            raise RedisUnavailable("protocol", f"a bulk string of {size} bytes")
+        if len(buffer) < after + size + 2:
+            return None, -1
+        if buffer[after + size : after + size + 2] != b"\r\n":
+            raise RedisUnavailable("protocol", "a bulk string not ended by CRLF")
+        return bytes(buffer[after : after + size]), after + size + 2
+    if kind == 0x2A:  # *
+        count = _number(line)
+        if count == -1:
+            return None, after
+        if not 0 <= count <= MAX_ARRAY or depth >= MAX_DEPTH:
+            raise RedisUnavailable("protocol", f"an array of {count} at depth {depth}")
+        items: list[RespValue] = []
+        for _ in range(count):
+            item, after = parse(buffer, after, depth + 1)
+            if after < 0:
+                return None, -1
+            items.append(item)
+        return items, after
+    raise RedisUnavailable("protocol", f"a reply starting {bytes(buffer[at : at + 40])!r}")
 
 
 def _number(text: bytes) -> int:
@@ -83,75 +120,55 @@ def _number(text: bytes) -> int:
     return int(text)
 
 
-async def read_reply(reader: asyncio.StreamReader, depth: int = 0) -> RespValue:
-    """One whole reply, bounded; RedisUnavailable("protocol") for anything RESP2 does not say."""
-    line = await _line(reader)
-    kind = line[:1]
-    rest = line[1:]
-    if kind == b"+":
-        return rest
-    if kind == b"-":
-        return RedisError(rest.decode("utf-8", "replace"))
-    if kind == b":":
-        return _number(rest)
-    if kind == b"$":
-        size = _number(rest)
-        if size == -1:
-            return None
-        if not 0 <= size <= MAX_BULK:
-            raise RedisUnavailable("protocol", f"a bulk string of {size} bytes")
-        try:
-            data = await reader.readexactly(size + 2)
-        except asyncio.IncompleteReadError as exc:
-            raise RedisUnavailable("reset", "the connection closed mid-reply") from exc
-        if data[-2:] != b"\r\n":
-            raise RedisUnavailable("protocol", "a bulk string not ended by CRLF")
-        return data[:-2]
-    if kind == b"*":
-        count = _number(rest)
-        if count == -1:
-            return None
-        if not 0 <= count <= MAX_ARRAY or depth >= MAX_DEPTH:
-            raise RedisUnavailable("protocol", f"an array of {count} at depth {depth}")
-        return [await read_reply(reader, depth + 1) for _ in range(count)]
-    raise RedisUnavailable("protocol", f"a reply starting {line[:40]!r}")
+class RedisConnection(asyncio.Protocol):
+    """One connection: commands written as they come, replies parsed as they arrive (no task, no coroutine per
+    reply) and matched in order, each call with a deadline."""
 
-
-class RedisConnection:
-    """One connection: commands written as they come, replies read in order by one task, each call with a deadline."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader = reader
-        self._writer = writer
+    def __init__(self) -> None:
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
         self._waiting: collections.deque[asyncio.Future[RespValue]] = collections.deque()
         self.broken: RedisUnavailable | None = None
-        self._task = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
     async def open(cls, target: RedisTarget, timeout: float) -> RedisConnection:  # noqa: ASYNC109 (a deadline per call, below the loop's)
+        loop = asyncio.get_running_loop()
         try:
             if target.path:
-                opening = asyncio.open_unix_connection(target.path, limit=MAX_LINE)
+                opening = loop.create_unix_connection(cls, target.path)
             else:
-                opening = asyncio.open_connection(target.host, target.port, limit=MAX_LINE)
-            reader, writer = await asyncio.wait_for(opening, timeout)
+                opening = loop.create_connection(cls, target.host, target.port)
+            _, connection = await asyncio.wait_for(opening, timeout)
         except (OSError, TimeoutError) as exc:
             raise RedisUnavailable("connect", f"cannot connect to {target}: {exc or 'timed out'}") from exc
-        return cls(reader, writer)
+        return connection
 
-    async def _read(self) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport's subclasses, but are one.
+        self._transport = cast("asyncio.Transport", transport)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        at = 0
         try:
-            while True:
-                reply = await read_reply(self._reader)
+            while at < len(buffer):
+                reply, end = parse(buffer, at)
+                if end < 0:
+                    break
+                at = end
                 if not self._waiting:
                     raise RedisUnavailable("protocol", "a reply nobody asked for")
                 future = self._waiting.popleft()
                 if not future.done():
                     future.set_result(reply)
-        except RedisUnavailable as unavailable:
-            self._fail(unavailable)
-        except (OSError, asyncio.IncompleteReadError) as broken:
-            self._fail(RedisUnavailable("reset", str(broken) or "the connection closed"))
+        except RedisUnavailable as exc:
+            self._fail(exc)
+            return
+        del buffer[:at]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(RedisUnavailable("reset", str(exc) if exc else "the connection closed"))
 
     def _fail(self, exc: RedisUnavailable) -> None:
         if self.broken is None:
@@ -160,16 +177,18 @@ class RedisConnection:
             future = self._waiting.popleft()
             if not future.done():
                 future.set_exception(self.broken)
-        self._writer.close()
+        if self._transport is not None:
+            self._transport.abort()
 
     async def call(self, args: Sequence[bytes], timeout: float) -> RespValue:  # noqa: ASYNC109 (one timer, no task per call)
         """Send one command, wait for its reply at most `timeout` seconds."""
         if self.broken is not None:
             raise self.broken
+        assert self._transport is not None
         loop = asyncio.get_running_loop()
         future: asyncio.Future[RespValue] = loop.create_future()
         self._waiting.append(future)
-        self._writer.write(encode(args))
+        self._transport.write(encode(args))
         late = loop.call_later(timeout, self._late, future, timeout)
         try:
             return await future
@@ -180,13 +199,7 @@ class RedisConnection:
         if not future.done():
             # The replies after it would be matched to the wrong calls: the connection goes.
             self._fail(RedisUnavailable("timeout", f"no reply within {timeout:g} s"))
-            self._task.cancel()
 
     async def close(self) -> None:
-        self._task.cancel()
         if self.broken is None:
             self._fail(RedisUnavailable("reset", "closed by the router"))
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass

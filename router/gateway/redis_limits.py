@@ -274,9 +274,11 @@ class RedisStore:
                     if selected != b"OK":
                         raise RedisUnavailable("error", f"SELECT {self.target.db}: {selected!r}")
                 await self._load(connection)
-            except RedisUnavailable:
+            except RedisUnavailable as failed:
                 await connection.close()
-                raise
+                # Named, not a bare raise: compiled, the exception being handled after an await is the
+                # one the await handled last (the reader's cancellation), not this one.
+                raise failed from None
             self._connection = connection
             return connection
 

@@ -134,17 +134,19 @@ class Buckets:
     def _current(self, tenant: str, limit: TenantLimit) -> list[float]:
         now = self._now()
         state = self._levels.get(tenant)
+        rpm = limit.requests_per_minute or 0
+        tpm = limit.tokens_per_minute or 0
         if state is None:
-            state = self._levels[tenant] = [
-                float(limit.requests_per_minute or 0),
-                float(limit.tokens_per_minute or 0),
-                now,
-            ]
+            state = self._levels[tenant] = [float(rpm), float(tpm), now]
             return state
+        # refill(), inline: this runs twice per limited request.
         elapsed = now - state[2]
-        state[0] = refill(state[0], limit.requests_per_minute or 0, elapsed)
-        state[1] = refill(state[1], limit.tokens_per_minute or 0, elapsed)
-        state[2] = now
+        if elapsed > 0.0:
+            level = state[0] + elapsed * rpm / 60.0
+            state[0] = level if level < rpm else float(rpm)
+            level = state[1] + elapsed * tpm / 60.0
+            state[1] = level if level < tpm else float(tpm)
+            state[2] = now
         return state
 
     def admit(self, tenant: str, cost: int, *, debit: bool = True) -> Verdict:
