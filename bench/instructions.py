@@ -210,12 +210,15 @@ def redis_calls(socket: Path) -> int:
     )
 
 
-def limits_runs(tmp: Path, fake_url: str, requests: int) -> dict[str, dict[str, float]]:
+def limits_runs(
+    tmp: Path, fake_url: str, requests: int, tree: Path | None = None, name: str = "router"
+) -> dict[str, dict[str, float]]:
     """A tenant counted and not limited (router-keyed), limited in memory (router-limits) and through a
-    redis-server on a Unix socket (router-limits-redis, with Redis's round trips per request)."""
+    redis-server on a Unix socket (router-limits-redis, with Redis's round trips per request); `tree`
+    and `name`: the compiled build's (router-compiled-...)."""
     results = {
-        "router-keyed": measure("router-keyed", None, tmp, fake_url, requests, KEYED, key="sk-bench"),
-        "router-limits": measure("router-limits", None, tmp, fake_url, requests, LIMITED, key="sk-bench"),
+        f"{name}-keyed": measure(f"{name}-keyed", tree, tmp, fake_url, requests, KEYED, key="sk-bench"),
+        f"{name}-limits": measure(f"{name}-limits", tree, tmp, fake_url, requests, LIMITED, key="sk-bench"),
     }
     server = shutil.which("redis-server")
     if server is None:
@@ -236,12 +239,11 @@ def limits_runs(tmp: Path, fake_url: str, requests: int) -> dict[str, dict[str, 
             "[api_keys.bench]", f'[limits]\nredis_url = "unix://{socket}"\nredis_timeout_seconds = 5\n[api_keys.bench]'
         )
         before = redis_calls(socket)
-        results["router-limits-redis"] = measure(
-            "router-limits-redis", None, tmp, fake_url, requests, shared, key="sk-bench"
-        )
+        redis_run = f"{name}-limits-redis"
+        results[redis_run] = measure(redis_run, tree, tmp, fake_url, requests, shared, key="sk-bench")
         # Each workload: a warm-up of 200, then the requests counted.
         sent = len(WORKLOADS) * (200 + requests)
-        results["router-limits-redis"]["round_trips"] = (redis_calls(socket) - before) / sent
+        results[redis_run]["round_trips"] = (redis_calls(socket) - before) / sent
     finally:
         redis.terminate()
         redis.wait(timeout=20)
@@ -288,7 +290,8 @@ def main() -> int:
         "--limits",
         action="store_true",
         help="also run a tenant's requests counted (router-keyed), under limits never reached in memory "
-        "(router-limits) and in a redis-server (router-limits-redis, with Redis's round trips per request)",
+        "(router-limits) and in a redis-server (router-limits-redis, with Redis's round trips per request); "
+        "with --compiled, the compiled build's too (router-compiled-keyed, -limits, -limits-redis)",
     )
     parser.add_argument(
         "--compiled",
@@ -345,6 +348,8 @@ def main() -> int:
                 results.update(engine_runs(tmp, args.requests))
             if args.limits:
                 results.update(limits_runs(tmp, fake_url, args.requests))
+                if args.compiled and tree is not None:
+                    results.update(limits_runs(tmp, fake_url, args.requests, tree, "router-compiled"))
             for ref in args.baseline:
                 tree = checkout(ref, tmp / "trees" / ref)
                 results[f"router@{ref}"] = measure(f"router@{ref}", tree, tmp, fake_url, args.requests)
@@ -366,6 +371,7 @@ def main() -> int:
         base = results["router-compiled"] if name == "router-compiled-tokens" else base
         # A limited tenant's requests are read against the same tenant's, counted and not limited.
         base = results["router-keyed"] if name.startswith("router-limits") else base
+        base = results["router-compiled-keyed"] if name.startswith("router-compiled-limits") else base
         ratios = (
             ""
             if figures is base
