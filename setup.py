@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent
 
 # The packages one request's parse, pick, forward and answer run through:
 # every module in them is compiled (a new one too), but for EXCLUDED.
-REQUEST_PATH = ("router/http", "router/gateway", "router/core/pool", "router/core/clock.py")
+REQUEST_PATH = ("router/http", "router/gateway", "router/core/pool", "router/core/limits", "router/core/clock.py")
 # Each with why: what mypyc refuses, or what compiling would break or not pay for.
 EXCLUDED = {
     # An error class deriving from ConnectionResetError, a builtin mypyc cannot extend.

@@ -49,13 +49,16 @@ WORKLOADS = {
 }
 
 
-def raw_requests(body: dict[str, object], varied: bool) -> list[bytes]:
-    """The request as bytes; `varied`: 64 of them, each its own session and prompt (affinity's keys)."""
+def raw_requests(body: dict[str, object], varied: bool, key: str = "") -> list[bytes]:
+    """The request as bytes; `varied`: 64 of them, each its own session and prompt (affinity's keys);
+    `key`: sent as the client's key (a tenant's)."""
     variants = []
     for i in range(64 if varied else 1):
         doc = body if not varied else {**body, "messages": [{"role": "user", "content": f"hello {i}"}]}
         payload = json.dumps(doc).encode()
         session = b"X-Session-Id: s%d\r\n" % i if varied else b""
+        if key:
+            session += b"Authorization: Bearer %s\r\n" % key.encode()
         variants.append(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n%b"
             b"Content-Length: %d\r\n\r\n%b" % (session, len(payload), payload)
@@ -99,6 +102,7 @@ def measure(
     varied: bool = False,
     keep: Path | None = None,
     engine: str = "",
+    key: str = "",
 ) -> dict[str, float]:
     # On port 0, but for a baseline at an older commit, which says where it listens only at info: told its ports.
     told = "@" in name
@@ -109,7 +113,10 @@ def measure(
     if extra:
         # Top-level keys go before the first table; tables after the last.
         text = config.read_text()
-        config.write_text(text + extra if extra.startswith("[") else extra + text)
+        tables = 0 if extra.startswith("[") else extra.find("\n[") + 1
+        if tables <= 0 and not extra.startswith("["):
+            tables = len(extra)
+        config.write_text(extra[:tables] + text + extra[tables:])
     out = tmp / f"{name.replace('@', '-')}.callgrind"
     process = subprocess.Popen(
         [
@@ -138,7 +145,7 @@ def measure(
             port = int(said(process, LISTENING).group(1).rsplit(":", 1)[1])
         wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=300, process=process)
         for workload, body in WORKLOADS.items():
-            raw = raw_requests(body, varied)
+            raw = raw_requests(body, varied, key)
             asyncio.run(load(port, raw, 200, 4))  # warm-up: connections, caches, lazy imports
             for old in tmp.glob(f"{out.name}.*"):
                 old.unlink()
@@ -204,6 +211,62 @@ def traced_runs(tmp: Path, fake_url: str, requests: int) -> dict[str, dict[str, 
         sink.wait(timeout=20)
 
 
+# A tenant with a key, counted: the limits' runs and their baseline.
+KEYED = 'count_tokens = true\n[api_keys.bench]\nkey = "sk-bench"\ntenant = "bench"\n'
+# Limits never reached: what checking them costs, not what refusing does.
+LIMITED = KEYED + "tokens_per_minute = 1000000000\nrequests_per_minute = 1000000000\n"
+
+
+def redis_calls(socket: Path) -> int:
+    """The scripts Redis ran and loaded so far (INFO commandstats): the limits' round trips."""
+    info = subprocess.run(
+        ["redis-cli", "-s", str(socket), "INFO", "commandstats"], capture_output=True, text=True, check=True
+    ).stdout
+    return sum(
+        int(m.group(1)) for m in re.finditer(r"^cmdstat_(?:evalsha|script\|load|select):calls=(\d+)", info, re.M)
+    )
+
+
+def limits_runs(
+    tmp: Path, fake_url: str, requests: int, tree: Path | None = None, name: str = "router"
+) -> dict[str, dict[str, float]]:
+    """A tenant counted and not limited (router-keyed), limited in memory (router-limits) and through a
+    redis-server on a Unix socket (router-limits-redis, with Redis's round trips per request); `tree`
+    and `name`: the compiled build's (router-compiled-...)."""
+    results = {
+        f"{name}-keyed": measure(f"{name}-keyed", tree, tmp, fake_url, requests, KEYED, key="sk-bench"),
+        f"{name}-limits": measure(f"{name}-limits", tree, tmp, fake_url, requests, LIMITED, key="sk-bench"),
+    }
+    server = shutil.which("redis-server")
+    if server is None:
+        print("redis-server is not installed: router-limits-redis left out", file=sys.stderr)
+        return results
+    socket = tmp / "redis.sock"
+    redis = subprocess.Popen(
+        [server, "--port", "0", "--unixsocket", str(socket), "--save", "", "--appendonly", "no", "--dir", str(tmp)],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(500):
+            if socket.exists():
+                break
+            time.sleep(0.01)
+        # A timeout far above callgrind's slowness: every request checked, none admitted unchecked.
+        shared = LIMITED.replace(
+            "[api_keys.bench]", f'[limits]\nredis_url = "unix://{socket}"\nredis_timeout_seconds = 5\n[api_keys.bench]'
+        )
+        before = redis_calls(socket)
+        redis_run = f"{name}-limits-redis"
+        results[redis_run] = measure(redis_run, tree, tmp, fake_url, requests, shared, key="sk-bench")
+        # Each workload: a warm-up of 200, then the requests counted.
+        sent = len(WORKLOADS) * (200 + requests)
+        results[redis_run]["round_trips"] = (redis_calls(socket) - before) / sent
+    finally:
+        redis.terminate()
+        redis.wait(timeout=20)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", metavar="REF", action="append", default=[], help="a commit to compare with")
@@ -245,6 +308,13 @@ def main() -> int:
         action="store_true",
         help="also run the working tree with [tracing] at sample_ratio 0 and 1 (router-traced-0, router-traced-1), "
         "exporting to a local sink that accepts everything (bench/otlp_sink.py)",
+    )
+    parser.add_argument(
+        "--limits",
+        action="store_true",
+        help="also run a tenant's requests counted (router-keyed), under limits never reached in memory "
+        "(router-limits) and in a redis-server (router-limits-redis, with Redis's round trips per request); "
+        "with --compiled, the compiled build's too (router-compiled-keyed, -limits, -limits-redis)",
     )
     parser.add_argument(
         "--compiled",
@@ -301,6 +371,10 @@ def main() -> int:
                 )
             if args.engine_metrics:
                 results.update(engine_runs(tmp, args.requests))
+            if args.limits:
+                results.update(limits_runs(tmp, fake_url, args.requests))
+                if args.compiled and tree is not None:
+                    results.update(limits_runs(tmp, fake_url, args.requests, tree, "router-compiled"))
             for ref in args.baseline:
                 tree = checkout(ref, tmp / "trees" / ref)
                 results[f"router@{ref}"] = measure(f"router@{ref}", tree, tmp, fake_url, args.requests)
@@ -320,6 +394,9 @@ def main() -> int:
         base = results["router-engines-off"] if name == "router-engines" else base
         # The compiled build reading usage is read against the compiled build not reading it.
         base = results["router-compiled"] if name == "router-compiled-tokens" else base
+        # A limited tenant's requests are read against the same tenant's, counted and not limited.
+        base = results["router-keyed"] if name.startswith("router-limits") else base
+        base = results["router-compiled-keyed"] if name.startswith("router-compiled-limits") else base
         ratios = (
             ""
             if figures is base
@@ -330,8 +407,10 @@ def main() -> int:
                 base["stream-usage"] / figures["stream-usage"],
             )
         )
+        trips = f"; Redis round trips per request: {figures['round_trips']:.3f}" if "round_trips" in figures else ""
         print(
-            f"| {name} | {figures['short']:,.0f} | {figures['stream']:,.0f} | {figures['stream-usage']:,.0f}{ratios} |"
+            f"| {name} | {figures['short']:,.0f} | {figures['stream']:,.0f} | {figures['stream-usage']:,.0f}"
+            f"{ratios}{trips} |"
         )
     return 0
 

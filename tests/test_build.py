@@ -60,6 +60,7 @@ PURE_ON_PURPOSE = {
     "router.core.config.engines": "read at start",
     "router.core.config.models": "read at start",
     "router.core.config.cards": "read when a replica joins",
+    "router.core.config.limits": "read at start",
     # Compiled, mypyc takes the errors' class-level status and code, overridden per subclass,
     # for per-instance defaults, and an error was answered without them; raising one is not per-request work.
     "router.core.errors": "compiled, its class attributes lose their overrides",

@@ -21,6 +21,7 @@ from router.core.config.tenants import ANYONE, Caller
 from router.core.pool.waiters import Charge
 from router.gateway.access_log import Entry
 from router.gateway.bodies import with_model
+from router.gateway.tokens import Tokens
 from router.http.messages import Request
 from router.http.writer import Writer
 
@@ -42,6 +43,7 @@ class Call:
         "requested",
         "started",
         "stream",
+        "usage",
         "writer",
     )
 
@@ -83,6 +85,8 @@ class Call:
         self.metered = True
         # With fairness_unit = "tokens", once it waited: its cost to its tenant's turn (router.gateway.chain).
         self.charge: Charge | None = None
+        # What its answer said it took, once read (Ledgers.tokens): a rate limit's settlement reads it.
+        self.usage: Tokens | None = None
 
     def body_for(self, target: str) -> bytes:
         """The body as `target` must get it: the client's own bytes, or re-encoded under `target`'s name

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from router.core.config.engines import ANTHROPIC_PATHS
 from router.core.config.settings import Config, has_upstream
@@ -28,6 +29,7 @@ from router.gateway.chain import Chain
 from router.gateway.forward import Forwarder, answer_failed
 from router.gateway.hold import HeldRequests
 from router.gateway.keys import CLIENT_KEY_HEADERS, ApiKeys
+from router.gateway.limits import LimitedWriter, RateLimiter
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.responses import ResponsesMemory
 from router.gateway.traces import TRACE_HEADERS, RequestTrace, Tracer
@@ -93,6 +95,8 @@ class Proxy:
         self.access_log: AccessLog | None = None
         # [tracing]'s (router.run.tracing), set by trace_with(); None: nothing of tracing runs.
         self.tracer: Tracer | None = None
+        # The tenants' rate limits ([limits], router.gateway.limits); None: no tenant is limited.
+        self.limiter: RateLimiter | None = None
 
     @property
     def waker(self) -> Waker | None:
@@ -127,6 +131,9 @@ class Proxy:
         """SIGHUP's api_keys: checked from the next request on; what the replicas are not sent follows
         (the client's key is theirs to see only while the router checks none and they hold none)."""
         self.keys.update(config.api_keys, config.priority_classes)
+        if self.limiter is not None:
+            # Limits of tenants that had none at start need a restart: the limiter is made at start.
+            self.limiter.update(dict(config.limits.tenants) if config.limits is not None else {})
         dropped = self.keys.drop | withheld(config) | REQUEST_ID
         self.tunnels.forwarded = HeaderFilter(dropped)
         self._forwarded = HeaderFilter(dropped | TRACE_HEADERS) if self.tracer is not None else self.tunnels.forwarded
@@ -253,17 +260,48 @@ class Proxy:
                 adapter,
                 started,
             )
-            if request.path == "/v1/responses" and (previous := obj.get("previous_response_id")) is not None:
-                if not isinstance(previous, str):
-                    raise BadRequest("'previous_response_id' must be a string.", param="previous_response_id")
-                pinned = await self.chain.pinned(previous, self.chain.rank(request, obj, caller), entry)
-                await self.chain.serve_pinned(call, pinned)
+            if (limiter := self.limiter) is not None and caller.tenant in limiter.tenants:
+                # A tenant with rate limits (router.gateway.limits); any other: this one check.
+                await self.limited(limiter, call, obj)
+            elif request.path == "/v1/responses" and (previous := obj.get("previous_response_id")) is not None:
+                await self.serve_continued(call, previous, obj)
             else:
                 await self.chain.serve(call)
         except ClientFacingError as exc:
             writer.answer(error_response(exc))
             return
         self.metrics.observe_duration(model, time.perf_counter() - started)
+
+    async def serve_continued(self, call: Call, previous: object, obj: dict[str, Any]) -> None:
+        """A /v1/responses request that continues one: served by the replica that keeps it."""
+        if not isinstance(previous, str):
+            raise BadRequest("'previous_response_id' must be a string.", param="previous_response_id")
+        pinned = await self.chain.pinned(previous, self.chain.rank(call.request, obj, call.caller), call.entry)
+        await self.chain.serve_pinned(call, pinned)
+
+    async def limited(self, limiter: RateLimiter, call: Call, obj: dict[str, Any]) -> None:
+        """A limited tenant's request: admitted or refused (429), its answer with x-ratelimit-*, then settled."""
+        request = call.request
+        tenant = call.caller.tenant
+        ticket = (
+            limiter.admit_now(tenant, len(request.body), obj)
+            if limiter.memory is not None
+            else await limiter.admit(tenant, len(request.body), obj)
+        )
+        if isinstance(ticket, Reply):
+            call.writer.answer(ticket)
+            return
+        call.writer = writer = LimitedWriter(call.writer, ticket.headers)
+        try:
+            if request.path == "/v1/responses" and (previous := obj.get("previous_response_id")) is not None:
+                await self.serve_continued(call, previous, obj)
+            else:
+                await self.chain.serve(call)
+        except ClientFacingError as exc:
+            writer.answer(error_response(exc))
+        finally:
+            # A stream admitted runs to its end; only then is its estimate trued up.
+            limiter.settle(ticket, call, writer.status)
 
     async def stored_response(self, request: Request, writer: Writer) -> None:
         """GET /v1/responses/{id} (and its cancel, input_items): only the replica that made it knows it."""

@@ -167,6 +167,7 @@ class Ledgers:
             tallies.count_unknown_usage(model, call.caller.tenant)
         else:
             prompt, completion, cached = tokens
+            call.usage = tokens
             tallies.count_tokens(model, call.caller.tenant, prompt, cached, completion)
             if call.charge is not None:
                 call.charge.settle(prompt, completion)

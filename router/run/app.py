@@ -55,6 +55,7 @@ from router.core.usage.snapshots import Ticker
 from router.gateway.access_log import AccessLog
 from router.gateway.answers import server_error
 from router.gateway.dispatch import Proxy
+from router.gateway.limits import build_limiter
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.wake import Waker
 from router.http.client import Client
@@ -93,6 +94,19 @@ class Listening:
     def admin_url(self) -> str:
         assert self.admin_address is not None, "start() first"
         return http_url(self.admin_address)
+
+
+def limit_tenants(
+    proxy: Proxy,
+    config: Config,
+    now: Callable[[], float],
+    registry: CollectorRegistry,
+    stack: contextlib.AsyncExitStack,
+) -> None:
+    """[limits]: the tenants' rate limits on the proxy, their store closed with the router; nothing when unset."""
+    if config.limits is not None:
+        proxy.limiter = limiter = build_limiter(config.limits, now, registry)
+        stack.push_async_callback(limiter.store.close)
 
 
 class RouterServer(Listening):
@@ -216,7 +230,6 @@ class RouterServer(Listening):
             wall=self.wall,
             mono=self._mono,
         )
-        metrics = DataPathMetrics(self.registry)
         self.upstream = Client(
             connect_timeout=config.connect_timeout_seconds,
             keepalive_seconds=config.upstream_keepalive_seconds,
@@ -224,7 +237,9 @@ class RouterServer(Listening):
             clock=self.clock,
         )
         stack.push_async_callback(self.upstream.close)
+        metrics = DataPathMetrics(self.registry)
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
+        limit_tenants(proxy, config, self.clock.now, self.registry, stack)
         if config.wake_url:
             proxy.waker = waker_of(self, session)
         # The client port's own HTTP/1.1 server (router/http/server/): the request
@@ -359,11 +374,9 @@ class RouterServer(Listening):
     async def _snapshot_json(self, request: web.Request) -> web.Response:
         """The supervisor's collection: what changed since its last report taken (`?since=BOOK.SEQ`), else all."""
         assert self.ticker is not None
-        book, _, seq = request.query.get("since", "").partition(".")
-        own = self.ticker.snapshotter.book.number
-        since = int(seq) if seq.isdigit() and book == str(own) else None
-        body = orjson.dumps(report_json(self.ticker.snapshot(since=since)))
-        return web.Response(body=body, content_type="application/json")
+        return web.Response(
+            body=report_since(self.ticker, request.query.get("since", "")), content_type="application/json"
+        )
 
     async def _metrics_json(self, request: web.Request) -> web.Response:
         return web.Response(body=orjson.dumps(report(self.registry)), content_type="application/json")
@@ -396,6 +409,13 @@ class RouterServer(Listening):
     @property
     def latest(self) -> LatestSink:
         return self.sinks.latest
+
+
+def report_since(ticker: Ticker, since: str) -> bytes:
+    """What changed since the report `since` (`BOOK.SEQ`) names, when it is of this book; else all of it."""
+    book, _, seq = since.partition(".")
+    taken = int(seq) if seq.isdigit() and book == str(ticker.snapshotter.book.number) else None
+    return orjson.dumps(report_json(ticker.snapshot(since=taken)))
 
 
 def freeze_start_up() -> None:

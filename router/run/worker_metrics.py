@@ -32,6 +32,12 @@ MODES: dict[str, Mode] = {
     "router_held_seconds": "sum",
     "router_queue_wait_seconds": "sum",
     "router_wake_calls": "sum",
+    # The tenants' rate limits (router.gateway.limit_metrics).
+    "router_rate_limited": "sum",
+    "router_rate_limited_shadow": "sum",
+    "router_rate_limit_redis_calls": "sum",
+    "router_rate_limit_redis_errors": "sum",
+    "router_rate_limit_unchecked": "sum",
 }
 
 # On a worker's private socket only.

@@ -211,6 +211,10 @@ def test_the_configuration_reference_says_what_the_code_declares() -> None:
     assert set().union(*tables["api_keys"].values()) | {"key"} == _KEY_KEYS
     (example,) = parse_api_keys(Where("README"), "api_keys", tables["api_keys"])
     assert (example.tenant, example.priority, example.weight) == ("search", "interactive", 2.0)
+    # ... and [limits] beside it, every key shown.
+    from router.core.config.limits import LIMITS_KEYS
+
+    assert set(tables["limits"]) == LIMITS_KEYS
 
 
 def test_an_unknown_routing_policy_is_refused_with_the_known_ones() -> None:

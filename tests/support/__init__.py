@@ -19,6 +19,7 @@ receiver.py      deploy/scale-from-zero/wake_receiver.py as a test's process
 kube_api.py      a fake Kubernetes API server: lists, watches, bookmarks, 410 Gone
 otlp.py          an OTLP/HTTP traces receiver that decodes the spans it gets; slow or failing on demand
 programs.py      the outside programs a test needs (Prometheus, promtool), found or skipped
+redis.py         a real redis-server per test (or a skip saying it is missing), and Redis fakes on raw sockets
 
 Left beside their one area: the discovery harness and its recordings
 (tests/control/discovery/), the Prometheus and dashboard readers

@@ -11,7 +11,6 @@ becomes a Config. Each single value is checked in router.core.config.checks.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import socket
@@ -25,6 +24,7 @@ from urllib.parse import urlsplit
 
 from router.core.config import checks as check
 from router.core.config.engines import ENGINES, ROUTED_PATHS, UPGRADE_PATHS
+from router.core.config.limits import LimitsConfig, limits_of
 from router.core.config.models import ModelConfig, parse_models
 from router.core.config.tenants import (
     DEFAULT_CLASSES,
@@ -323,6 +323,8 @@ class Config:
     discovery: KubernetesDiscovery | None = None
     # [tracing]: OpenTelemetry traces (router.core.config.tracing); None: off, nothing of it runs.
     tracing: TracingConfig | None = None
+    # [limits] and the tenants' limits (router.core.config.limits); None: no tenant is limited.
+    limits: LimitsConfig | None = None
     source: str = "<defaults>"
 
 
@@ -333,7 +335,7 @@ def settings() -> dict[str, tuple[Any, Setting]]:
 
 _SETTINGS = settings()
 # The tables beside the settings.
-_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery", "priority_classes", "tracing"}
+_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery", "priority_classes", "tracing", "limits"}
 # `router scaler`'s table (router/scaler/settings.py reads and checks it), so
 # that one file may configure both; `router serve` does not read it.
 _OTHER_COMMANDS_TABLES = {"scaler"}
@@ -472,6 +474,7 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         priority_classes=classes,
         discovery=discovery,
         tracing=tracing,
+        limits=limits_of(where, raw.get("limits"), values["api_keys"], values["count_tokens"]),
         source=source,
     )
 
@@ -589,12 +592,3 @@ def check_files(config: Config) -> None:
 def replicas_where(source: str) -> check.Where:
     """The message prefix for a replica set that does not come from a file."""
     return check.Where(source)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from router.core.config import checks as check
+from router.core.config.limits import per_minute
 
 DEFAULT_TENANT = "default"
 # A tenant's and a class's name is a label value, an access-log field and a
@@ -28,7 +29,7 @@ DEFAULT_TENANT = "default"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _CLASS_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 _SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
-_KEY_KEYS = {"key", "key_sha256", "tenant", "priority", "weight"}
+_KEY_KEYS = {"key", "key_sha256", "tenant", "priority", "weight", "tokens_per_minute", "requests_per_minute"}
 _CLASS_KEYS = {"name", "queue_timeout_seconds", "max_queue_seconds"}
 # The class of batch work when no [[priority_classes]] is declared: it may wait
 # this long (or queue_timeout_seconds, if longer), and is aged at half of it.
@@ -64,6 +65,9 @@ class ClientKey:
     weight: float = 1.0
     # A class name of priority_classes; None: the first class.
     priority: str | None = None
+    # The tenant's rate limits (router.core.config.limits); None: not limited by this key.
+    tokens_per_minute: int | None = None
+    requests_per_minute: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +154,9 @@ def _table_key(where: check.Where, key: str, name: str, raw: object) -> ClientKe
         )
     weight = float(check.number(where, f"{key}.weight", table.get("weight", 1.0), minimum=0.001))
     priority = check.string(where, f"{key}.priority", table["priority"]) if "priority" in table else None
-    return ClientKey(key, digest, tenant, weight, priority)
+    tokens = per_minute(where, f"{key}.tokens_per_minute", table)
+    requests = per_minute(where, f"{key}.requests_per_minute", table)
+    return ClientKey(key, digest, tenant, weight, priority, tokens, requests)
 
 
 def _digest(key: str) -> bytes:

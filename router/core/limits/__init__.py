@@ -1,0 +1,1 @@
+"""Rate limits per tenant: what a request is estimated to take, and the buckets it is admitted against."""
