@@ -33,6 +33,7 @@ from router.control.health import HealthChecker
 from router.control.sinks import Sinks, build_sinks
 from router.control.sinks.latest import LatestSink
 from router.control.sinks.push import PushSink
+from router.control.sleeping import Sleeper
 from router.control.sources import (
     ReplicaSource,
     build_sources,
@@ -48,6 +49,7 @@ from router.core.errors import CannotListen, ConfigError
 from router.core.pool.ejection import EjectionPolicy
 from router.core.pool.picking import Routing
 from router.core.pool.pool import Limits, Pool
+from router.core.pool.sleep import Wakes
 from router.core.pool.tallies import WORKER_UNSERVED_NAMES
 from router.core.usage.merging import report_json
 from router.core.usage.snapshots import Ticker
@@ -60,7 +62,7 @@ from router.http.client import Client
 from router.http.protocol_errors import ProtocolErrorCollector
 from router.http.server import Server as ClientServer
 from router.run.readers import engine_view, start_readers
-from router.run.session import make_session
+from router.run.session import SessionCall, make_session
 from router.run.worker_metrics import METRICS_PATH, report
 
 log = logging.getLogger("router")
@@ -146,6 +148,7 @@ class RouterServer(Listening):
         self.wall = wall
         self._mono = clock.now
         self.fleet: LocalFleet | None = None
+        self.wakes: Wakes | None = None
         self.ticker: Ticker | None = None
         self.proxy: Proxy | None = None
         self.ready = False
@@ -240,12 +243,15 @@ class RouterServer(Listening):
             log_exception=log.exception,
         )
         self.registry.register(ProtocolErrorCollector(client.protocol_errors, self.upstream.protocol_errors))
+        # The sleep tier: one wake per replica in this process, whether the admin API or a request asks.
+        self.wakes = Wakes(self.pool, SessionCall(session), self.clock.now)
         self.fleet = fleet = LocalFleet(
             self.pool,
             self.registry,
             ticker.snapshot,
             # A worker's series are its supervisor's to export.
             exposition=bytes if worker else sinks.exposition,
+            sleeper=sleeper_of(self, session, self.wakes),
         )
         admin = Admin(
             fleet,
@@ -422,6 +428,16 @@ def reread_keys(path: str, config: Config, proxy: Proxy | None) -> Config | None
     if fresh.api_keys != config.api_keys:
         log.info("reloaded api_keys: %d keys, %d tenants", len(fresh.api_keys), len({k.tenant for k in fresh.api_keys}))
     return replace(config, api_keys=fresh.api_keys)
+
+
+def sleeper_of(server: RouterServer, session: aiohttp.ClientSession, wakes: Wakes) -> Sleeper:
+    """The admin API's sleeps and wakes of this process's replicas (router.control.sleeping)."""
+    config = server.config
+
+    def wake_timeout(model: str) -> float:
+        return config.wake_timeout_seconds
+
+    return Sleeper(server.pool, SessionCall(session), wakes, wake_timeout=wake_timeout)
 
 
 def waker_of(server: RouterServer, session: aiohttp.ClientSession) -> Waker:

@@ -312,6 +312,14 @@ class Pool:
         """Drain a replica by hand (no new requests; those in flight finish), or make it ready again."""
         return self._set.set_draining(replica_id, draining)
 
+    def set_sleep(self, replica: Replica, level: int | None, *, waking: bool = False) -> None:
+        """Asleep at `level` (not a candidate; the drain that led there ends), waking, or awake (None): ready."""
+        self._set.set_sleep(replica, level, waking=waking)
+
+    def asleep(self, model: str) -> list[Replica]:
+        """`model`'s replicas asleep now (not waking), in the set's order."""
+        return [r for r in self._models.get(model, ()) if r.asleep is not None and not r.waking and not r.removed]
+
     def configs(self) -> list[ReplicaConfig]:
         """The desired set, as configured."""
         return self._set.configs()

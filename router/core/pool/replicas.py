@@ -28,6 +28,9 @@ class ReplicaState(enum.Enum):
     EJECTED = "ejected"
     DRAINING = "draining"
     DRAINED = "drained"
+    # Put to sleep by its engine's sleep call (router.core.pool.sleep), and being woken: neither takes requests.
+    ASLEEP = "asleep"
+    WAKING = "waking"
 
 
 class Replica:
@@ -57,6 +60,8 @@ class Replica:
         "prefills",
         "adapters",
         "serves_model",
+        "asleep",
+        "waking",
     )
 
     def __init__(self, config: ReplicaConfig, added_at: float) -> None:
@@ -92,11 +97,16 @@ class Replica:
         # Whether its /v1/models lists `model`, the name requests are sent under (router.core.config.cards,
         # lists_model); None: not read, or its engine answers under any name.
         self.serves_model: bool | None = None
+        # The level its engine was put to sleep at (None: awake), and whether a wake is under way.
+        self.asleep: int | None = None
+        self.waking = False
 
     @property
     def state(self) -> ReplicaState:
         if self.draining or self.removed:
             return ReplicaState.DRAINING if self.in_flight else ReplicaState.DRAINED
+        if self.asleep is not None:
+            return ReplicaState.WAKING if self.waking else ReplicaState.ASLEEP
         if self.ejected_until is not None:
             return ReplicaState.EJECTED
         return ReplicaState.READY
@@ -286,6 +296,14 @@ class ReplicaSet:
         replica.draining = draining
         self.refresh(replica)
         return replica
+
+    def set_sleep(self, replica: Replica, level: int | None, *, waking: bool = False) -> None:
+        """Asleep at `level` (its drain ends with it), waking from it, or awake and ready again (None)."""
+        replica.asleep = level
+        replica.waking = waking and level is not None
+        if level is not None:
+            replica.draining = False
+        self.refresh(replica)
 
     def _remove(self, replica: Replica) -> None:
         replica.removed = True

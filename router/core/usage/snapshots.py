@@ -373,6 +373,7 @@ class Snapshotter:
         build = tuple.__new__
         draining, drained = ReplicaState.DRAINING.value, ReplicaState.DRAINED.value
         ejected, ready = ReplicaState.EJECTED.value, ReplicaState.READY.value
+        asleep, waking = ReplicaState.ASLEEP.value, ReplicaState.WAKING.value
         engines = self.pool.engines
         for r in touched:
             in_flight = r.in_flight
@@ -394,6 +395,8 @@ class Snapshotter:
             # Replica.state, inlined: this loop runs over every replica that changed.
             if r.draining or r.removed:
                 state = draining if in_flight else drained
+            elif r.asleep is not None:
+                state = waking if r.waking else asleep
             else:
                 state = ready if ejected_until is None else ejected
             usage = build(
