@@ -29,6 +29,7 @@ from router.gateway.hold import HeldRequests
 from router.gateway.keys import CLIENT_KEY_HEADERS, ApiKeys
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.responses import ResponsesMemory
+from router.gateway.sleepers import Sleepers
 from router.gateway.tunnel import Tunnels, asks_websocket
 from router.gateway.wake import Waker
 from router.http.client import Client
@@ -98,6 +99,13 @@ class Proxy:
     @waker.setter
     def waker(self, waker: Waker | None) -> None:
         self.held_requests.waker = waker
+        if self.held_requests.sleepers is not None:
+            self.held_requests.sleepers.waker = waker
+
+    def wake_sleepers(self, sleepers: Sleepers) -> None:
+        """Wake sleeping replicas for the requests that need them, and know a 503 "sleeping" (the sleep tier)."""
+        sleepers.waker = self.held_requests.waker
+        self.held_requests.sleepers = self.forwarder.sleepers = sleepers
 
     async def dispatch(self, request: Request, writer: Writer) -> None:
         """The client port's one handler: every answer goes through `writer`."""

@@ -57,6 +57,7 @@ from router.gateway.access_log import AccessLog
 from router.gateway.answers import server_error
 from router.gateway.dispatch import Proxy
 from router.gateway.metrics import DataPathMetrics
+from router.gateway.sleepers import Sleepers
 from router.gateway.wake import Waker
 from router.http.client import Client
 from router.http.protocol_errors import ProtocolErrorCollector
@@ -220,6 +221,8 @@ class RouterServer(Listening):
         )
         stack.push_async_callback(self.upstream.close)
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
+        self.wakes = Wakes(self.pool, SessionCall(session), self.clock.now)
+        proxy.wake_sleepers(Sleepers(self.pool, self.wakes, wake_timeout=config.wake_timeout_seconds))
         if config.wake_url:
             proxy.waker = waker_of(self, session)
         # The client port's own HTTP/1.1 server (router/http/server/): the request
@@ -243,14 +246,13 @@ class RouterServer(Listening):
             log_exception=log.exception,
         )
         self.registry.register(ProtocolErrorCollector(client.protocol_errors, self.upstream.protocol_errors))
-        # The sleep tier: one wake per replica in this process, whether the admin API or a request asks.
-        self.wakes = Wakes(self.pool, SessionCall(session), self.clock.now)
         self.fleet = fleet = LocalFleet(
             self.pool,
             self.registry,
             ticker.snapshot,
             # A worker's series are its supervisor's to export.
             exposition=bytes if worker else sinks.exposition,
+            # The sleep tier: one wake per replica in this process, whether the admin API or a request asks.
             sleeper=sleeper_of(self, session, self.wakes),
         )
         admin = Admin(

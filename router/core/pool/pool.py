@@ -100,6 +100,8 @@ class Pool:
         self._leaving = self._set.leaving
         self._models = self._set.models
         self._candidates = self._set.candidates
+        # Per model, how many of its replicas are asleep or waking (the sleep tier; empty: none).
+        self.sleepy = self._set.sleepy
         # Every model that had a replica since start: known, so never 404.
         self.ever_served = self._set.ever_served
         self.engines = engines
@@ -316,9 +318,9 @@ class Pool:
         """Asleep at `level` (not a candidate; the drain that led there ends), waking, or awake (None): ready."""
         self._set.set_sleep(replica, level, waking=waking)
 
-    def asleep(self, model: str) -> list[Replica]:
-        """`model`'s replicas asleep now (not waking), in the set's order."""
-        return [r for r in self._models.get(model, ()) if r.asleep is not None and not r.waking and not r.removed]
+    def replicas_of(self, model: str) -> list[Replica]:
+        """`model`'s replicas in the desired set, in its order."""
+        return self._models.get(model, [])
 
     def configs(self) -> list[ReplicaConfig]:
         """The desired set, as configured."""

@@ -171,6 +171,7 @@ class ReplicaSet:
         "least",
         "leaving",
         "models",
+        "sleepy",
         "_affinity",
         "_batch",
         "_changed",
@@ -209,6 +210,8 @@ class ReplicaSet:
         self.leaving: set[Replica] = set()
         self.models: dict[str, list[Replica]] = {}
         self.candidates: dict[str, Policy[Replica]] = {}
+        # Per model, its replicas asleep or waking: the request path asks this alone (empty: nothing sleeps).
+        self.sleepy: dict[str, int] = {}
         # Every model that had a replica since start: known, so never 404.
         self.ever_served: set[str] = set()
         # Replicas that became ready (added, readmitted, undrained), for a reader that
@@ -299,13 +302,26 @@ class ReplicaSet:
 
     def set_sleep(self, replica: Replica, level: int | None, *, waking: bool = False) -> None:
         """Asleep at `level` (its drain ends with it), waking from it, or awake and ready again (None)."""
+        if (replica.asleep is None) != (level is None):
+            self._count_sleepy(replica.model, 1 if level is not None else -1)
         replica.asleep = level
         replica.waking = waking and level is not None
         if level is not None:
             replica.draining = False
         self.refresh(replica)
 
+    def _count_sleepy(self, model: str, change: int) -> None:
+        count = self.sleepy.get(model, 0) + change
+        if count > 0:
+            self.sleepy[model] = count
+        else:
+            self.sleepy.pop(model, None)
+
     def _remove(self, replica: Replica) -> None:
+        if replica.asleep is not None:
+            self._count_sleepy(replica.model, -1)
+            replica.asleep = None
+            replica.waking = False
         replica.removed = True
         del self.by_id[replica.id]
         siblings = self.models[replica.model]

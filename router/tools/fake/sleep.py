@@ -58,6 +58,8 @@ class SleepMode:
     wake_hangs: bool = False
     wake_status: int | None = None
     garbage: bool = False
+    # A wake that waits for this event first (a test decides when it ends); None: no wait.
+    wake_gate: asyncio.Event | None = None
     # The tags asleep now (empty: awake), and the level it was put to sleep at (None: awake).
     asleep: set[str] = field(default_factory=set)
     level: int | None = None
@@ -118,6 +120,8 @@ class SleepMode:
     async def _wake(self, tags: list[str]) -> web.Response:
         if self.wake_hangs:
             await asyncio.Event().wait()
+        if self.wake_gate is not None:
+            await self.wake_gate.wait()
         if self.wake_status is not None:
             return web.json_response({"error": "wake failed"}, status=self.wake_status)
         if self.wake_seconds:
