@@ -119,3 +119,34 @@ async def test_with_workers_the_supervisor_fences_every_worker_and_calls_the_eng
             assert answer.choices[0].message.content
     finally:
         serve.output()
+
+
+async def test_with_workers_requests_on_both_wake_the_replica_with_one_call(
+    start_fake: StartFake, tmp_path: Path
+) -> None:
+    gate = asyncio.Event()
+    fake = await start_fake("m", sleep=SleepMode(wake_gate=gate))
+    assert fake.sleep is not None
+    serve = Serve(tmp_path / "router.toml")
+    serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
+    await serve.start("--workers", "2")
+    try:
+        code, _ = await asyncio.to_thread(run_ctl, "sleep", "r0", "--server", serve.admin_url)
+        assert code == 0
+        async with client(serve) as sdk:
+            # Sixteen at once, each on a connection of its own: the kernel spreads them over both workers.
+            asks = [
+                asyncio.ensure_future(
+                    sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": str(i)}])
+                )
+                for i in range(16)
+            ]
+            await wait_for(lambda: fake.sleep is not None and fake.sleep.calls == ["sleep 1", "wake_up"])
+            gate.set()
+            answers = await asyncio.gather(*asks)
+        assert all(a.choices[0].message.content for a in answers)
+        assert fake.sleep.calls == ["sleep 1", "wake_up"]
+        # Both workers asked whether it was awake (each from its own connection); one alone called.
+        assert len(set(fake.sleep.checks)) >= 2
+    finally:
+        serve.output()

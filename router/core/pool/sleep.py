@@ -101,29 +101,56 @@ async def put_to_sleep(call: EngineCall, api: SleepApi, base_url: str, level: in
 async def wake_up(call: EngineCall, api: SleepApi, base_url: str, seconds: float, now: Callable[[], float]) -> None:
     """The engine's wake call, then its sleep check until awake, all within `seconds`.
 
-    EngineCallFailed names what went wrong: a refusal, a silence, an answer
-    that is not `{"is_sleeping": bool}`, or still asleep at the deadline.
+    An engine whose check says it is awake already (woken by another router
+    or worker) gets no call. EngineCallFailed names what went wrong: a
+    refusal, a silence, an answer that is not `{"is_sleeping": bool}`, or
+    still asleep at the deadline.
     """
     deadline = now() + seconds
-    base = base_url.rstrip("/")
-    method, path = api.wake
-    await _call(call, method, base + path, api.body, seconds=seconds, what=f"{method} {path}")
-    if api.check is None:
+    if api.check is not None and not await _sleeping(call, api, base_url, seconds):
         return
-    while True:
-        answer = await _call(call, "GET", base + api.check, None, seconds=deadline - now(), what=f"GET {api.check}")
-        try:
-            doc = orjson.loads(answer)
-        except orjson.JSONDecodeError:
-            doc = None
-        sleeping = doc.get("is_sleeping") if isinstance(doc, dict) else None
-        if not isinstance(sleeping, bool):
-            raise EngineCallFailed(f'GET {api.check}: expected {{"is_sleeping": true|false}}, got {_quote(answer)}')
-        if not sleeping:
-            return
+    method, path = api.wake
+    await _call(call, method, base_url.rstrip("/") + path, api.body, seconds=seconds, what=f"{method} {path}")
+    await until_awake(call, api, base_url, deadline, now=now)
+
+
+async def until_awake(
+    call: EngineCall,
+    api: SleepApi,
+    base_url: str,
+    deadline: float,
+    *,
+    now: Callable[[], float],
+    elsewhere: Callable[[], bool] | None = None,
+) -> None:
+    """Its sleep check until it says awake, by `deadline`; for an engine with none (SGLang), until
+    `elsewhere()` (a wake under way in another process) is false: that wake's end is the word."""
+    seconds = deadline - now()
+    if api.check is None:
+        while elsewhere is not None and elsewhere():
+            if deadline - now() <= POLL_SECONDS:
+                raise EngineCallFailed("the wake under way elsewhere did not end in time")
+            await asyncio.sleep(POLL_SECONDS)
+        return
+    while await _sleeping(call, api, base_url, deadline - now()):
         if deadline - now() <= POLL_SECONDS:
-            raise EngineCallFailed(f"still asleep {seconds:.3g} s after the wake call")
+            raise EngineCallFailed(f"still asleep {seconds:.3g} s later")
         await asyncio.sleep(POLL_SECONDS)
+
+
+async def _sleeping(call: EngineCall, api: SleepApi, base_url: str, seconds: float) -> bool:
+    """What its sleep check says now; EngineCallFailed for anything but `{"is_sleeping": bool}`."""
+    assert api.check is not None
+    what = f"GET {api.check}"
+    answer = await _call(call, "GET", base_url.rstrip("/") + api.check, None, seconds=seconds, what=what)
+    try:
+        doc = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        doc = None
+    sleeping = doc.get("is_sleeping") if isinstance(doc, dict) else None
+    if not isinstance(sleeping, bool):
+        raise EngineCallFailed(f'{what}: expected {{"is_sleeping": true|false}}, got {_quote(answer)}')
+    return sleeping
 
 
 def says_sleeping(status: int, body: bytes) -> bool:
@@ -145,6 +172,35 @@ def says_sleeping(status: int, body: bytes) -> bool:
     return isinstance(message, str) and "sleeping" in message.lower()
 
 
+class Claims(Protocol):
+    """Who makes a replica's wake call when several processes would (the workers of one router)."""
+
+    def claim(self, replica_id: str) -> Callable[[], None] | None:
+        """The release of this process's claim, or None: another process holds it (its wake is under way)."""
+        ...
+
+    def held(self, replica_id: str) -> bool:
+        """Whether another process holds the claim now."""
+        ...
+
+
+class _Alone:
+    """One process: every claim is its own."""
+
+    def claim(self, replica_id: str) -> Callable[[], None] | None:
+        return _nothing
+
+    def held(self, replica_id: str) -> bool:
+        return False
+
+
+def _nothing() -> None:
+    return None
+
+
+_ALONE = _Alone()
+
+
 class Wakes:
     """The wakes under way in this process: one wake call per replica, however many ask for it.
 
@@ -157,6 +213,8 @@ class Wakes:
         self._pool = pool
         self._call = call
         self._now = now
+        # Across processes (--workers): who makes a replica's wake call (router.run.workers.claims).
+        self.claims: Claims = _ALONE
         self._under_way: dict[Replica, asyncio.Task[None]] = {}
         # Wakes and sleeps done, by result: what the metrics count.
         self.results: dict[tuple[str, str], int] = {}
@@ -182,12 +240,29 @@ class Wakes:
             self.count("wake", "failed")
             raise EngineCallFailed(f"its engine ({replica.engine or 'not known'}) has no sleep API the router knows")
         self._pool.set_sleep(replica, level, waking=True)
+        claims = self.claims
+        release = claims.claim(replica.id)
         try:
-            await wake_up(self._call, api, replica.base_url, seconds, self._now)
+            if release is not None:
+                await wake_up(self._call, api, replica.base_url, seconds, self._now)
+            else:
+                # Another process makes the call: this one waits for its engine to say it is awake.
+                deadline = self._now() + seconds
+                await until_awake(
+                    self._call,
+                    api,
+                    replica.base_url,
+                    deadline,
+                    now=self._now,
+                    elsewhere=lambda: claims.held(replica.id),
+                )
         except BaseException:
             if not replica.removed and replica.asleep is not None:
                 self._pool.set_sleep(replica, level)
             self.count("wake", "failed")
             raise
+        finally:
+            if release is not None:
+                release()
         self._pool.set_sleep(replica, None)
         self.count("wake", "ok")

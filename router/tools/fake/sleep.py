@@ -67,6 +67,8 @@ class SleepMode:
     calls: list[str] = field(default_factory=list)
     # Requests that arrived while asleep, and the in-flight count at each sleep call.
     refused: int = 0
+    # Each GET /is_sleeping's peer port: a test tells the processes that asked apart by it.
+    checks: list[int] = field(default_factory=list)
     busy_at_sleep: list[int] = field(default_factory=list)
     _awake: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _active: Callable[[], int] = field(default=lambda: 0, repr=False)
@@ -139,6 +141,8 @@ class SleepMode:
         return await self._wake(tags)
 
     async def _is_sleeping(self, request: web.Request) -> web.Response:
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        self.checks.append(peer[1] if peer else 0)
         if self.garbage:
             return web.Response(body=b"\x00not json{", content_type="application/json")
         return web.json_response({"is_sleeping": self.sleeping})
