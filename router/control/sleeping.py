@@ -18,8 +18,11 @@ engine's call failed (the replica is then as it was before).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica, ReplicaState
@@ -145,3 +148,20 @@ class Sleeper:
         if replica.asleep is not None and not self.wakes.under_way(replica):
             self._pool.set_sleep(replica, None)
         return answer(replica)
+
+
+class SleepCollector(Collector):
+    """router_sleep_calls_total{kind, result}: sleeps and wakes this process made, and 503s "sleeping" found."""
+
+    def __init__(self, wakes: Wakes) -> None:
+        self._wakes = wakes
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "router_sleep_calls",
+            "The sleep tier's engine calls by kind (sleep, wake, found_asleep: a 503 saying sleeping) and result.",
+            labels=["kind", "result"],
+        )
+        for (kind, result), count in sorted(self._wakes.results.items()):
+            family.add_metric([kind, result], count)
+        yield family

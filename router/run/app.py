@@ -33,7 +33,7 @@ from router.control.health import HealthChecker
 from router.control.sinks import Sinks, build_sinks
 from router.control.sinks.latest import LatestSink
 from router.control.sinks.push import PushSink
-from router.control.sleeping import Sleeper
+from router.control.sleeping import SleepCollector, Sleeper
 from router.control.sources import (
     ReplicaSource,
     build_sources,
@@ -222,6 +222,7 @@ class RouterServer(Listening):
         stack.push_async_callback(self.upstream.close)
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
         self.wakes = Wakes(self.pool, SessionCall(session), self.clock.now)
+        self.registry.register(SleepCollector(self.wakes))
         proxy.wake_sleepers(Sleepers(self.pool, self.wakes, wake_timeout=config.wake_timeout_seconds))
         if config.wake_url:
             proxy.waker = waker_of(self, session)

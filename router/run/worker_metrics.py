@@ -32,6 +32,7 @@ MODES: dict[str, Mode] = {
     "router_held_seconds": "sum",
     "router_queue_wait_seconds": "sum",
     "router_wake_calls": "sum",
+    "router_sleep_calls": "sum",
 }
 
 # On a worker's private socket only.

@@ -254,13 +254,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{_clock(doc['generated_at'])}, idle window {window}",
         "",
         table(
-            ["MODEL", "READY", "EJECTED", "DRAINING", "IN-FLIGHT", "REQ/S", "ASKED"],
+            ["MODEL", "READY", "EJECTED", "DRAINING", "ASLEEP", "IN-FLIGHT", "REQ/S", "ASKED"],
             [
                 [
                     m["model"],
                     f"{m['ready']}/{m['total']}",
                     m["ejected"],
                     m["draining"],
+                    m.get("asleep", 0),
                     m["in_flight"],
                     f"{m['requests_per_second']:.2f}",
                     m["asked"],
@@ -270,9 +271,27 @@ def cmd_status(args: argparse.Namespace) -> int:
         ),
         "",
         table(
-            ["GPU-CLASS", "GPUS", "BUSY", "IDLE", "UNKNOWN", "EJECTED", "USAGE (#busy .idle ?unknown xejected)"],
             [
-                [g["gpu_class"], g["total"], g["busy"], g["idle"], g["unknown"], g["ejected"], g["bar"]]
+                "GPU-CLASS",
+                "GPUS",
+                "BUSY",
+                "IDLE",
+                "UNKNOWN",
+                "EJECTED",
+                "ASLEEP",
+                "USAGE (#busy .idle ?unknown xejected zasleep)",
+            ],
+            [
+                [
+                    g["gpu_class"],
+                    g["total"],
+                    g["busy"],
+                    g["idle"],
+                    g["unknown"],
+                    g["ejected"],
+                    g.get("asleep", 0),
+                    g["bar"],
+                ]
                 for g in doc["gpus"]
             ],
         ),

@@ -10,7 +10,7 @@ import orjson
 from router.tools.fake import Behaviour, SleepMode
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.control.test_operations import admin, states
-from tests.support.clients import CHAT, post, run_ctl
+from tests.support.clients import CHAT, get_json, post, run_ctl, samples, scrape
 from tests.support.waiting import wait_for
 
 STATE = "/api/v1/replicas/r0/state"
@@ -135,3 +135,29 @@ async def test_sglang_replicas_sleep_by_releasing_memory(start_fake: StartFake, 
     assert (await admin(server, "POST", STATE, {"state": "ready"}))[1]["state"] == "ready"
     assert fake.sleep is not None
     assert fake.sleep.calls == ["release_memory_occupation", "resume_memory_occupation"]
+
+
+async def test_status_shows_asleep_replicas_in_their_own_column_and_metrics_count_the_calls(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m", sleep=SleepMode())
+    other = await start_fake("m")
+    server = await start_router(
+        [{**replica_entry("r0", fake, gpus=2, gpu_class="a100"), "engine": "vllm"}, replica_entry("r1", other)]
+    )
+    assert (await admin(server, "POST", STATE, {"state": "asleep"}))[0] == 200
+    assert server.ticker is not None
+    server.ticker.tick()
+    status = await get_json(server.admin_url + "/api/v1/status?idle_for=0")
+    model = status["models"][0]
+    assert (model["ready"], model["asleep"], model["total"]) == (1, 1, 2)
+    a100 = next(g for g in status["gpus"] if g["gpu_class"] == "a100")
+    # Never in use, never unknown: asleep.
+    assert (a100["asleep"], a100["busy"], a100["unknown"], a100["idle"]) == (2, 0, 0, 0)
+    assert a100["bar"] == "[" + "z" * 20 + "]"
+    code, out = await asyncio.to_thread(run_ctl, "status", "--server", server.admin_url)
+    assert code == 0
+    assert "ASLEEP" in out and "zasleep" in out
+    assert (await admin(server, "POST", STATE, {"state": "ready"}))[0] == 200
+    found = samples(await scrape(server), "router_sleep_calls_total")
+    assert found == {(("kind", "sleep"), ("result", "ok")): 1.0, (("kind", "wake"), ("result", "ok")): 1.0}
