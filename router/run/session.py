@@ -46,8 +46,12 @@ class SessionCall:
             async with self._session.request(
                 method, url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=seconds)
             ) as resp:
-                # An engine's sleep answers are small: a bounded read, never a body sent to exhaust memory.
-                return resp.status, await resp.content.read(_ANSWER_LIMIT)
+                # An engine's sleep answers are small: read whole up to a bound (a body cut short is a
+                # failure, not an answer), never a body sent to exhaust memory.
+                answer = bytearray()
+                while len(answer) < _ANSWER_LIMIT and (piece := await resp.content.read(_ANSWER_LIMIT - len(answer))):
+                    answer += piece
+                return resp.status, bytes(answer)
         except TimeoutError:
             raise
         except (aiohttp.ClientError, OSError, ValueError) as exc:
