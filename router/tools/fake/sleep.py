@@ -27,6 +27,7 @@ answers garbage (`garbage`).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,6 +71,8 @@ class SleepMode:
     # Each GET /is_sleeping's peer port: a test tells the processes that asked apart by it.
     checks: list[int] = field(default_factory=list)
     busy_at_sleep: list[int] = field(default_factory=list)
+    # When each wake ended (time.monotonic()), for a bench's added latency.
+    woke_at: list[float] = field(default_factory=list)
     _awake: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _active: Callable[[], int] = field(default=lambda: 0, repr=False)
 
@@ -133,6 +136,7 @@ class SleepMode:
         if not self.asleep:
             self.level = None
             self._awake.set()
+            self.woke_at.append(time.monotonic())
         return web.Response(status=200)
 
     async def _wake_up(self, request: web.Request) -> web.Response:
