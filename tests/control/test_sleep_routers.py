@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 
 from router.tools.fake import Behaviour, FakeReplica, SleepMode
 from tests.conftest import StartFake
+from tests.run.test_workers import children
 from tests.support.clients import get_json, run_ctl
 from tests.support.processes import Serve
 from tests.support.waiting import until, wait_for
@@ -148,5 +152,32 @@ async def test_with_workers_requests_on_both_wake_the_replica_with_one_call(
         assert fake.sleep.calls == ["sleep 1", "wake_up"]
         # Both workers asked whether it was awake (each from its own connection); one alone called.
         assert len(set(fake.sleep.checks)) >= 2
+    finally:
+        serve.output()
+
+
+async def test_a_worker_that_restarts_loads_the_replica_asleep(start_fake: StartFake, tmp_path: Path) -> None:
+    fake = await start_fake("m", sleep=SleepMode())
+    serve = Serve(tmp_path / "router.toml")
+    serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
+    await serve.start("--workers", "2")
+    try:
+        assert serve.process is not None
+        code, _ = await asyncio.to_thread(run_ctl, "sleep", "r0", "--server", serve.admin_url)
+        assert code == 0
+        os.kill(children(serve.process.pid)[0], signal.SIGKILL)
+        await serve.says("restarting it")
+        await wait_for(lambda: serve.process is not None and len(children(serve.process.pid)) == 2)
+
+        async def merged_asleep() -> bool:
+            # Both workers answer again, and both hold it asleep (the merge says asleep only then).
+            try:
+                return await state_of(serve, "r0") == "asleep"
+            except aiohttp.ClientError:
+                return False
+
+        await until(merged_asleep, timeout=15, what="the restarted worker did not load r0 asleep")
+        serve.signal(signal.SIGTERM)
+        assert serve.process.wait(timeout=30) == 0
     finally:
         serve.output()

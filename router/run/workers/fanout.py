@@ -47,6 +47,8 @@ class SupervisedFleet:
         self.desired = initial
         self.current = initial
         self.draining: set[str] = set()
+        # Replicas the supervisor put to sleep, and their level: a (re)starting worker loads them asleep.
+        self.asleep: dict[str, int] = {}
         self._collect = collect
         self._metrics = metrics
         self._changes = asyncio.Lock()
@@ -56,7 +58,7 @@ class SupervisedFleet:
     def write_state(self, entries: list[bytes] | None = None) -> None:
         """The set (`entries`: its JSON, when made already) and drains into the workers' state file."""
         assert self.processes.runtime is not None, "the runtime directory first"
-        write_state(self.processes.runtime, entries or self._entries(self.desired), self.draining)
+        write_state(self.processes.runtime, entries or self._entries(self.desired), self.draining, self.asleep)
 
     def _entries(self, configs: tuple[ReplicaConfig, ...]) -> list[bytes]:
         """Each replica as JSON, serialized once per config: a push's unchanged entries are the
@@ -90,6 +92,8 @@ class SupervisedFleet:
         async with self._changes:
             self.desired = configs
             self.draining &= {c.id for c in configs}
+            kept = {c.id for c in configs}
+            self.asleep = {rid: level for rid, level in self.asleep.items() if rid in kept}
             entries = self._entries(configs)
             self.write_state(entries)
             body = set_json(entries)
@@ -115,6 +119,7 @@ class SupervisedFleet:
                 answer = await self.sleeps.wake(self, replica_id)
                 async with self._changes:
                     self.draining.discard(replica_id)
+                    self.asleep.pop(replica_id, None)
                     self.write_state()
                 return answer
         async with self._changes:
@@ -136,6 +141,9 @@ class SupervisedFleet:
         return await self.sleeps.sleep(self, replica_id, level, call_engine=call_engine, wait=wait)
 
     async def woken(self, replica_id: str) -> dict[str, Any]:
+        async with self._changes:
+            self.asleep.pop(replica_id, None)
+            self.write_state()
         body = orjson.dumps({"state": "ready", "call_engine": False})
         await self.everywhere("POST", f"/api/v1/replicas/{replica_id}/state", body)
         return {"id": replica_id, "state": "ready", "in_flight": 0, "level": None}

@@ -75,6 +75,10 @@ class SupervisedSleeps:
                 ) from exc
         body = orjson.dumps({"state": "asleep", "level": level, "call_engine": False, "wait_seconds": 0})
         await fleet.everywhere("POST", f"/api/v1/replicas/{replica_id}/state", body)
+        # Asleep, no longer drained, in the state file too: a worker that restarts loads it asleep.
+        fleet.asleep[replica_id] = level
+        fleet.draining.discard(replica_id)
+        fleet.write_state()
         return {"id": replica_id, "state": "asleep", "in_flight": 0, "level": level}
 
     async def wake(self, fleet: SupervisedFleet, replica_id: str) -> dict[str, Any]:
