@@ -136,6 +136,13 @@ class Sleeper:
     async def wake(self, replica_id: str) -> dict[str, Any]:
         """Wake an asleep (or waking) replica and answer once it is ready."""
         replica = self._replica(replica_id)
+        if sleep_api(replica.engine) is None:
+            raise SleepRefused(
+                409,
+                "cannot_wake",
+                f"Replica {replica_id!r}'s engine ({replica.engine or 'not known'}) has no wake call the router knows; "
+                'if it was woken another way, say so with {"state": "ready", "call_engine": false}.',
+            )
         try:
             await asyncio.shield(self.wakes.wake(replica, self._wake_timeout(replica.model)))
         except EngineCallFailed as exc:

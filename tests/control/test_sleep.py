@@ -161,3 +161,33 @@ async def test_status_shows_asleep_replicas_in_their_own_column_and_metrics_coun
     assert (await admin(server, "POST", STATE, {"state": "ready"}))[0] == 200
     found = samples(await scrape(server), "router_sleep_calls_total")
     assert found == {(("kind", "sleep"), ("result", "ok")): 1.0, (("kind", "wake"), ("result", "ok")): 1.0}
+
+
+async def test_a_replica_recorded_asleep_without_a_sleep_api_is_woken_only_by_word(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    plain = await start_fake("m")
+    server = await start_router([replica_entry("r0", plain)])
+    status, answer = await admin(server, "POST", STATE, {"state": "asleep", "call_engine": False})
+    assert (status, answer["state"]) == (200, "asleep")
+    status, answer = await admin(server, "POST", STATE, {"state": "ready"})
+    assert (status, answer["error"]["code"]) == (409, "cannot_wake")
+    assert '"call_engine": false' in answer["error"]["message"]
+    status, answer = await admin(server, "POST", STATE, {"state": "ready", "call_engine": False})
+    assert (status, answer["state"]) == (200, "ready")
+
+
+async def test_ctl_sleep_across_routers_undoes_its_fence_when_one_router_refuses(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m", sleep=SleepMode())
+    knows = await start_router([{**replica_entry("r0", fake), "engine": "vllm"}])
+    other = await start_fake("m")
+    stranger = await start_router([replica_entry("r9", other)])
+    code, _ = await asyncio.to_thread(
+        run_ctl, "sleep", "r0", "--server", knows.admin_url, "--server", stranger.admin_url
+    )
+    assert code == 1
+    assert (await states(knows))["r0"] == "ready"
+    assert fake.sleep is not None
+    assert fake.sleep.calls == []
