@@ -221,8 +221,7 @@ class RouterServer(Listening):
         )
         stack.push_async_callback(self.upstream.close)
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
-        self.wakes = Wakes(self.pool, SessionCall(session), self.clock.now)
-        self.registry.register(SleepCollector(self.wakes))
+        self.wakes = wakes_of(self, session, stack)
         proxy.wake_sleepers(Sleepers(self.pool, self.wakes, wake_timeout=config.wake_timeout_seconds))
         if config.wake_url:
             proxy.waker = waker_of(self, session)
@@ -431,6 +430,14 @@ def reread_keys(path: str, config: Config, proxy: Proxy | None) -> Config | None
     if fresh.api_keys != config.api_keys:
         log.info("reloaded api_keys: %d keys, %d tenants", len(fresh.api_keys), len({k.tenant for k in fresh.api_keys}))
     return replace(config, api_keys=fresh.api_keys)
+
+
+def wakes_of(server: RouterServer, session: aiohttp.ClientSession, stack: contextlib.AsyncExitStack) -> Wakes:
+    """The sleep tier's wakes of this process (one per replica, whoever asks), counted, ended at stop."""
+    wakes = Wakes(server.pool, SessionCall(session), server.clock.now)
+    stack.push_async_callback(wakes.close)
+    server.registry.register(SleepCollector(wakes))
+    return wakes
 
 
 def sleeper_of(server: RouterServer, session: aiohttp.ClientSession, wakes: Wakes) -> Sleeper:

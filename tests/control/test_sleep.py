@@ -191,3 +191,23 @@ async def test_ctl_sleep_across_routers_undoes_its_fence_when_one_router_refuses
     assert (await states(knows))["r0"] == "ready"
     assert fake.sleep is not None
     assert fake.sleep.calls == []
+
+
+async def test_the_usage_map_has_asleep_replicas_in_a_map_of_their_own(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m", sleep=SleepMode())
+    server = await start_router([{**replica_entry("r0", fake), "engine": "vllm"}, replica_entry("r1", fake)])
+    assert server.ticker is not None and server.fleet is not None
+    assert (await admin(server, "POST", STATE, {"state": "asleep"}))[0] == 200
+    for expected in ({"r0": "asleep"}, {}):
+        server.ticker.tick()
+        usage = await get_json(server.admin_url + "/api/v1/usage")
+        snapshot = await server.fleet.snapshot()
+        # The incremental document says what the whole snapshot's does, key for key (a later snapshot's time).
+        whole = orjson.loads(orjson.dumps(snapshot.usage_document()))
+        assert {**usage, "generated_at": 0} == {**whole, "generated_at": 0}
+        assert usage["asleep"] == expected
+        # Watched as any replica: never unknown for being asleep.
+        assert set(usage["watching_since"]) == {"r0", "r1"}
+        await admin(server, "POST", STATE, {"state": "ready"})

@@ -33,6 +33,17 @@ class ReplicaState(enum.Enum):
     WAKING = "waking"
 
 
+SLEEPING = frozenset({ReplicaState.ASLEEP.value, ReplicaState.WAKING.value})
+
+
+def sleep_state(states: Iterable[str]) -> str:
+    """One id's sleep state from its records' states: "waking" if one wakes, "asleep" if one sleeps, else ""."""
+    found = set(states)
+    if ReplicaState.WAKING.value in found:
+        return ReplicaState.WAKING.value
+    return ReplicaState.ASLEEP.value if ReplicaState.ASLEEP.value in found else ""
+
+
 class Replica:
     """One replica as the data path sees it. Mutated only by the pool and its parts."""
 

@@ -222,6 +222,13 @@ class Wakes:
     def under_way(self, replica: Replica) -> bool:
         return replica in self._under_way
 
+    async def close(self) -> None:
+        """At shutdown: the wakes under way end (their waiters see them cancelled)."""
+        tasks = list(self._under_way.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def count(self, kind: str, result: str) -> None:
         self.results[kind, result] = self.results.get((kind, result), 0) + 1
 

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Protocol
 from router.core.config.settings import LabelValue
 from router.core.pool.picking import AFFINITY_OUTCOMES
 from router.core.pool.pool import Pool
-from router.core.pool.replicas import Replica, ReplicaState
+from router.core.pool.replicas import SLEEPING, Replica, ReplicaState, sleep_state
 from router.core.usage.quiet import Candidate, MergedUsage, RouterReport, merge_reports, quiet_bounds
 from router.core.usage.records import Changes, RecordBook
 
@@ -286,6 +286,14 @@ class UsageSnapshot:
                 models[rid] = r.model
         return last_used, watching, models
 
+    def asleep_map(self) -> dict[str, str]:
+        """Per replica id asleep or waking (the sleep tier), which: "waking" if any of its records is."""
+        states: dict[str, list[str]] = {}
+        for r in self.replicas:
+            if r.state in SLEEPING:
+                states.setdefault(r.id, []).append(r.state)
+        return {rid: sleep_state(found) for rid, found in states.items()}
+
     def usage_document(self) -> dict[str, object]:
         """The body of GET /api/v1/usage and of the usage push."""
         last_used, watching, models = self.maps()
@@ -297,6 +305,8 @@ class UsageSnapshot:
             "last_used": last_used,
             "watching_since": watching,
             "model": models,
+            # Asleep replicas in their own map: never in use, never unknown (they are watched as any).
+            "asleep": self.asleep_map(),
             "demand": demand_json(self.demand),
         }
 
