@@ -23,6 +23,7 @@ from router.control.fleet import Fleet, FleetUnavailable
 from router.control.openapi import DOCUMENT
 from router.control.sinks.latest import LatestSink
 from router.control.sinks.rates import RateSink
+from router.control.sleeping import DEFAULT_WAIT_SECONDS, SleepRefused
 from router.control.status import fleet_status
 from router.core.usage.snapshots import EngineReading, UsageSnapshot
 
@@ -249,12 +250,46 @@ class Admin:
         except _BadBody as exc:
             return _error(400, str(exc), "invalid_state")
         state = body.get("state") if isinstance(body, dict) else None
-        if state not in ("draining", "ready") or not isinstance(body, dict) or set(body) != {"state"}:
-            return _error(400, 'The body must be {"state": "draining"} or {"state": "ready"}.', "invalid_state")
-        answer = await self.fleet.set_draining(replica_id, state == "draining")
+        try:
+            if state == "asleep" and isinstance(body, dict):
+                return _json(await self._sleep(replica_id, body))
+            if body == {"state": "ready", "call_engine": False}:
+                # Woken elsewhere (a supervisor's or another router's wake call): ready here, no call made.
+                return _json(await self.fleet.woken(replica_id))
+            if state not in ("draining", "ready") or not isinstance(body, dict) or set(body) != {"state"}:
+                return _error(
+                    400,
+                    'The body must be {"state": "draining"}, {"state": "ready"} or {"state": "asleep", "level": 1}.',
+                    "invalid_state",
+                )
+            answer = await self.fleet.set_draining(replica_id, state == "draining")
+        except SleepRefused as exc:
+            return _error(exc.status, str(exc), exc.code)
         if answer is None:
             return _error(404, f"No replica with id {replica_id!r}.", "replica_not_found")
         return _json(answer)
+
+    async def _sleep(self, replica_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(body) - _SLEEP_FIELDS
+        if unknown:
+            fields = ", ".join(sorted(_SLEEP_FIELDS - {"state"}))
+            raise SleepRefused(400, "invalid_state", f"Unknown field(s) {sorted(unknown)} for asleep; known: {fields}.")
+        level = body.get("level", 1)
+        call_engine = body.get("call_engine", True)
+        wait = body.get("wait_seconds", DEFAULT_WAIT_SECONDS)
+        if isinstance(level, bool) or level not in (1, 2):
+            raise SleepRefused(400, "invalid_state", f"level must be 1 or 2, got {level!r}.")
+        if not isinstance(call_engine, bool):
+            raise SleepRefused(400, "invalid_state", f"call_engine must be true or false, got {call_engine!r}.")
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= _MAX_WAIT_SECONDS:
+            raise SleepRefused(
+                400, "invalid_state", f"wait_seconds must be a number from 0 to {_MAX_WAIT_SECONDS:g}, got {wait!r}."
+            )
+        return await self.fleet.sleep(replica_id, level, call_engine=call_engine, wait=float(wait))
+
+
+_SLEEP_FIELDS = frozenset({"state", "level", "call_engine", "wait_seconds"})
+_MAX_WAIT_SECONDS = 3600.0
 
 
 class _BadBody(Exception):

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
+from router.control.sleeping import Sleeper, SleepRefused
 from router.core.config.settings import ReplicaConfig
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import SetDiff
@@ -40,6 +41,14 @@ class Fleet(Protocol):
         """The replica's new {"id", "state", "in_flight"}, or None if there is no such replica."""
         ...
 
+    async def sleep(self, replica_id: str, level: int, *, call_engine: bool, wait: float) -> dict[str, Any]:
+        """Drain the replica, then put its engine to sleep (router.control.sleeping); SleepRefused says why not."""
+        ...
+
+    async def woken(self, replica_id: str) -> dict[str, Any]:
+        """An asleep replica woken elsewhere: ready again here, no engine call made."""
+        ...
+
     async def metrics(self) -> bytes: ...
 
 
@@ -63,10 +72,13 @@ class LocalFleet:
         *,
         exposition: Callable[[], bytes] = bytes,
         before_scrape: Callable[[], None] = lambda: None,
+        sleeper: Sleeper | None = None,
     ) -> None:
         """`exposition`: the per-replica series, rendered as they change (Sinks.exposition);
-        `before_scrape`: reads on the event loop what the scrape shows as of now (sinks/waiting.py)."""
+        `before_scrape`: reads on the event loop what the scrape shows as of now (sinks/waiting.py);
+        `sleeper`: the sleeps and wakes of its replicas (None: refused, 409)."""
         self.pool = pool
+        self.sleeper = sleeper
         self.registry = registry
         self._snapshot = snapshot
         self._exposition = exposition
@@ -82,10 +94,25 @@ class LocalFleet:
         return diff_json(self.pool.set_replicas(configs))
 
     async def set_draining(self, replica_id: str, draining: bool) -> dict[str, Any] | None:
+        asleep = self.pool.get(replica_id)
+        if not draining and asleep is not None and asleep.asleep is not None:
+            # Ready again, from asleep: its engine is woken first.
+            return await self._sleeper().wake(replica_id)
         replica = self.pool.set_draining(replica_id, draining)
         if replica is None:
             return None
         return {"id": replica.id, "state": replica.state.value, "in_flight": replica.in_flight}
+
+    def _sleeper(self) -> Sleeper:
+        if self.sleeper is None:
+            raise SleepRefused(409, "cannot_sleep", "This router does not put replicas to sleep.")
+        return self.sleeper
+
+    async def sleep(self, replica_id: str, level: int, *, call_engine: bool, wait: float) -> dict[str, Any]:
+        return await self._sleeper().sleep(replica_id, level, call_engine=call_engine, wait=wait)
+
+    async def woken(self, replica_id: str) -> dict[str, Any]:
+        return self._sleeper().woken(replica_id)
 
     async def metrics(self) -> bytes:
         self._before_scrape()

@@ -164,13 +164,22 @@ DOCUMENT: dict[str, Any] = {
         },
         "/api/v1/replicas/{id}/state": {
             "post": {
-                "summary": "Drain a replica or put it back",
+                "summary": "Drain a replica, put it to sleep (drained first), or make it ready (woken if asleep)",
                 "security": [{"adminToken": []}],
                 "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],
-                "requestBody": _body({"state": {"enum": ["draining", "ready"]}}),
+                "requestBody": _body(
+                    {
+                        "state": {"enum": ["draining", "ready", "asleep"]},
+                        "level": {"type": "integer", "enum": [1, 2]},
+                        "call_engine": {"type": "boolean"},
+                        "wait_seconds": {"type": "number"},
+                    }
+                ),
                 "responses": {
                     "200": _json({"type": "object"}),
                     "404": _json({"$ref": "#/components/schemas/Error"}, "No such replica"),
+                    "409": _json({"$ref": "#/components/schemas/Error"}, "It cannot sleep now"),
+                    "502": _json({"$ref": "#/components/schemas/Error"}, "Its engine's sleep or wake call failed"),
                     **_ERRORS,
                 },
             }

@@ -5,7 +5,8 @@ by the same rule as `router ctl idle` (UsageSnapshot.quiet_for: the proven
 quiet bound), so that it cannot disagree with them. A replica is idle for
 the window when no request reached it for that long, stamp or no stamp;
 unknown when that cannot be proven (watched for less than the window);
-an ejected one is neither busy nor idle.
+an ejected one is neither busy nor idle; an asleep (or waking) one is counted
+apart, as asleep: never in use, never unknown.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ class ModelStatus:
     # Requests waiting now for a slot under the limits.
     queued: int
     # "yes": a request within the idle window; "no": every replica known quiet
-    # for longer; "unknown": neither can be said.
+    # for longer (or asleep); "unknown": neither can be said.
     asked: str
+    # Replicas asleep or waking (the sleep tier).
+    asleep: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class GpuClassStatus:
-    """One GPU class's line of the fleet summary: busy, idle, unknown, ejected."""
+    """One GPU class's line of the fleet summary: busy, idle, unknown, ejected, asleep."""
 
     gpu_class: str
     total: int
@@ -51,6 +54,7 @@ class GpuClassStatus:
     unknown: int
     ejected: int
     bar: str
+    asleep: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,13 +165,15 @@ def gpus_of(replica: ReplicaUsage) -> int:
 def usage_class(
     replica: ReplicaUsage, quiet_for: float | None, now: float, idle_for: float, wanted: Container[str] = ()
 ) -> str:
-    """busy, idle, unknown or ejected: how a replica counts in the summary.
+    """busy, idle, unknown, ejected or asleep: how a replica counts in the summary.
 
     `quiet_for` is the proven quiet bound (UsageSnapshot.quiet_for); `wanted`
     the models with requests held for them, whose replicas are never idle.
     """
     if replica.state == "ejected":
         return "ejected"
+    if replica.state in _ASLEEP:
+        return "asleep"
     if replica.in_flight > 0 or replica.model in wanted:
         return "busy"
     if quiet_for is not None and quiet_for >= idle_for:
@@ -178,12 +184,15 @@ def usage_class(
     return "unknown"
 
 
-def bar(busy: int, idle: int, unknown: int, ejected: int, width: int = BAR_WIDTH) -> str:
-    """'#' busy, '.' idle, '?' unknown, 'x' ejected, in proportion."""
-    total = busy + idle + unknown + ejected
+_ASLEEP = frozenset({"asleep", "waking"})
+
+
+def bar(busy: int, idle: int, unknown: int, ejected: int, width: int = BAR_WIDTH, *, asleep: int = 0) -> str:
+    """'#' busy, '.' idle, '?' unknown, 'x' ejected, 'z' asleep, in proportion."""
+    total = busy + idle + unknown + ejected + asleep
     if total == 0:
         return "[" + " " * width + "]"
-    counts = [busy, idle, unknown, ejected]
+    counts = [busy, idle, unknown, ejected, asleep]
     cells = [round(c * width / total) for c in counts]
     # Rounding must neither hide a non-zero part nor overflow the bar.
     for i, c in enumerate(counts):
@@ -193,7 +202,7 @@ def bar(busy: int, idle: int, unknown: int, ejected: int, width: int = BAR_WIDTH
         cells[cells.index(max(cells))] -= 1
     while sum(cells) < width:
         cells[cells.index(max(cells))] += 1
-    return "[" + "".join(ch * n for ch, n in zip("#.?x", cells, strict=True)) + "]"
+    return "[" + "".join(ch * n for ch, n in zip("#.?xz", cells, strict=True)) + "]"
 
 
 def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates: Mapping[str, float]) -> FleetStatus:
@@ -218,7 +227,7 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
         held = gpus_of(r)
         counts = per_class.get(gpu_class)
         if counts is None:
-            counts = per_class[gpu_class] = {"busy": 0, "idle": 0, "unknown": 0, "ejected": 0}
+            counts = per_class[gpu_class] = {"busy": 0, "idle": 0, "unknown": 0, "ejected": 0, "asleep": 0}
         counts[kind] += held
         if kind == "idle":
             quiet_for = quiet.get(r.id)
@@ -235,12 +244,16 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
             requests_per_second=round(rates.get(model, 0.0), 3),
             queued=snapshot.queued.get(model, 0),
             asked=tally.asked(),
+            asleep=tally.asleep,
         )
         for model, tally in sorted(by_model.items())
     ]
     gpus = tuple(
         GpuClassStatus(
-            gpu_class=c, total=sum(t.values()), bar=bar(t["busy"], t["idle"], t["unknown"], t["ejected"]), **t
+            gpu_class=c,
+            total=sum(t.values()),
+            bar=bar(t["busy"], t["idle"], t["unknown"], t["ejected"], asleep=t["asleep"]),
+            **t,
         )
         for c, t in sorted(per_class.items())
     )
@@ -286,10 +299,11 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
 class _ModelTally:
     """One model's replicas as the summary counts them."""
 
-    __slots__ = ("busy", "draining", "ejected", "idle", "in_flight", "ready", "total")
+    __slots__ = ("asleep", "busy", "draining", "ejected", "idle", "in_flight", "ready", "total")
 
     def __init__(self) -> None:
         self.total = self.ready = self.ejected = self.draining = self.in_flight = self.busy = self.idle = 0
+        self.asleep = 0
 
     def count(self, r: ReplicaUsage, kind: str) -> None:
         self.total += 1
@@ -300,6 +314,8 @@ class _ModelTally:
             self.ejected += 1
         elif state in ("draining", "drained"):
             self.draining += 1
+        elif state in _ASLEEP:
+            self.asleep += 1
         self.in_flight += r.in_flight
         if kind == "busy":
             self.busy += 1
@@ -307,9 +323,9 @@ class _ModelTally:
             self.idle += 1
 
     def asked(self) -> str:
-        """yes: one busy; no: every one idle; unknown: neither can be said."""
+        """yes: one busy; no: every one idle or asleep; unknown: neither can be said."""
         if self.busy:
             return "yes"
-        if self.total and self.idle == self.total:
+        if self.total and self.idle + self.asleep == self.total:
             return "no"
         return "unknown"

@@ -59,6 +59,11 @@ class Chain:
         self._affinity = {
             name: Affinity(model) for name, model in config.models.items() if model.routing in ("session", "prefix")
         }
+        # The models with a replica asleep or waking (router.gateway.sleepers): held as a cold model's
+        # requests are, for cold_start_seconds or else twice wake_timeout_seconds: time for a wake that
+        # fails at its deadline, and the next replica's.
+        self._sleepy = pool.sleepy
+        self._wake_hold = 2 * config.wake_timeout_seconds
 
     async def serve(self, call: Call) -> None:
         """Each model of the chain in turn, each up to max_attempts replicas, until one answers.
@@ -77,6 +82,8 @@ class Chain:
         # About four bytes a token: a large prompt weighs in the picks while it prefills (core/pool/loads.py).
         tokens = len(request.body) >> 2 if pool.engines is not None else 0
         cold_start = self.held_requests.seconds.get(model)
+        if cold_start is None and self._sleepy and model in self._sleepy:
+            cold_start = self._wake_hold
         last: Failed | None = None
         only_connect_failures = True
         only_loading = True
@@ -104,6 +111,9 @@ class Chain:
                 for attempt in range(self._max_attempts):
                     replica = pool.acquire(target, avoid, refused, key, tokens)
                     if replica is None:
+                        if self._sleepy and target in self._sleepy:
+                            # Gone or saturated, and one of its replicas sleeps: it is woken.
+                            self.held_requests.wanted(target)
                         why = pool.why_saturated(target)
                         if why is None:
                             break
@@ -140,6 +150,9 @@ class Chain:
                         return
                     avoid = replica
                     refused.add(replica)
+            if cold_start is None and self._sleepy and model in self._sleepy:
+                # A replica that answered 503 "sleeping" just now: asleep, and woken for this request.
+                cold_start = self._wake_hold
             if cold_start and (last is None or only_loading):
                 # Scaled to zero, or every replica still loading: held until one answers.
                 if probes is not None:

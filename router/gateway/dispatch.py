@@ -32,6 +32,7 @@ from router.gateway.keys import CLIENT_KEY_HEADERS, ApiKeys
 from router.gateway.limits import LimitedWriter, RateLimiter
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.responses import ResponsesMemory
+from router.gateway.sleepers import Sleepers
 from router.gateway.traces import TRACE_HEADERS, RequestTrace, Tracer
 from router.gateway.tunnel import Tunnels, asks_websocket
 from router.gateway.wake import Waker
@@ -85,9 +86,8 @@ class Proxy:
         )
         # The POST paths routed by the model they name (config routed_paths).
         self.routed = frozenset(config.routed_paths)
-        # Headers never passed to a replica as the client sent them: its key,
-        # and X-Request-Id, which the router sets (the client's, checked, or its own).
-        # ... and, once the engines have keys of their own, whatever key the client sent.
+        # Never passed to a replica as the client sent them: its key, X-Request-Id (the router sets it:
+        # the client's, checked, or its own), and any key the client sent once the engines have their own.
         self._forwarded = HeaderFilter(keys.drop | withheld(config) | REQUEST_ID)
         # The GET paths whose WebSocket upgrades are routed by the query's model (config upgrade_paths).
         self.upgrades = frozenset(config.upgrade_paths)
@@ -106,6 +106,13 @@ class Proxy:
     @waker.setter
     def waker(self, waker: Waker | None) -> None:
         self.held_requests.waker = waker
+        if (sleepers := self.held_requests.sleepers) is not None:
+            sleepers.waker = waker
+
+    def wake_sleepers(self, sleepers: Sleepers) -> None:
+        """Wake sleeping replicas for the requests that need them, and know a 503 "sleeping" (the sleep tier)."""
+        sleepers.waker = self.held_requests.waker
+        self.held_requests.sleepers = self.forwarder.sleepers = sleepers
 
     async def dispatch(self, request: Request, writer: Writer) -> None:
         """The client port's one handler: every answer goes through `writer`."""

@@ -38,6 +38,7 @@ from router.gateway.call import Call
 from router.gateway.codings import StreamDecoder, decoded
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.outcomes import Failed, Ledgers, Outcome
+from router.gateway.sleepers import Sleepers
 from router.gateway.tokens import TAIL_WINDOW, stream_tokens, whole_answer_tokens
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
 from router.http.headers import RESPONSE_HEADERS
@@ -153,12 +154,13 @@ class Forwarder:
         count_tokens: bool = False,
     ) -> None:
         self.pool = pool
-        # Each model's engines' own key and headers, as sent ([models."NAME"] upstream_*); a
-        # replica's own (ReplicaConfig.upstream) comes first.
+        # Each model's engines' key and headers ([models."NAME"] upstream_*); a replica's own comes first.
         self._credentials = dict(credentials or {})
         self.client = client
         self.metrics = metrics
         self.ledgers = Ledgers(pool, metrics)
+        # The sleep tier's request side: a 503 "sleeping" marks its replica asleep (None: not recognised).
+        self.sleepers: Sleepers | None = None
         self._first_byte_timeout = first_byte_timeout
         self._write_stall_timeout = write_stall_timeout
         # X-Router-Replica on the answers replicas give (config expose_replica_header).
@@ -298,15 +300,17 @@ class Forwarder:
     ) -> Failed:
         """A 429/502/503/504: keep the answer for the client in case no one else serves."""
         status = resp.status
-        # A held request's try that finds the engine loading (503) is a probe, not an attempt.
-        loading = probe and status == 503
-        self.ledgers.record(entry, replica, model, Outcome.REFUSED, status=status, ttfb=ttfb, probe=loading)
         try:
             data = await resp.read(WHOLE_ANSWER_BYTES)
         except ConnectionBroken:
             data = b""
         answer = replica_answer(status, resp.reason_bytes, data, RESPONSE_HEADERS.kept(resp.headers))
         error = UpstreamError(f"Replica {replica.id} answered {status}.")
+        # A 503 "sleeping" is asleep, not failing; a held request's try finding the engine loading, a probe.
+        asleep = status == 503 and self.sleepers is not None and self.sleepers.found_asleep(replica, data)
+        loading = probe and status == 503 and not asleep
+        outcome = Outcome.ASLEEP if asleep else Outcome.REFUSED
+        self.ledgers.record(entry, replica, model, outcome, status=status, ttfb=ttfb, probe=loading)
         return Failed(error, retryable=True, answer=answer, replica=replica if loading else None)
 
     async def _stream(

@@ -9,6 +9,7 @@ count; this module asks it for replicas and says what each answered.
 
 from __future__ import annotations
 
+from router.core.config.models import ModelConfig
 from router.core.config.settings import Config
 from router.core.errors import ModelCold
 from router.core.pool.coldstart import ShuttingDown
@@ -16,7 +17,10 @@ from router.core.pool.pool import Pool
 from router.gateway.call import Call
 from router.gateway.forward import Forwarder, answer_failed
 from router.gateway.metrics import DataPathMetrics
+from router.gateway.sleepers import Sleepers
 from router.gateway.wake import Waker
+
+_DEFAULT_MAX_HELD = ModelConfig("").max_held
 
 
 class HeldRequests:
@@ -31,6 +35,13 @@ class HeldRequests:
         self.seconds = {name: m.cold_start_seconds for name, m in config.models.items() if m.cold_start_seconds}
         self.max_held = {name: m.max_held for name, m in config.models.items()}
         self.waker: Waker | None = None
+        # The sleep tier's request side (router.gateway.sleepers); None: this router wakes no replica.
+        self.sleepers: Sleepers | None = None
+
+    def wanted(self, model: str) -> None:
+        """Requests for `model` wait, and one of its replicas sleeps: wake one (or another) for them."""
+        if self.sleepers is not None:
+            self.sleepers.wanted(model)
 
     async def serve(self, call: Call, cold_start: float) -> None:
         """Hold `call` until a replica of its model answers, `cold_start` seconds at most.
@@ -42,7 +53,8 @@ class HeldRequests:
         pool.asked(model)
         entry = call.entry
         retry_after = max(1, min(30, round(cold_start / 4)))
-        max_held = self.max_held[model]
+        # A model held only because its replicas sleep may have no table of its own: the default bound.
+        max_held = self.max_held.get(model, _DEFAULT_MAX_HELD)
         if pool.cold_start.held(model) >= max_held:
             pool.tallies.hold_ended(model, "overflow")
             if entry is not None:
@@ -53,7 +65,11 @@ class HeldRequests:
                 f"{'request already waits' if max_held == 1 else 'requests already wait'} for it; retry shortly.",
                 retry_after=retry_after,
             )
-        if self.waker is not None:
+        sleepers = self.sleepers
+        if sleepers is not None and sleepers.sleepy(model):
+            # A sleeping replica is woken first; wake_url is told if none can be.
+            sleepers.wanted(model)
+        elif self.waker is not None:
             self.waker.held(model)
         # Under the model's own name before the hold begins: a body that cannot be renamed is a 400, not a hold.
         call.body_for(model)

@@ -49,6 +49,8 @@ class Outcome(enum.Enum):
     REFUSED = "refused"
     # After its head, the rest of its answer broke off (`reason`: reset, timeout).
     CUT_OFF = "cut_off"
+    # A 503 that says its engine sleeps (router.gateway.sleepers): neither an answer nor a failure of its.
+    ASLEEP = "asleep"
 
 
 @dataclass(slots=True)
@@ -133,6 +135,8 @@ class Ledgers:
             if not probe:
                 _attempted(entry, replica, model, ttfb)
                 pool.count_failure(replica, "status")
+        elif outcome is Outcome.ASLEEP:
+            pool.count_response(replica, status)
         elif outcome is Outcome.UNREACHABLE:
             # Not one of its requests: nothing reached it.
             replica.connects_failed += 1

@@ -34,6 +34,7 @@ from router.control.sinks import Sinks, build_sinks
 from router.control.sinks.latest import LatestSink
 from router.control.sinks.push import PushSink
 from router.control.sinks.waiting import waiting_now
+from router.control.sleeping import SleepCollector
 from router.control.sources import (
     ReplicaSource,
     build_sources,
@@ -49,20 +50,20 @@ from router.core.errors import CannotListen, ConfigError
 from router.core.pool.ejection import EjectionPolicy
 from router.core.pool.picking import Routing
 from router.core.pool.pool import Limits, Pool
+from router.core.pool.sleep import Wakes
 from router.core.pool.tallies import WORKER_UNSERVED_NAMES
 from router.core.usage.merging import report_json
 from router.core.usage.snapshots import Ticker
 from router.gateway.access_log import AccessLog
 from router.gateway.answers import server_error
 from router.gateway.dispatch import Proxy
-from router.gateway.limits import build_limiter
 from router.gateway.metrics import DataPathMetrics
-from router.gateway.wake import Waker
 from router.http.client import Client
 from router.http.protocol_errors import ProtocolErrorCollector
 from router.http.server import Server as ClientServer
+from router.run.optional import limit_tenants, sleep_tier, waker_of
 from router.run.readers import engine_view, start_readers
-from router.run.session import make_session
+from router.run.session import SessionCall, make_session
 from router.run.tracing import start_tracing
 from router.run.worker_metrics import METRICS_PATH, report
 
@@ -94,19 +95,6 @@ class Listening:
     def admin_url(self) -> str:
         assert self.admin_address is not None, "start() first"
         return http_url(self.admin_address)
-
-
-def limit_tenants(
-    proxy: Proxy,
-    config: Config,
-    now: Callable[[], float],
-    registry: CollectorRegistry,
-    stack: contextlib.AsyncExitStack,
-) -> None:
-    """[limits]: the tenants' rate limits on the proxy, their store closed with the router; nothing when unset."""
-    if config.limits is not None:
-        proxy.limiter = limiter = build_limiter(config.limits, now, registry)
-        stack.push_async_callback(limiter.store.close)
 
 
 class RouterServer(Listening):
@@ -240,10 +228,8 @@ class RouterServer(Listening):
         metrics = DataPathMetrics(self.registry)
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
         limit_tenants(proxy, config, self.clock.now, self.registry, stack)
-        if config.wake_url:
-            proxy.waker = waker_of(self, session)
-        # The client port's own HTTP/1.1 server (router/http/server/): the request
-        # path stays in one protocol object, with no framework per request.
+        sleeper = sleep_tier(proxy, config, self.pool, session, self.clock, self.registry, stack)
+        proxy.waker = waker_of(config, self.pool, session, self.clock, self.wall, self.registry)
         proxy.access_log = access_log
         start_tracing(proxy, config, stack)
         self._client_server = client = ClientServer(
@@ -270,6 +256,7 @@ class RouterServer(Listening):
             # A worker's series are its supervisor's to export.
             exposition=bytes if worker else sinks.exposition,
             before_scrape=lambda: sinks.prometheus.read_waiting(waiting_now(self.pool, self.wall())),
+            sleeper=sleeper,
         )
         admin = Admin(
             fleet,
@@ -453,24 +440,12 @@ def reread_keys(path: str, config: Config, proxy: Proxy | None) -> Config | None
     return replace(config, api_keys=fresh.api_keys)
 
 
-def waker_of(server: RouterServer, session: aiohttp.ClientSession) -> Waker:
-    """The wake calls a router makes for its held requests (config wake_url)."""
-    config, pool, wall, mono = server.config, server.pool, server.wall, server.clock.now
-
-    def held_now(model: str) -> tuple[int, float | None]:
-        oldest = pool.cold_start.oldest_held(model)
-        return pool.cold_start.held(model), None if oldest is None else wall() - (mono() - oldest)
-
-    return Waker(
-        session,
-        config.wake_url,
-        router=config.router_name,
-        cooldown=config.wake_cooldown_seconds,
-        token=config.admin_token,
-        registry=server.registry,
-        held_now=held_now,
-        clock=server.clock,
-    )
+def wakes_of(server: RouterServer, session: aiohttp.ClientSession, stack: contextlib.AsyncExitStack) -> Wakes:
+    """The sleep tier's wakes of this process (one per replica, whoever asks), counted, ended at stop."""
+    wakes = Wakes(server.pool, SessionCall(session), server.clock.now)
+    stack.push_async_callback(wakes.close)
+    server.registry.register(SleepCollector(wakes))
+    return wakes
 
 
 async def admin_runner(stack: contextlib.AsyncExitStack, app: web.Application) -> web.AppRunner:

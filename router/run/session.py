@@ -11,6 +11,7 @@ from __future__ import annotations
 import aiohttp
 
 from router.core.config.settings import Config
+from router.core.pool.sleep import EngineCallFailed
 
 
 def make_session(config: Config) -> aiohttp.ClientSession:
@@ -31,3 +32,30 @@ def make_session(config: Config) -> aiohttp.ClientSession:
         # A Set-Cookie of one replica must never ride along on another client's request.
         cookie_jar=aiohttp.DummyCookieJar(),
     )
+
+
+class SessionCall:
+    """The sleep tier's engine calls (router.core.pool.sleep.EngineCall) on this session."""
+
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+
+    async def __call__(self, method: str, url: str, body: bytes | None, seconds: float) -> tuple[int, bytes]:
+        headers = {"Content-Type": "application/json"} if body is not None else None
+        try:
+            async with self._session.request(
+                method, url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=seconds)
+            ) as resp:
+                # An engine's sleep answers are small: read whole up to a bound (a body cut short is a
+                # failure, not an answer), never a body sent to exhaust memory.
+                answer = bytearray()
+                while len(answer) < _ANSWER_LIMIT and (piece := await resp.content.read(_ANSWER_LIMIT - len(answer))):
+                    answer += piece
+                return resp.status, bytes(answer)
+        except TimeoutError:
+            raise
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            raise EngineCallFailed(f"{method} {url}: {exc or type(exc).__name__}") from exc
+
+
+_ANSWER_LIMIT = 64 * 1024

@@ -38,6 +38,7 @@ MODES: dict[str, Mode] = {
     "router_rate_limit_redis_calls": "sum",
     "router_rate_limit_redis_errors": "sum",
     "router_rate_limit_unchecked": "sum",
+    "router_sleep_calls": "sum",
 }
 
 # On a worker's private socket only.

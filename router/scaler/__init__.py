@@ -10,6 +10,7 @@ not answer makes the merge incomplete) and answers per model:
 - `view.py`      one poll round's facts per model, and what KEDA is told from them (pure)
 - `poller.py`    the rounds: every router's usage and replicas, over HTTP
 - `board.py`     the newest view, the wake hints, and the changes streams wait for
+- `sleeper.py`   sleepAfter: a replica proven quiet put to sleep, fenced at every router first
 - `service.py`   the gRPC service KEDA calls
 - `http_api.py`  /healthz, /metrics and POST /wake (the routers' `wake_url`)
 - `main.py`      the command: wiring, signals

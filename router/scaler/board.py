@@ -73,6 +73,8 @@ class Board:
         self._calls: dict[str, int] = {}
         # "namespace/name" -> its last answer.
         self.told: dict[str, Told] = {}
+        # model -> its ScaledObject's sleepAfter, as KEDA last sent it.
+        self.sleep_after: dict[str, float] = {}
         self._changed = asyncio.Event()
         self._closed = asyncio.Event()
         self.streams = 0
@@ -114,6 +116,12 @@ class Board:
 
     def tell(self, scaled_object: str, query: Query) -> tuple[Decision, bool]:
         """The decision for a ScaledObject, kept for /healthz; and whether it differs from what it was told last."""
+        if query.sleep_after is not None:
+            # Its replicas sleep once proven quiet this long (poller.py puts them to sleep).
+            if query.model in self.sleep_after or len(self.sleep_after) < MAX_TOLD:
+                self.sleep_after[query.model] = query.sleep_after
+        else:
+            self.sleep_after.pop(query.model, None)
         decision = self.decide(query)
         last = self.told.pop(scaled_object, None)
         if last is None and len(self.told) >= MAX_TOLD:

@@ -45,6 +45,12 @@ class PollCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         poller = self._poller
         yield CounterMetricFamily("router_scaler_polls", "Poll rounds over every router.", value=poller.rounds)
+        sleeps = CounterMetricFamily(
+            "router_scaler_sleeps", "Replicas put to sleep for sleepAfter, by result (ok, failed).", labels=["result"]
+        )
+        for result, count in sorted(poller.sleeper.results.items()):
+            sleeps.add_metric([result], count)
+        yield sleeps
         yield CounterMetricFamily(
             "router_scaler_incomplete_polls",
             "Poll rounds in which a router did not answer (every model stays active).",

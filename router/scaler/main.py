@@ -120,6 +120,8 @@ class Scaler:
                 await task
             except asyncio.CancelledError:
                 pass
+        if self.poller is not None:
+            await self.poller.sleeper.close()
         grpc_server, self._grpc = self._grpc, None
         if grpc_server is not None:
             await grpc_server.stop(STOP_GRACE_SECONDS)

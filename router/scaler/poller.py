@@ -28,7 +28,8 @@ import orjson
 
 from router.scaler.board import Board
 from router.scaler.settings import ScalerSettings, server_url
-from router.scaler.view import BadAnswer, FleetView, RouterPoll, build_view, parse_poll
+from router.scaler.sleeper import Sleeper
+from router.scaler.view import BadAnswer, FleetView, RouterPoll, build_view, due_to_sleep, parse_poll
 
 log = logging.getLogger("router.scaler")
 
@@ -84,6 +85,8 @@ class Poller:
         self._wall = wall
         self._mono = mono
         self._headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
+        # sleepAfter's two-phase sleeps across the routers (sleeper.py).
+        self.sleeper = Sleeper(session, settings.token)
         self._poke = asyncio.Event()
         self._asked: dict[str, float] = {}
         # Each router's newest answer, carried into the counts of a round it misses.
@@ -151,6 +154,10 @@ class Poller:
             if facts.last_asked is not None and now - facts.last_asked < ASKED_MEMORY_SECONDS
         }
         self.board.publish(view)
+        if self.board.sleep_after:
+            answered = [server for server, poll in zip(servers, answers, strict=True) if poll is not None]
+            for replica_id in due_to_sleep(view, self.board.sleep_after):
+                self.sleeper.start(replica_id, answered)
         self.rounds += 1
         if view.complete:
             self.last_complete_at = self._mono()

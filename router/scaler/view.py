@@ -34,7 +34,7 @@ from router.core.usage.snapshots import RouterReport, merge_reports
 
 DEFAULT_IDLE_AFTER = 300.0
 DEFAULT_TARGET_IN_FLIGHT = 8.0
-METADATA_KEYS = ("model", "modelFromEnv", "idleAfter", "targetInFlight")
+METADATA_KEYS = ("model", "modelFromEnv", "idleAfter", "targetInFlight", "sleepAfter")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,8 @@ class RouterPoll:
     replicas: tuple[tuple[str, str, int], ...]
     # model -> (requests held now, Unix seconds of the last request no replica could serve, or None)
     demand: Mapping[str, tuple[int, float | None]]
+    # replica id -> its state at this router (ready, draining, drained, ejected, asleep, waking).
+    states: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     def requests(self) -> dict[str, int]:
         """Per model, requests in flight on its replicas plus requests held, at this router (none: absent)."""
@@ -102,6 +104,7 @@ def parse_poll(server: str, usage: object, replicas: object) -> RouterPoll:
             raise BadAnswer(f"/api/v1/usage: demand[{model!r}] is not {{held, last_asked}}")
         demand[model] = (held, None if asked is None else float(asked))
     rows: list[tuple[str, str, int]] = []
+    states: dict[str, str] = {}
     for i, row in enumerate(replicas):
         try:
             rid, model, in_flight = row["id"], row["model"], row["in_flight"]
@@ -110,6 +113,9 @@ def parse_poll(server: str, usage: object, replicas: object) -> RouterPoll:
         if not isinstance(rid, str) or not isinstance(model, str) or not isinstance(in_flight, int):
             raise BadAnswer(f"/api/v1/replicas[{i}]: id, model or in_flight of the wrong type")
         rows.append((rid, model, in_flight))
+        state = row.get("state")
+        if isinstance(state, str):
+            states[rid] = state
     report = RouterReport(
         server=server,
         last_used=_stamps(usage, "last_used"),
@@ -117,7 +123,7 @@ def parse_poll(server: str, usage: object, replicas: object) -> RouterPoll:
         generated_at=_number(usage, "generated_at", "/api/v1/usage"),
         held=MappingProxyType({model: held for model, (held, _) in demand.items()}),
     )
-    return RouterPoll(server, router, report, tuple(rows), MappingProxyType(demand))
+    return RouterPoll(server, router, report, tuple(rows), MappingProxyType(demand), MappingProxyType(states))
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +141,8 @@ class ModelFacts:
     quiet_for: float | None = None
     # Unix seconds of the newest request for it that found no replica; None if none is known.
     last_asked: float | None = None
+    # Replicas asleep or waking at some router (the sleep tier): never in use, never unknown.
+    asleep: int = 0
 
     @property
     def requests(self) -> int:
@@ -157,6 +165,10 @@ class FleetView:
     snapshots: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     # Routers whose figures the request counts hold: those that answered, and those carried.
     reporting: int = 0
+    # Per replica: its model, its proven quiet time (None: unknown), and its states over the routers.
+    replicas: Mapping[str, tuple[str, float | None, frozenset[str]]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
 
     def facts(self, model: str) -> ModelFacts:
         return self.models.get(model, NO_FACTS)
@@ -185,6 +197,7 @@ def build_view(
     quiet = merged.quiet_for
     as_of = min([now, *(p.report.generated_at for p in answered)])
     ids: dict[str, set[str]] = {}
+    states: dict[str, set[str]] = {}
     in_flight: dict[str, int] = {}
     held: dict[str, int] = {}
     last_asked: dict[str, float] = dict(asked)
@@ -196,6 +209,7 @@ def build_view(
     for poll in answered:
         for rid, model, count in poll.replicas:
             ids.setdefault(model, set()).add(rid)
+            states.setdefault(rid, set()).add(poll.states.get(rid, "unknown"))
             if count:
                 in_flight[model] = in_flight.get(model, 0) + count
         for model, (count, asked_at) in poll.demand.items():
@@ -226,10 +240,42 @@ def build_view(
             carried=stale.get(model, 0),
             quiet_for=None if unknown else least,
             last_asked=last_asked.get(model),
+            asleep=sum(1 for rid in replica_ids if states.get(rid, set()) & _ASLEEP),
         )
+    replicas = {
+        rid: (model, quiet.get(rid), frozenset(states.get(rid, ()))) for model, rids in ids.items() for rid in rids
+    }
     return FleetView(
-        complete, as_of, MappingProxyType(models), MappingProxyType(snapshots), len(answered) + len(carried)
+        complete,
+        as_of,
+        MappingProxyType(models),
+        MappingProxyType(snapshots),
+        len(answered) + len(carried),
+        MappingProxyType(replicas),
     )
+
+
+_ASLEEP = frozenset({"asleep", "waking"})
+
+
+def due_to_sleep(view: FleetView, sleep_after: Mapping[str, float]) -> list[str]:
+    """The replicas to put to sleep now: of a model with `sleepAfter`, ready at every router, with nothing
+    in flight or held for their model, and proven quiet for at least that long. Only on a complete round:
+    a router that did not answer may be sending them requests."""
+    if not view.complete:
+        return []
+    due = []
+    for rid, (model, quiet_for, states) in view.replicas.items():
+        after = sleep_after.get(model)
+        if after is None or quiet_for is None or quiet_for < after or states != _READY:
+            continue
+        facts = view.facts(model)
+        if facts.in_flight == 0 and facts.held == 0:
+            due.append(rid)
+    return sorted(due)
+
+
+_READY = frozenset({"ready"})
 
 
 # What a ScaledObject asks: its trigger's metadata ---------------------------------
@@ -246,6 +292,8 @@ class Query:
     model: str
     idle_after: float = DEFAULT_IDLE_AFTER
     target_in_flight: float = DEFAULT_TARGET_IN_FLIGHT
+    # Put its replicas to sleep once proven quiet this long (below idle_after); None: never.
+    sleep_after: float | None = None
 
 
 def _seconds(metadata: Mapping[str, str], key: str, default: float, *, positive: bool) -> float:
@@ -280,10 +328,20 @@ def parse_metadata(metadata: Mapping[str, str]) -> Query:
             "scalerMetadata.model: is required (the model name clients ask for; or modelFromEnv, "
             "an environment variable of the scale target that KEDA resolves)"
         )
+    idle_after = _seconds(metadata, "idleAfter", DEFAULT_IDLE_AFTER, positive=False)
+    sleep_after: float | None = None
+    if "sleepAfter" in metadata:
+        sleep_after = _seconds(metadata, "sleepAfter", 0.0, positive=False)
+        if sleep_after >= idle_after:
+            raise BadMetadata(
+                f"scalerMetadata.sleepAfter: must be below idleAfter ({idle_after:g} s): a replica sleeps "
+                f"before its model scales to zero, got {metadata['sleepAfter']!r}"
+            )
     return Query(
         model=model,
-        idle_after=_seconds(metadata, "idleAfter", DEFAULT_IDLE_AFTER, positive=False),
+        idle_after=idle_after,
         target_in_flight=_seconds(metadata, "targetInFlight", DEFAULT_TARGET_IN_FLIGHT, positive=True),
+        sleep_after=sleep_after,
     )
 
 
@@ -319,7 +377,9 @@ def decide(view: FleetView | None, query: Query, *, woken: bool = False) -> Deci
     if facts.last_asked is not None and view.as_of - facts.last_asked < query.idle_after:
         return Decision(True, f"asked for {view.as_of - facts.last_asked:.1f} s ago with no replica to serve it")
     if facts.quiet_for is not None and facts.quiet_for < query.idle_after:
-        return Decision(True, f"quiet for {facts.quiet_for:.1f} s, under idleAfter {query.idle_after:g} s")
+        # A sleeping model is active but idle: kept (asleep) until idleAfter, then scaled to zero.
+        asleep = f", {facts.asleep} asleep" if facts.asleep else ""
+        return Decision(True, f"quiet for {facts.quiet_for:.1f} s{asleep}, under idleAfter {query.idle_after:g} s")
     if facts.quiet_for is None:
         # Also what a model name no router knows looks like: say so, for it scales a Deployment to zero.
         return Decision(

@@ -7,6 +7,7 @@ runs where the server's dependencies are not installed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -253,13 +254,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{_clock(doc['generated_at'])}, idle window {window}",
         "",
         table(
-            ["MODEL", "READY", "EJECTED", "DRAINING", "IN-FLIGHT", "REQ/S", "ASKED"],
+            ["MODEL", "READY", "EJECTED", "DRAINING", "ASLEEP", "IN-FLIGHT", "REQ/S", "ASKED"],
             [
                 [
                     m["model"],
                     f"{m['ready']}/{m['total']}",
                     m["ejected"],
                     m["draining"],
+                    m.get("asleep", 0),
                     m["in_flight"],
                     f"{m['requests_per_second']:.2f}",
                     m["asked"],
@@ -269,9 +271,27 @@ def cmd_status(args: argparse.Namespace) -> int:
         ),
         "",
         table(
-            ["GPU-CLASS", "GPUS", "BUSY", "IDLE", "UNKNOWN", "EJECTED", "USAGE (#busy .idle ?unknown xejected)"],
             [
-                [g["gpu_class"], g["total"], g["busy"], g["idle"], g["unknown"], g["ejected"], g["bar"]]
+                "GPU-CLASS",
+                "GPUS",
+                "BUSY",
+                "IDLE",
+                "UNKNOWN",
+                "EJECTED",
+                "ASLEEP",
+                "USAGE (#busy .idle ?unknown xejected zasleep)",
+            ],
+            [
+                [
+                    g["gpu_class"],
+                    g["total"],
+                    g["busy"],
+                    g["idle"],
+                    g["unknown"],
+                    g["ejected"],
+                    g.get("asleep", 0),
+                    g["bar"],
+                ]
                 for g in doc["gpus"]
             ],
         ),
@@ -395,6 +415,68 @@ def cmd_state(args: argparse.Namespace, state: str) -> int:
     return 0
 
 
+def cmd_sleep(args: argparse.Namespace) -> int:
+    """Put a replica to sleep; with several routers, the fence spans them all before the one engine call.
+
+    Phase one drains it in every router and waits until each has nothing in
+    flight to it; phase two has the first router call the engine and tells
+    the others that it sleeps. A failure in phase one or two puts it back
+    to ready everywhere.
+    """
+    wait = args.timeout_wait
+    # A sleep answers once drained and once the engine slept: longer than a read.
+    clients = [Client(server, token=args.token, timeout=wait + _ENGINE_CALL_SECONDS) for server in args.server]
+    path = f"/api/v1/replicas/{args.id}/state"
+    if len(clients) > 1:
+        try:
+            for client in clients:
+                client.call("POST", path, {"state": "draining"})
+            deadline = time.monotonic() + wait
+            for client in clients:
+                while (row := _row(client, args.id))["state"] != "drained":
+                    if time.monotonic() > deadline:
+                        raise CtlError(
+                            f"{args.id}: still {row['in_flight']} in flight at {client.base} after "
+                            f"{human_duration(wait)}; not put to sleep"
+                        )
+                    time.sleep(0.05)
+            answer = clients[0].call("POST", path, {"state": "asleep", "level": args.level, "wait_seconds": 0})
+        except CtlError:
+            for client in clients:
+                with contextlib.suppress(CtlError):
+                    client.call("POST", path, {"state": "ready"})
+            raise
+        told = {"state": "asleep", "level": args.level, "call_engine": False, "wait_seconds": 0}
+        for client in clients[1:]:
+            client.call("POST", path, told)
+    else:
+        answer = clients[0].call("POST", path, {"state": "asleep", "level": args.level, "wait_seconds": wait})
+    _emit(args, answer, f"{answer['id']}: {answer['state']} (level {answer['level']})")
+    return 0
+
+
+def cmd_wake(args: argparse.Namespace) -> int:
+    """Wake a replica: one router calls its engine, the others are told it is ready."""
+    clients = [Client(server, token=args.token, timeout=_ENGINE_CALL_SECONDS) for server in args.server]
+    path = f"/api/v1/replicas/{args.id}/state"
+    answer = clients[0].call("POST", path, {"state": "ready"})
+    for client in clients[1:]:
+        client.call("POST", path, {"state": "ready", "call_engine": False})
+    _emit(args, answer, f"{answer['id']}: {answer['state']}")
+    return 0
+
+
+# What a router may take for an engine's sleep or wake call (its wake_timeout_seconds, 60 by default).
+_ENGINE_CALL_SECONDS = 130.0
+
+
+def _row(client: Client, replica_id: str) -> dict[str, Any]:
+    for row in client.call("GET", "/api/v1/replicas"):
+        if row["id"] == replica_id:
+            return dict(row)
+    raise CtlError(f"{client.base} has no replica {replica_id!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="router ctl", description="Read and steer running routers.")
     common = argparse.ArgumentParser(add_help=False)
@@ -432,6 +514,14 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--timeout-wait", type=parse_duration, default=parse_duration("10m"))
     undrain = sub.add_parser("undrain", parents=[common], help="put a drained replica back")
     undrain.add_argument("id")
+    sleep = sub.add_parser(
+        "sleep", parents=[common], help="drain a replica, then put its engine to sleep (several --server: all fenced)"
+    )
+    sleep.add_argument("id")
+    sleep.add_argument("--level", type=int, choices=(1, 2), default=1, help="the engine's sleep level (default 1)")
+    sleep.add_argument("--timeout-wait", type=parse_duration, default=parse_duration("1m"), help="drain at most this")
+    wake = sub.add_parser("wake", parents=[common], help="wake a sleeping replica (several --server: all told)")
+    wake.add_argument("id")
     # Imported here: top builds on this module's client.
     from router.tools import top  # noqa: PLC0415
 
@@ -456,6 +546,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_state(args, "draining")
         if args.command == "undrain":
             return cmd_state(args, "ready")
+        if args.command == "sleep":
+            return cmd_sleep(args)
+        if args.command == "wake":
+            return cmd_wake(args)
         if args.command == "top":
             from router.tools.top import cmd_top  # noqa: PLC0415 (as in build_parser)
 

@@ -40,7 +40,7 @@ SORT_KEYS: dict[str, tuple[str, str]] = {
 }
 SORT_NAMES = {name.replace(" ", "-").replace("/", "-per-"): key for key, (name, _) in SORT_KEYS.items()}
 TEXT_FIELDS = {"id", "model", "state"}
-STATE_ORDER = ("ready", "ejected", "draining", "drained")
+STATE_ORDER = ("ready", "ejected", "draining", "drained", "asleep", "waking")
 MIN_WIDTH = 60
 
 

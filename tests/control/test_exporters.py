@@ -215,7 +215,8 @@ def test_a_router_nobody_scrapes_keeps_nothing_of_replicas_gone() -> None:
         pool.set_replicas([ReplicaConfig(f"g{generation}-{i}", "m", f"http://127.0.0.1:{9000 + i}") for i in range(4)])
         ticker.tick()
     assert len(prometheus._dirty) == 4
-    assert len(samples_of(prometheus.exposition())) == 4 * 9
+    # Per replica: five series, and one router_replica_state line per state (ready ... asleep, waking).
+    assert len(samples_of(prometheus.exposition())) == 4 * 11
 
 
 async def test_the_push_sends_the_body_the_latest_copy_holds() -> None:

@@ -284,6 +284,7 @@ async def test_status_summarizes_models_gpus_and_demand(start_fake: StartFake, s
         "queued": 0,
         # a1 was never used, but watched longer than the window: idle, like a0.
         "asked": "no",
+        "asleep": 0,
     }
     assert models["a"]["requests_per_second"] > 0
     assert models["b"]["asked"] == "no"

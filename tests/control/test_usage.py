@@ -220,10 +220,12 @@ async def test_the_usage_document_is_pushed_each_tick(
         "last_used",
         "watching_since",
         "model",
+        "asleep",
         "demand",
     }
     assert set(doc["watching_since"]) == {"a", "b"}
     assert doc["model"] == {"a": "m", "b": "m"}
+    assert doc["asleep"] == {}
     assert server.push is not None and server.push.failures == 0
 
 

@@ -15,10 +15,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import orjson
+import pytest
 
 FAKE = [sys.executable, "-m", "router", "fake"]
 
@@ -131,3 +133,30 @@ def test_several_processes_say_where_they_listen_once() -> None:
         fake.send_signal(signal.SIGINT)
         assert fake.wait(10) == 0
         assert fake.stdout is not None and fake.stdout.read() == ""
+
+
+def test_enable_sleep_mode_serves_the_sleep_api_and_answers_503_asleep() -> None:
+    with running("--port", "0", "--enable-sleep-mode", "--wake-seconds", "0.05") as fake:
+        url = ready_line(fake).rsplit(" ", 1)[1]
+        urllib.request.urlopen(urllib.request.Request(url + "/sleep?level=1", method="POST"), timeout=5).close()
+        with urllib.request.urlopen(url + "/is_sleeping", timeout=5) as resp:
+            assert orjson.loads(resp.read()) == {"is_sleeping": True}
+        chat = urllib.request.Request(url + "/v1/chat/completions", data=b'{"model": "fake-model"}', method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(chat, timeout=5).close()
+        assert refused.value.code == 503
+        assert b"sleeping" in refused.value.read()
+        urllib.request.urlopen(urllib.request.Request(url + "/wake_up", method="POST"), timeout=5).close()
+        with urllib.request.urlopen(url + "/is_sleeping", timeout=5) as resp:
+            assert orjson.loads(resp.read()) == {"is_sleeping": False}
+
+
+def test_sleep_flags_are_checked() -> None:
+    done = subprocess.run(
+        [*FAKE, "--port", "0", "--wake-seconds", "-1"], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 2
+    assert "--sleep-seconds and --wake-seconds must be >= 0" in done.stderr
+    done = subprocess.run([*FAKE, "--asleep-answer", "nap"], capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 2
+    assert "invalid choice: 'nap'" in done.stderr

@@ -15,7 +15,7 @@ import orjson
 from router.control.sinks.usage_maps import UsageMaps
 from router.core.usage.snapshots import UsageSnapshot, demand_json
 
-_MAPS = ("last_used", "watching_since", "model")
+_MAPS = ("last_used", "watching_since", "model", "asleep")
 
 
 class UsageDocument:

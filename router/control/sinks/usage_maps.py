@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 
+from router.core.pool.replicas import SLEEPING, sleep_state
 from router.core.usage.records import Follower
 from router.core.usage.snapshots import ReplicaUsage, UsageSnapshot
 
@@ -22,9 +23,10 @@ Change = tuple[Key, ReplicaUsage | None, ReplicaUsage | None]
 
 
 class UsageMaps:
-    """Per replica id: `last_used`, `watching_since`, `model`, `horizon`; per model, `requests`."""
+    """Per replica id: `last_used`, `watching_since`, `model`, `horizon`, `asleep`; per model, `requests`."""
 
     __slots__ = (
+        "asleep",
         "horizon",
         "last_used",
         "model",
@@ -48,6 +50,8 @@ class UsageMaps:
         self.last_used: dict[str, float] = {}
         self.watching_since: dict[str, float] = {}
         self.model: dict[str, str] = {}
+        # The ids asleep or waking (the sleep tier), and which: UsageSnapshot.asleep_map()'s rule.
+        self.asleep: dict[str, str] = {}
         # max(last_used, watching_since): the proven quiet time is generated_at less this.
         self.horizon: dict[str, float] = {}
         # Requests per model over the records of the newest snapshot (the rates' points).
@@ -108,6 +112,8 @@ class UsageMaps:
                     watching_of[rid] = watching
                     self.moved.add("watching_since")
                 horizon_of[rid] = stamp if stamp is not None and stamp > watching else watching
+                if after.state != before.state:
+                    self._sleep_state(rid, after.state)
                 continue
             if before is not None:
                 left = requests.get(before.model, 0) - before.requests
@@ -157,9 +163,11 @@ class UsageMaps:
             # The usual case: one record per id.
             only = records[key]
             last_used, watching, model = only.last_used, only.watching_since, only.model
+            self._sleep_state(rid, only.state)
         elif rid in self._twins:
             last_used = None
             first = True
+            self._sleep_state(rid, sleep_state(records[twin].state for twin in self._twins[rid]))
             for twin in self._twins[rid]:
                 r = records[twin]
                 if r.last_used is not None and (last_used is None or r.last_used > last_used):
@@ -171,6 +179,7 @@ class UsageMaps:
         else:
             if self.last_used.pop(rid, None) is not None:
                 moved.add("last_used")
+            self._sleep_state(rid, "")
             del self.watching_since[rid]
             del self.model[rid]
             del self.horizon[rid]
@@ -189,3 +198,12 @@ class UsageMaps:
             self.model[rid] = model
             moved.add("model")
         self.horizon[rid] = last_used if last_used is not None and last_used > watching else watching
+
+    def _sleep_state(self, rid: str, state: str) -> None:
+        """`rid` asleep or waking (`state`), or neither (any other state, or "": gone)."""
+        if state in SLEEPING:
+            if self.asleep.get(rid) != state:
+                self.asleep[rid] = state
+                self.moved.add("asleep")
+        elif self.asleep.pop(rid, None) is not None:
+            self.moved.add("asleep")

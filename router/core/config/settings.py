@@ -298,6 +298,10 @@ class Config:
         "", check.optional_url, 'optional: POST {"router", "model", "held", "since"} here when a request is held'
     )
     wake_cooldown_seconds: float = _seconds(10.0, "at most one wake call per model this often while requests stay held")
+    # The sleep tier (docs/scale-from-zero.md): a wake slower than this ejects the replica and tries the next.
+    wake_timeout_seconds: float = _seconds(
+        60.0, "a sleeping replica's wake (wake call, then /is_sleeping until awake) at most"
+    )
     # A second: at 1,000 busy replicas a read costs the pure build about 94 us, so twice a
     # second would take 14% of a core and once 9% (bench/scale.py's engines target).
     engine_metrics_seconds: float = _seconds(

@@ -100,6 +100,8 @@ class Pool:
         self._leaving = self._set.leaving
         self._models = self._set.models
         self._candidates = self._set.candidates
+        # Per model, how many of its replicas are asleep or waking (the sleep tier; empty: none).
+        self.sleepy = self._set.sleepy
         # Every model that had a replica since start: known, so never 404.
         self.ever_served = self._set.ever_served
         self.engines = engines
@@ -311,6 +313,14 @@ class Pool:
     def set_draining(self, replica_id: str, draining: bool) -> Replica | None:
         """Drain a replica by hand (no new requests; those in flight finish), or make it ready again."""
         return self._set.set_draining(replica_id, draining)
+
+    def set_sleep(self, replica: Replica, level: int | None, *, waking: bool = False) -> None:
+        """Asleep at `level` (not a candidate; the drain that led there ends), waking, or awake (None): ready."""
+        self._set.set_sleep(replica, level, waking=waking)
+
+    def replicas_of(self, model: str) -> list[Replica]:
+        """`model`'s replicas in the desired set, in its order."""
+        return self._models.get(model, [])
 
     def configs(self) -> list[ReplicaConfig]:
         """The desired set, as configured."""

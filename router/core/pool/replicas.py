@@ -28,6 +28,20 @@ class ReplicaState(enum.Enum):
     EJECTED = "ejected"
     DRAINING = "draining"
     DRAINED = "drained"
+    # Put to sleep by its engine's sleep call (router.core.pool.sleep), and being woken: neither takes requests.
+    ASLEEP = "asleep"
+    WAKING = "waking"
+
+
+SLEEPING = frozenset({ReplicaState.ASLEEP.value, ReplicaState.WAKING.value})
+
+
+def sleep_state(states: Iterable[str]) -> str:
+    """One id's sleep state from its records' states: "waking" if one wakes, "asleep" if one sleeps, else ""."""
+    found = set(states)
+    if ReplicaState.WAKING.value in found:
+        return ReplicaState.WAKING.value
+    return ReplicaState.ASLEEP.value if ReplicaState.ASLEEP.value in found else ""
 
 
 class Replica:
@@ -57,6 +71,8 @@ class Replica:
         "prefills",
         "adapters",
         "serves_model",
+        "asleep",
+        "waking",
     )
 
     def __init__(self, config: ReplicaConfig, added_at: float) -> None:
@@ -92,11 +108,16 @@ class Replica:
         # Whether its /v1/models lists `model`, the name requests are sent under (router.core.config.cards,
         # lists_model); None: not read, or its engine answers under any name.
         self.serves_model: bool | None = None
+        # The level its engine was put to sleep at (None: awake), and whether a wake is under way.
+        self.asleep: int | None = None
+        self.waking = False
 
     @property
     def state(self) -> ReplicaState:
         if self.draining or self.removed:
             return ReplicaState.DRAINING if self.in_flight else ReplicaState.DRAINED
+        if self.asleep is not None:
+            return ReplicaState.WAKING if self.waking else ReplicaState.ASLEEP
         if self.ejected_until is not None:
             return ReplicaState.EJECTED
         return ReplicaState.READY
@@ -161,6 +182,7 @@ class ReplicaSet:
         "least",
         "leaving",
         "models",
+        "sleepy",
         "_affinity",
         "_batch",
         "_changed",
@@ -199,6 +221,8 @@ class ReplicaSet:
         self.leaving: set[Replica] = set()
         self.models: dict[str, list[Replica]] = {}
         self.candidates: dict[str, Policy[Replica]] = {}
+        # Per model, its replicas asleep or waking: the request path asks this alone (empty: nothing sleeps).
+        self.sleepy: dict[str, int] = {}
         # Every model that had a replica since start: known, so never 404.
         self.ever_served: set[str] = set()
         # Replicas that became ready (added, readmitted, undrained), for a reader that
@@ -287,7 +311,28 @@ class ReplicaSet:
         self.refresh(replica)
         return replica
 
+    def set_sleep(self, replica: Replica, level: int | None, *, waking: bool = False) -> None:
+        """Asleep at `level` (its drain ends with it), waking from it, or awake and ready again (None)."""
+        if (replica.asleep is None) != (level is None):
+            self._count_sleepy(replica.model, 1 if level is not None else -1)
+        replica.asleep = level
+        replica.waking = waking and level is not None
+        if level is not None:
+            replica.draining = False
+        self.refresh(replica)
+
+    def _count_sleepy(self, model: str, change: int) -> None:
+        count = self.sleepy.get(model, 0) + change
+        if count > 0:
+            self.sleepy[model] = count
+        else:
+            self.sleepy.pop(model, None)
+
     def _remove(self, replica: Replica) -> None:
+        if replica.asleep is not None:
+            self._count_sleepy(replica.model, -1)
+            replica.asleep = None
+            replica.waking = False
         replica.removed = True
         del self.by_id[replica.id]
         siblings = self.models[replica.model]

@@ -119,6 +119,11 @@ def merged_state(states: list[str], in_flight: int) -> str:
         if all(state in draining for state in states) and in_flight == 0:
             return ReplicaState.DRAINED.value
         return ReplicaState.DRAINING.value
+    # Asleep everywhere only when every worker says so; one waking it shows it waking.
+    if ReplicaState.WAKING.value in states:
+        return ReplicaState.WAKING.value
+    if states and all(state == ReplicaState.ASLEEP.value for state in states):
+        return ReplicaState.ASLEEP.value
     if ReplicaState.EJECTED.value in states:
         return ReplicaState.EJECTED.value
     return ReplicaState.READY.value

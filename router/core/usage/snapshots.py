@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Protocol
 from router.core.config.settings import LabelValue
 from router.core.pool.picking import AFFINITY_OUTCOMES
 from router.core.pool.pool import Pool
-from router.core.pool.replicas import Replica, ReplicaState
+from router.core.pool.replicas import SLEEPING, Replica, ReplicaState, sleep_state
 from router.core.usage.quiet import Candidate, MergedUsage, RouterReport, merge_reports, quiet_bounds
 from router.core.usage.records import Changes, RecordBook
 
@@ -289,6 +289,13 @@ class UsageSnapshot:
                 models[rid] = r.model
         return last_used, watching, models
 
+    def asleep_map(self) -> dict[str, str]:
+        """Per replica id asleep or waking (the sleep tier), which: "waking" if any of its records is."""
+        states: dict[str, list[str]] = {}
+        for r in (r for r in self.replicas if r.state in SLEEPING):
+            states.setdefault(r.id, []).append(r.state)
+        return {rid: sleep_state(found) for rid, found in states.items()}
+
     def usage_document(self) -> dict[str, object]:
         """The body of GET /api/v1/usage and of the usage push."""
         last_used, watching, models = self.maps()
@@ -300,6 +307,7 @@ class UsageSnapshot:
             "last_used": last_used,
             "watching_since": watching,
             "model": models,
+            "asleep": self.asleep_map(),  # their own map: never in use, never unknown
             "demand": demand_json(self.demand),
         }
 
@@ -376,6 +384,7 @@ class Snapshotter:
         build = tuple.__new__
         draining, drained = ReplicaState.DRAINING.value, ReplicaState.DRAINED.value
         ejected, ready = ReplicaState.EJECTED.value, ReplicaState.READY.value
+        asleep, waking = ReplicaState.ASLEEP.value, ReplicaState.WAKING.value
         engines = self.pool.engines
         for r in touched:
             in_flight = r.in_flight
@@ -397,6 +406,8 @@ class Snapshotter:
             # Replica.state, inlined: this loop runs over every replica that changed.
             if r.draining or r.removed:
                 state = draining if in_flight else drained
+            elif r.asleep is not None:
+                state = waking if r.waking else asleep
             else:
                 state = ready if ejected_until is None else ejected
             usage = build(

@@ -22,6 +22,7 @@ from router.core.config.settings import ReplicaConfig
 from router.core.usage.merging import merged_state
 from router.core.usage.snapshots import UsageSnapshot
 from router.run.workers.processes import WorkerProcesses
+from router.run.workers.sleeps import SupervisedSleeps
 from router.run.workers.state import set_json, write_state
 
 log = logging.getLogger("router.run.workers")
@@ -37,13 +38,17 @@ class SupervisedFleet:
         *,
         collect: Callable[[], Awaitable[UsageSnapshot | None]],
         metrics: Callable[[], Awaitable[bytes]],
+        sleeps: SupervisedSleeps,
     ) -> None:
         self.processes = processes
+        self.sleeps = sleeps
         # desired: what a (re)starting worker loads; current: what every live
         # worker has acknowledged, which GET /api/v1/endpoints answers.
         self.desired = initial
         self.current = initial
         self.draining: set[str] = set()
+        # Replicas the supervisor put to sleep, and their level: a (re)starting worker loads them asleep.
+        self.asleep: dict[str, int] = {}
         self._collect = collect
         self._metrics = metrics
         self._changes = asyncio.Lock()
@@ -53,7 +58,7 @@ class SupervisedFleet:
     def write_state(self, entries: list[bytes] | None = None) -> None:
         """The set (`entries`: its JSON, when made already) and drains into the workers' state file."""
         assert self.processes.runtime is not None, "the runtime directory first"
-        write_state(self.processes.runtime, entries or self._entries(self.desired), self.draining)
+        write_state(self.processes.runtime, entries or self._entries(self.desired), self.draining, self.asleep)
 
     def _entries(self, configs: tuple[ReplicaConfig, ...]) -> list[bytes]:
         """Each replica as JSON, serialized once per config: a push's unchanged entries are the
@@ -87,11 +92,13 @@ class SupervisedFleet:
         async with self._changes:
             self.desired = configs
             self.draining &= {c.id for c in configs}
+            kept = {c.id for c in configs}
+            self.asleep = {rid: level for rid, level in self.asleep.items() if rid in kept}
             entries = self._entries(configs)
             self.write_state(entries)
             body = set_json(entries)
             try:
-                answers = await self._everywhere("PUT", "/api/v1/endpoints", body)
+                answers = await self.everywhere("PUT", "/api/v1/endpoints", body)
             finally:
                 # Those that answered have it; one that did not restarts with it.
                 self.current = configs
@@ -106,6 +113,15 @@ class SupervisedFleet:
         return diff
 
     async def set_draining(self, replica_id: str, draining: bool) -> dict[str, Any] | None:
+        if not draining:
+            asleep = next((r for r in (await self.snapshot()).replicas if r.id == replica_id), None)
+            if asleep is not None and asleep.state in ("asleep", "waking"):
+                answer = await self.sleeps.wake(self, replica_id)
+                async with self._changes:
+                    self.draining.discard(replica_id)
+                    self.asleep.pop(replica_id, None)
+                    self.write_state()
+                return answer
         async with self._changes:
             if draining:
                 self.draining.add(replica_id)
@@ -113,7 +129,7 @@ class SupervisedFleet:
                 self.draining.discard(replica_id)
             self.write_state()
             body = orjson.dumps({"state": "draining" if draining else "ready"})
-            answers = await self._everywhere("POST", f"/api/v1/replicas/{replica_id}/state", body)
+            answers = await self.everywhere("POST", f"/api/v1/replicas/{replica_id}/state", body)
         found = [orjson.loads(data) for status, data in answers if status == 200]
         if not found:
             self.draining.discard(replica_id)
@@ -121,7 +137,18 @@ class SupervisedFleet:
         in_flight = sum(a["in_flight"] for a in found)
         return {"id": replica_id, "state": merged_state([a["state"] for a in found], in_flight), "in_flight": in_flight}
 
-    async def _everywhere(self, method: str, path: str, body: bytes) -> list[tuple[int, bytes]]:
+    async def sleep(self, replica_id: str, level: int, *, call_engine: bool, wait: float) -> dict[str, Any]:
+        return await self.sleeps.sleep(self, replica_id, level, call_engine=call_engine, wait=wait)
+
+    async def woken(self, replica_id: str) -> dict[str, Any]:
+        async with self._changes:
+            self.asleep.pop(replica_id, None)
+            self.write_state()
+        body = orjson.dumps({"state": "ready", "call_engine": False})
+        await self.everywhere("POST", f"/api/v1/replicas/{replica_id}/state", body)
+        return {"id": replica_id, "state": "ready", "in_flight": 0, "level": None}
+
+    async def everywhere(self, method: str, path: str, body: bytes) -> list[tuple[int, bytes]]:
         """Send one change to every worker that is up; raise if a live one did not take it."""
         targets = [w for w in self.processes.workers if w.running]
         answers = await asyncio.gather(*(w.call(method, path, body) for w in targets), return_exceptions=True)

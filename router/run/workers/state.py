@@ -71,11 +71,14 @@ def set_json(entries: Iterable[bytes]) -> bytes:
     return b'{"replicas":[' + b",".join(entries) + b"]}"
 
 
-def write_state(runtime: Path, entries: Iterable[bytes], draining: Iterable[str]) -> None:
-    """The set (its entries, each already JSON) and the drains, for a starting worker."""
+def write_state(
+    runtime: Path, entries: Iterable[bytes], draining: Iterable[str], asleep: Mapping[str, int] | None = None
+) -> None:
+    """The set (its entries, each already JSON), the drains and the replicas put to sleep, for a starting worker."""
     path = runtime / "state.json"
     partial = path.with_suffix(".partial")
-    partial.write_bytes(set_json(entries)[:-1] + b',"draining":' + orjson.dumps(sorted(draining)) + b"}")
+    tail = b',"draining":' + orjson.dumps(sorted(draining)) + b',"asleep":' + orjson.dumps(dict(asleep or {}))
+    partial.write_bytes(set_json(entries)[:-1] + tail + b"}")
     # Atomic: a starting worker reads the old state or the new, never half of one.
     partial.rename(path)
 
@@ -90,3 +93,8 @@ def load_state(server: RouterServer, state: Path) -> None:
     server.pool.set_replicas(configs)
     for replica_id in doc["draining"]:
         server.pool.set_draining(replica_id, True)
+    # Asleep as the supervisor last put it (a worker's own wake since is found by /is_sleeping on the next).
+    for replica_id, level in doc.get("asleep", {}).items():
+        replica = server.pool.get(replica_id)
+        if replica is not None:
+            server.pool.set_sleep(replica, level)

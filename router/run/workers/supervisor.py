@@ -37,11 +37,12 @@ from router.core.errors import CannotListen
 from router.core.usage.merging import Combiner, Memory, WorkerReport
 from router.core.usage.snapshots import UsageSnapshot, publish
 from router.run.app import SNAPSHOT_PATH, Listening, freeze_start_up, run_until_signalled
-from router.run.session import make_session
+from router.run.session import SessionCall, make_session
 from router.run.worker_metrics import METRICS_PATH, MergedCollector, Report, SampleKey, merge, retire
 from router.run.workers.fanout import SupervisedFleet
 from router.run.workers.ports import check_free, reserve_port
 from router.run.workers.processes import Worker, WorkerProcesses
+from router.run.workers.sleeps import SupervisedSleeps
 from router.run.workers.state import make_runtime
 
 log = logging.getLogger("router.run.workers")
@@ -70,8 +71,13 @@ class Supervisor(Listening):
         # change reaches every worker through the supervised fleet.
         self.sources = build_sources(config, config_path)
         self.processes = WorkerProcesses(workers, self._worker_argv, self._lost)
+        # The engine calls of a sleep or a wake go through the session made at start().
         self.fleet = SupervisedFleet(
-            self.processes, initial_set(self.sources), collect=self.collect, metrics=self.metrics
+            self.processes,
+            initial_set(self.sources),
+            collect=self.collect,
+            metrics=self.metrics,
+            sleeps=SupervisedSleeps(self._engine_call, config.wake_timeout_seconds),
         )
         self.memory = Memory()
         # The workers' reports, combined as they come (router/core/usage/merging.py).
@@ -93,6 +99,10 @@ class Supervisor(Listening):
         self._tasks: list[asyncio.Task[None]] = []
         self.client_address: tuple[str, int] | None = None
         self.admin_address: tuple[str, int] | None = None
+
+    async def _engine_call(self, method: str, url: str, body: bytes | None, seconds: float) -> tuple[int, bytes]:
+        assert self._session is not None, "started"
+        return await SessionCall(self._session)(method, url, body, seconds)
 
     @property
     def workers(self) -> list[Worker]:

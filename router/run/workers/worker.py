@@ -20,6 +20,7 @@ from router.core.config.settings import Config, load_config
 from router.core.errors import ConfigError
 from router.run.app import RouterServer, freeze_start_up
 from router.run.logs import install as install_request_ids
+from router.run.workers.claims import WakeClaims
 from router.run.workers.state import Paths, load_state
 
 log = logging.getLogger("router.run.workers")
@@ -80,6 +81,9 @@ async def _run_worker(config: Config, runtime: Path, index: int, config_path: st
     paths = Paths(runtime, index)
     server = RouterServer(config, worker_socket=str(paths.socket))
     await server.start(before_clients=lambda: load_state(server, paths.state))
+    if server.fleet is not None and server.fleet.sleeper is not None:
+        # One wake call per replica across the workers.
+        server.fleet.sleeper.wakes.claims = WakeClaims(runtime)
     freeze_start_up()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

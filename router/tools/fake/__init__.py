@@ -11,10 +11,12 @@ messages.py   Anthropic's Messages API as vLLM and llama.cpp serve it, whole or 
 engine.py     a simulated engine (`--engine`): continuous batching, a paged KV cache, a prefix cache
 simulated.py  chat and completions answered with the simulated engine's tokens, as they come
 exposition.py the simulated engine's load under each engine's names: /metrics, /v1/loads, ORCA
+sleep.py      vLLM's sleep API and SGLang's memory release (`--enable-sleep-mode`), with their times
 cli.py        `router fake`, or `python -m router.tools.fake` (`__main__.py`)
 """
 
 from router.tools.fake.replica import FakeReplica
+from router.tools.fake.sleep import SleepMode
 from router.tools.fake.switches import Behaviour, Seen
 
-__all__ = ["Behaviour", "FakeReplica", "Seen"]
+__all__ = ["Behaviour", "FakeReplica", "Seen", "SleepMode"]

@@ -27,6 +27,7 @@ import uvloop
 from router.tools.fake.engine import Engine, EngineParams
 from router.tools.fake.exposition import ENGINES
 from router.tools.fake.replica import FakeReplica
+from router.tools.fake.sleep import ANSWERS, SleepMode
 from router.tools.fake.switches import Behaviour
 
 # The simulated engine's defaults, shown by --help.
@@ -89,6 +90,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "router fake") -> int:
     engine.add_argument(
         "--metrics-seconds", type=float, default=_DEFAULTS.metrics_seconds, help="the gauges' refresh, at most"
     )
+    sleep = parser.add_argument_group(
+        "sleep mode",
+        "vLLM's sleep API (POST /sleep?level=, POST /wake_up?tags=, GET /is_sleeping) and SGLang's "
+        "(POST /release_memory_occupation, /resume_memory_occupation), as with VLLM_SERVER_DEV_MODE=1",
+    )
+    sleep.add_argument("--enable-sleep-mode", action="store_true", help="serve the sleep API (vLLM's flag)")
+    sleep.add_argument("--sleep-seconds", type=float, default=0.0, help="how long a sleep call takes")
+    sleep.add_argument("--wake-seconds", type=float, default=0.0, help="how long a wake call takes")
+    sleep.add_argument(
+        "--asleep-answer",
+        choices=ANSWERS,
+        default="503",
+        help="inference requests while asleep: 503 saying 'sleeping', or held until awake (vLLM's own behaviour)",
+    )
     parser.add_argument("--processes", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     parser.add_argument(
         "--share-port",
@@ -105,6 +120,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "router fake") -> int:
         args.time_scale > 0 and args.max_running >= 1 and args.kv_blocks >= 1 and args.block_tokens >= 1
     ):
         parser.error("--time-scale must be above 0; --max-running, --kv-blocks and --block-tokens at least 1")
+    if args.sleep_seconds < 0 or args.wake_seconds < 0:
+        parser.error("--sleep-seconds and --wake-seconds must be >= 0")
     if args.processes < 1 or (args.processes > 1 and args.port == 0):
         parser.error("--processes must be at least 1, and share a port given with --port (not 0)")
     paced = dict(_pace(spec) for spec in args.paced)
@@ -190,6 +207,10 @@ async def _serve_forever(
         adapters=list(args.adapters),
         api_key=args.api_key,
     )
+    if args.enable_sleep_mode:
+        fake.sleep = SleepMode(
+            sleep_seconds=args.sleep_seconds, wake_seconds=args.wake_seconds, asleep_answer=args.asleep_answer
+        )
     if args.engine is not None:
         fake.engine_kind = args.engine
         fake.engine = Engine(

@@ -28,6 +28,7 @@ from router.tools.fake.exposition import ENGINES, metrics_page, orca_header, sgl
 from router.tools.fake.inference import Inference
 from router.tools.fake.messages import Messages
 from router.tools.fake.responses import ResponsesApi
+from router.tools.fake.sleep import SleepMode
 from router.tools.fake.switches import Behaviour, Seen
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -102,6 +103,9 @@ class FakeReplica:
     # the replica reports under `engine_kind`'s names (router.tools.fake.exposition).
     engine: Engine | None = None
     engine_kind: str = "vllm"
+    # vLLM's sleep API and SGLang's memory release (router.tools.fake.sleep); None: not served, as without
+    # VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode.
+    sleep: SleepMode | None = None
     _runner: web.AppRunner | None = None
     _listeners: list[socket.socket] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
@@ -136,6 +140,8 @@ class FakeReplica:
         app.router.add_get("/get_server_info", self._engine_info)
         app.router.add_get("/model_info", self._engine_info)
         app.router.add_get("/server_info", self._engine_info)
+        if self.sleep is not None:
+            self.sleep.add_routes(app, lambda: self.active)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None) -> str:
@@ -261,6 +267,10 @@ class FakeReplica:
         key = self.api_key
         if key and request.path.startswith("/v1") and request.headers.get("Authorization") != f"Bearer {key}":
             return web.json_response({"error": "Unauthorized"}, status=401)
+        if self.sleep is not None and request.method == "POST" and request.path.startswith("/v1/"):
+            asleep = await self.sleep.guard()
+            if asleep is not None:
+                return asleep
         return await handler(request)
 
     def cut_short(self, obj: dict[str, Any], n: int) -> bool:

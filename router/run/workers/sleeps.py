@@ -1,0 +1,96 @@
+"""Sleep across `--workers`: the fence in every worker, one engine call by the supervisor, then every worker told.
+
+A worker alone cannot put a replica to sleep: another worker may still send
+it requests. The supervisor drains it in every worker (the change fanned out
+as any drain is), waits until their combined report shows it drained (none
+has it in flight), makes the engine's sleep call itself, then tells every
+worker it is asleep (`"call_engine": false`). Waking it by hand is the same
+in reverse: one wake call here, then every worker told it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from router.control.sleeping import SLEEP_CALL_SECONDS, SleepRefused
+from router.core.pool.sleep import EngineCall, EngineCallFailed, put_to_sleep, sleep_api, wake_up
+from router.core.usage.snapshots import ReplicaUsage
+
+if TYPE_CHECKING:
+    from router.run.workers.fanout import SupervisedFleet
+
+_POLL_SECONDS = 0.05
+
+
+class SupervisedSleeps:
+    """The supervisor's sleeps and wakes of a replica, for all of its workers at once."""
+
+    def __init__(self, call: EngineCall, wake_timeout: float) -> None:
+        self._call = call
+        self._wake_timeout = wake_timeout
+
+    @staticmethod
+    async def _usage(fleet: SupervisedFleet, replica_id: str) -> ReplicaUsage:
+        for r in (await fleet.snapshot()).replicas:
+            if r.id == replica_id:
+                return r
+        raise SleepRefused(404, "replica_not_found", f"No replica with id {replica_id!r}.")
+
+    async def sleep(
+        self, fleet: SupervisedFleet, replica_id: str, level: int, *, call_engine: bool, wait: float
+    ) -> dict[str, Any]:
+        usage = await self._usage(fleet, replica_id)
+        api = sleep_api(usage.engine)
+        if usage.state == "asleep":
+            return {"id": replica_id, "state": "asleep", "in_flight": 0, "level": level}
+        if call_engine and api is None:
+            raise SleepRefused(
+                409,
+                "cannot_sleep",
+                f"Replica {replica_id!r}'s engine ({usage.engine or 'not known'}) has no sleep API.",
+            )
+        if usage.state in ("ejected", "waking"):
+            raise SleepRefused(409, "cannot_sleep", f"Replica {replica_id!r} is {usage.state}; it cannot sleep now.")
+        was_draining = replica_id in fleet.draining
+        await fleet.set_draining(replica_id, True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while (usage := await self._usage(fleet, replica_id)).state != "drained":
+            if loop.time() >= deadline:
+                await fleet.set_draining(replica_id, was_draining)
+                raise SleepRefused(
+                    409, "still_busy", f"Replica {replica_id!r} still had {usage.in_flight} in flight after {wait:g} s."
+                )
+            await asyncio.sleep(_POLL_SECONDS)
+        if call_engine and api is not None:
+            try:
+                await put_to_sleep(self._call, api, usage.url, level, SLEEP_CALL_SECONDS)
+            except EngineCallFailed as exc:
+                await fleet.set_draining(replica_id, was_draining)
+                raise SleepRefused(
+                    502, "engine_call_failed", f"Replica {replica_id!r}'s engine did not sleep: {exc}"
+                ) from exc
+        body = orjson.dumps({"state": "asleep", "level": level, "call_engine": False, "wait_seconds": 0})
+        await fleet.everywhere("POST", f"/api/v1/replicas/{replica_id}/state", body)
+        # Asleep, no longer drained, in the state file too: a worker that restarts loads it asleep.
+        fleet.asleep[replica_id] = level
+        fleet.draining.discard(replica_id)
+        fleet.write_state()
+        return {"id": replica_id, "state": "asleep", "in_flight": 0, "level": level}
+
+    async def wake(self, fleet: SupervisedFleet, replica_id: str) -> dict[str, Any]:
+        """One wake call, then every worker told the replica is ready."""
+        usage = await self._usage(fleet, replica_id)
+        api = sleep_api(usage.engine)
+        if api is None:
+            raise SleepRefused(409, "cannot_sleep", f"Replica {replica_id!r}'s engine has no sleep API.")
+        try:
+            await wake_up(self._call, api, usage.url, self._wake_timeout, asyncio.get_running_loop().time)
+        except EngineCallFailed as exc:
+            raise SleepRefused(502, "engine_call_failed", f"Replica {replica_id!r} did not wake: {exc}") from exc
+        body = orjson.dumps({"state": "ready", "call_engine": False})
+        await fleet.everywhere("POST", f"/api/v1/replicas/{replica_id}/state", body)
+        return {"id": replica_id, "state": "ready", "in_flight": 0, "level": None}

@@ -1,0 +1,183 @@
+"""A sleep across two `router serve` processes: the fence spans both before the one engine call."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from router.tools.fake import Behaviour, FakeReplica, SleepMode
+from tests.conftest import StartFake
+from tests.run.test_workers import children
+from tests.support.clients import get_json, run_ctl
+from tests.support.processes import Serve
+from tests.support.waiting import until, wait_for
+
+
+@pytest.fixture
+async def routers(tmp_path: Path) -> AsyncIterator[list[Serve]]:
+    started = [Serve(tmp_path / "router-a.toml"), Serve(tmp_path / "router-b.toml")]
+    yield started
+    for serve in started:
+        if serve.process is not None:
+            serve.output()
+
+
+async def state_of(serve: Serve, replica_id: str) -> str:
+    rows = await get_json(serve.admin_url + "/api/v1/replicas")
+    return next(str(r["state"]) for r in rows if r["id"] == replica_id)
+
+
+def client(serve: Serve) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=serve.client_url + "/v1", api_key="x", max_retries=0, timeout=10)
+
+
+async def start_both(routers: list[Serve], fake: FakeReplica) -> None:
+    for serve in routers:
+        serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
+        await serve.start()
+
+
+async def test_a_sleep_waits_for_the_other_routers_request_and_calls_the_engine_once(
+    start_fake: StartFake, routers: list[Serve]
+) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(tokens=12, token_delay=0.05), sleep=SleepMode())
+    assert fake.sleep is not None
+    await start_both(routers, fake)
+    a, b = routers
+    # A request in flight through router b only: router a alone could not see it.
+    async with client(b) as sdk:
+        stream = await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        first = await stream.__anext__()
+        assert first.choices
+        slept = asyncio.ensure_future(
+            asyncio.to_thread(run_ctl, "sleep", "r0", "--server", a.admin_url, "--server", b.admin_url)
+        )
+        await wait_for(lambda: fake.active == 1 and not slept.done())
+        # Both routers fence it while b's request runs; the engine is not called yet.
+        for serve in routers:
+            await wait_for_state(serve, "r0", ("draining", "drained"))
+        assert fake.sleep.calls == []
+        chunks = [chunk async for chunk in stream]
+        assert chunks
+    code, out = await asyncio.wait_for(slept, 20)
+    assert (code, out.strip()) == (0, "r0: asleep (level 1)")
+    assert fake.sleep.calls == ["sleep 1"]
+    assert fake.sleep.busy_at_sleep == [0]
+    assert [await state_of(serve, "r0") for serve in routers] == ["asleep", "asleep"]
+    # Woken through both: one wake call, both ready, both serve.
+    code, _ = await asyncio.to_thread(run_ctl, "wake", "r0", "--server", a.admin_url, "--server", b.admin_url)
+    assert code == 0
+    assert fake.sleep.calls == ["sleep 1", "wake_up"]
+    for serve in routers:
+        async with client(serve) as sdk:
+            answer = await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert answer.choices[0].message.content
+
+
+async def wait_for_state(serve: Serve, replica_id: str, wanted: tuple[str, ...]) -> None:
+    async def reached() -> bool:
+        return await state_of(serve, replica_id) in wanted
+
+    await until(reached, timeout=10, what=f"{replica_id} never {' or '.join(wanted)}")
+
+
+async def test_with_workers_the_supervisor_fences_every_worker_and_calls_the_engine_once(
+    start_fake: StartFake, tmp_path: Path
+) -> None:
+    fake = await start_fake("m", behaviour=Behaviour(tokens=12, token_delay=0.03), sleep=SleepMode())
+    assert fake.sleep is not None
+    serve = Serve(tmp_path / "router.toml")
+    serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
+    await serve.start("--workers", "2")
+    try:
+        async with client(serve) as sdk:
+            # Streams on their own connections: the kernel spreads them over both workers.
+            streams = [
+                await sdk.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": str(i)}], stream=True
+                )
+                for i in range(4)
+            ]
+            slept = asyncio.ensure_future(asyncio.to_thread(run_ctl, "sleep", "r0", "--server", serve.admin_url))
+            await wait_for_state(serve, "r0", ("draining",))
+            assert fake.sleep.calls == []
+            for stream in streams:
+                assert [chunk async for chunk in stream]
+            code, out = await asyncio.wait_for(slept, 20)
+            assert (code, out.strip()) == (0, "r0: asleep (level 1)")
+            assert fake.sleep.calls == ["sleep 1"]
+            assert fake.sleep.busy_at_sleep == [0]
+            assert await state_of(serve, "r0") == "asleep"
+            code, _ = await asyncio.to_thread(run_ctl, "wake", "r0", "--server", serve.admin_url)
+            assert code == 0
+            assert fake.sleep.calls == ["sleep 1", "wake_up"]
+            assert await state_of(serve, "r0") == "ready"
+            answer = await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+            assert answer.choices[0].message.content
+    finally:
+        serve.output()
+
+
+async def test_with_workers_requests_on_both_wake_the_replica_with_one_call(
+    start_fake: StartFake, tmp_path: Path
+) -> None:
+    gate = asyncio.Event()
+    fake = await start_fake("m", sleep=SleepMode(wake_gate=gate))
+    assert fake.sleep is not None
+    serve = Serve(tmp_path / "router.toml")
+    serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
+    await serve.start("--workers", "2")
+    try:
+        code, _ = await asyncio.to_thread(run_ctl, "sleep", "r0", "--server", serve.admin_url)
+        assert code == 0
+        async with client(serve) as sdk:
+            # Sixteen at once, each on a connection of its own: the kernel spreads them over both workers.
+            asks = [
+                asyncio.ensure_future(
+                    sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": str(i)}])
+                )
+                for i in range(16)
+            ]
+            await wait_for(lambda: fake.sleep is not None and fake.sleep.calls == ["sleep 1", "wake_up"])
+            gate.set()
+            answers = await asyncio.gather(*asks)
+        assert all(a.choices[0].message.content for a in answers)
+        assert fake.sleep.calls == ["sleep 1", "wake_up"]
+        # Both workers asked whether it was awake (each from its own connection); one alone called.
+        assert len(set(fake.sleep.checks)) >= 2
+    finally:
+        serve.output()
+
+
+async def test_a_worker_that_restarts_loads_the_replica_asleep(start_fake: StartFake, tmp_path: Path) -> None:
+    fake = await start_fake("m", sleep=SleepMode())
+    serve = Serve(tmp_path / "router.toml")
+    serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
+    await serve.start("--workers", "2")
+    try:
+        assert serve.process is not None
+        code, _ = await asyncio.to_thread(run_ctl, "sleep", "r0", "--server", serve.admin_url)
+        assert code == 0
+        os.kill(children(serve.process.pid)[0], signal.SIGKILL)
+        await serve.says("restarting it")
+        await wait_for(lambda: serve.process is not None and len(children(serve.process.pid)) == 2)
+
+        async def merged_asleep() -> bool:
+            # Both workers answer again, and both hold it asleep (the merge says asleep only then).
+            try:
+                return await state_of(serve, "r0") == "asleep"
+            except aiohttp.ClientError:
+                return False
+
+        await until(merged_asleep, timeout=15, what="the restarted worker did not load r0 asleep")
+        serve.signal(signal.SIGTERM)
+        assert serve.process.wait(timeout=30) == 0
+    finally:
+        serve.output()
