@@ -198,7 +198,8 @@ class Forwarder:
             replica.engine == "vllm"
             and loads is not None
             and not call.stream
-            and loads.view.wants(replica)
+            # loads.view.wants(replica), written out: this runs on every whole request.
+            and ((reading := replica.load) is None or self.pool.clock.now() - reading.at >= loads.view.fresh_for)
             and request.header(b"endpoint-load-metrics-format") is None
         )
         head = b"".join(
