@@ -130,6 +130,7 @@ class Pool:
         if engines is not None:
             self._set.judge = engines.judge
             self._set.least = engines.least
+            self._set.holds = engines.holds
             self.engine_loads = EngineLoads(
                 engines, clock, self._candidates, self._waiting, self.touched, hand_off=self._hand_off
             )
