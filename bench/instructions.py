@@ -173,25 +173,28 @@ def measure(
     return figures
 
 
-def engine_runs(tmp: Path, requests: int) -> dict[str, dict[str, float]]:
-    """The working tree in front of a simulated vLLM engine (`router fake --engine vllm`), its load read
-    (ORCA headers on short answers, /metrics while streams run) and not: what reading the engines costs
-    a request."""
+def engine_runs(
+    tmp: Path, requests: int, tree: Path | None = None, keep: Path | None = None
+) -> dict[str, dict[str, float]]:
+    """The working tree (`tree`: its compiled build) in front of a simulated vLLM engine (`router fake
+    --engine vllm`), its load read (ORCA headers on short answers, /metrics while streams run) and not:
+    what reading the engines costs a request."""
+    prefix = "router-compiled-engines" if tree is not None else "router-engines"
     engine, url = start_fake(
         *("--model", "fast", "--model", "slow", "--model", "sleepy"),
         *("--engine", "vllm", "--time-scale", "100", "--max-running", "512"),
     )
     try:
         wait_http(url + "/v1/models", process=engine)
-        off = measure("router-engines-off", None, tmp, url, requests, "engine_metrics_seconds = 0\n")
+        off = measure(f"{prefix}-off", tree, tmp, url, requests, "engine_metrics_seconds = 0\n", keep=keep)
         # Read every 30 s: under callgrind a thousand requests take many seconds of wall time, and
         # reads at the default interval (a cost per second, bench/scale.py's engines target) would
         # land on each request; what is counted here is what a request itself costs.
-        on = measure("router-engines", None, tmp, url, requests, "engine_metrics_seconds = 30\n", engine='"vllm"')
+        on = measure(prefix, tree, tmp, url, requests, "engine_metrics_seconds = 30\n", engine='"vllm"', keep=keep)
     finally:
         engine.terminate()
         engine.wait(timeout=20)
-    return {"router-engines-off": off, "router-engines": on}
+    return {f"{prefix}-off": off, prefix: on}
 
 
 def traced_runs(tmp: Path, fake_url: str, requests: int) -> dict[str, dict[str, float]]:
@@ -370,7 +373,9 @@ def main() -> int:
                     f"router-{policy}", None, tmp, fake_url, args.requests, routing, varied=True
                 )
             if args.engine_metrics:
-                results.update(engine_runs(tmp, args.requests))
+                results.update(engine_runs(tmp, args.requests, keep=args.profile))
+                if args.compiled:
+                    results.update(engine_runs(tmp, args.requests, compiled_tree(), keep=args.profile))
             if args.limits:
                 results.update(limits_runs(tmp, fake_url, args.requests))
                 if args.compiled and tree is not None:
@@ -392,6 +397,7 @@ def main() -> int:
         base = results["router-varied"] if name in ("router-session", "router-prefix") else now
         # Engine-aware picks are read against the same simulated engine with reading off.
         base = results["router-engines-off"] if name == "router-engines" else base
+        base = results["router-compiled-engines-off"] if name == "router-compiled-engines" else base
         # The compiled build reading usage is read against the compiled build not reading it.
         base = results["router-compiled"] if name == "router-compiled-tokens" else base
         # A limited tenant's requests are read against the same tenant's, counted and not limited.

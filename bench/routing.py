@@ -16,10 +16,13 @@ each router in turn:
   Gateway API Inference Extension's endpoint picker reads them), and
   `engine-session`, `engine-prefix`: session and prefix routing with them;
 - `sglang-cache_aware`: SGLang's router, its default policy (cache_aware);
-- `vllm-cache_aware`: vLLM's router (vllm-router), its cache-aware default.
-  Its load policy, `vllm-power_of_two`, polls a load endpoint of its own
-  engines' that the simulated engine does not serve: its requests were
-  never answered (600 s), so it is left out unless named with --routers;
+- `vllm-cache_aware`: vLLM's router (vllm-router), its cache-aware default;
+- `vllm-power_of_two`: vLLM's router's load policy: two replicas drawn at
+  random, the one with the lower load taken, the loads polled from each
+  engine's `GET /get_load` (`{"load": N}`, vllm-project/router's
+  src/routers/http/router.rs; the simulated vLLM engine serves it, its
+  requests running plus waiting) every `--worker-startup-check-interval`
+  seconds, here 1 (its default, 30, would read each engine once a run);
 - `engine-x2`: two of this router, engine-aware, each sent half the load.
 
 Workloads (engine time; `--time-scale` runs it faster than wall time):
@@ -77,6 +80,7 @@ ROUTERS = (
     "engine-prefix",
     "sglang-cache_aware",
     "vllm-cache_aware",
+    "vllm-power_of_two",
     "engine-x2",
 )
 WORKLOADS = ("shared-prefix", "multi-turn", "mixed")
@@ -201,6 +205,9 @@ def start_router(
             command += ["--tokenizer-path", str(tmp / "tokenizer.json"), "--log-level", "warn"]
         else:
             command += ["--log-level", "warning"]
+            if policy == "power_of_two":
+                # Its engines' loads are polled at this interval (seconds; 30 by default).
+                command += ["--worker-startup-check-interval", "1"]
         process = launch(command)
         wait_http(f"http://127.0.0.1:{port}/v1/models")
         return [process], [f"http://127.0.0.1:{port}"]

@@ -191,16 +191,16 @@ class Forwarder:
         body = call.body_for(model)
         origin = origin_of(replica.base_url)
         method = request.method
-        # vLLM says its queue and KV cache in a whole answer when asked (ORCA): a busy replica's
-        # reading comes free with it. Asked for here once its reading is an interval old (reading
-        # every answer costs a third more per request for readings a moment apart), and kept
-        # from the client, unless it asked itself.
+        # vLLM says its queue and KV cache in a whole answer when asked (ORCA): a busy replica's reading
+        # comes free with it. Asked once its reading is an interval old (every answer costs a third more
+        # per request for readings a moment apart), and kept from the client unless it asked itself.
         loads = self.pool.engine_loads
         orca = (
             replica.engine == "vllm"
             and loads is not None
             and not call.stream
-            and loads.view.wants(replica)
+            # loads.view.wants(replica), written out: this runs on every whole request.
+            and ((reading := replica.load) is None or self.pool.clock.now() - reading.at >= loads.view.fresh_for)
             and request.header(b"endpoint-load-metrics-format") is None
         )
         head = b"".join(

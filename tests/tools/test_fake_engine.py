@@ -174,3 +174,26 @@ async def test_an_answer_shorter_than_max_tokens_ends_with_stop(simulated: FakeR
         assert doc["usage"]["completion_tokens"] == 3
     finally:
         await simulated.stop()
+
+
+async def test_vllm_answers_get_load_as_vllms_router_reads_it_and_other_engines_do_not() -> None:
+    # vLLM's router (power_of_two) polls GET /get_load and reads the integer `load` of its JSON.
+    fake = FakeReplica(models=("m",), behaviour=Behaviour(tokens=100_000))
+    engine = fake.engine = Engine(EngineParams(max_running=2, time_scale=5.0))
+    await fake.start()
+    try:
+        seqs = [engine.submit("z" * 400, 100_000) for _ in range(3)]
+        await wait_for(lambda: engine.report.running == 2 and engine.report.waiting == 1, timeout=2)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(fake.url + "/get_load") as resp:
+                assert resp.status == 200
+                assert resp.content_type == "application/json"
+                assert await resp.json() == {"load": 3}
+            for seq in seqs:
+                engine.abort(seq)
+            # Another engine's replica does not serve vLLM's router's endpoint.
+            fake.engine_kind = "sglang"
+            async with session.get(fake.url + "/get_load") as resp:
+                assert resp.status == 404
+    finally:
+        await fake.stop()

@@ -52,9 +52,16 @@ class Bounds:
 
 
 class EngineLoad:
-    """One reading of a replica's engine load, and what this router had in flight there when it was taken."""
+    """One reading of a replica's engine load, and what this router had in flight there when it was taken.
 
-    __slots__ = ("at", "kv", "running", "sent_then", "source", "waiting")
+    What of blended() depends on the reading alone is worked out once, here
+    (`offset`, `queues`), rather than in every pick that reads it: with the
+    router's requests in flight now `f`, a replica's load is `f + offset`,
+    plus `f - sent_then` when the engine was queueing (`queues`) and `f`
+    is above what it had then.
+    """
+
+    __slots__ = ("at", "kv", "offset", "queues", "running", "sent_then", "source", "waiting")
 
     def __init__(  # noqa: PLR0917 (a value object: its fields in order)
         self, waiting: float, running: float | None, kv: float | None, at: float, sent_then: int, source: str
@@ -68,6 +75,12 @@ class EngineLoad:
         self.sent_then = sent_then
         # How it was read: "metrics", "loads" (SGLang's /v1/loads) or "orca" (an answer's header).
         self.source = source
+        # The engine was queueing: each request sent since waits behind the queue (queue_now()).
+        self.queues = waiting > 0
+        # blended() less what moves with the requests in flight now: the engine's requests beyond
+        # this router's then (never below none), the queue read, and the KV cache's fullness.
+        beyond = (running if running is not None else sent_then) + waiting - sent_then
+        self.offset = (beyond if beyond > 0 else 0.0) + waiting + (KV_WEIGHT * kv if kv is not None else 0.0)
 
     def __repr__(self) -> str:
         return f"EngineLoad(waiting={self.waiting}, running={self.running}, kv={self.kv}, source={self.source!r})"
@@ -192,50 +205,78 @@ class EngineView:
 
     def least(self, items: Iterable[E], avoid: E | None, exclude: Container[E], rng: random.Random) -> E | None:
         """The item judge() scores lowest (a random one among equals), never one of `exclude`, `avoid`
-        only if nothing else is left; None when every one is saturated. One pass, the clock read once."""
+        only if nothing else is left; None when every one is saturated. One pass, the clock read once,
+        and _score() written out in it: this runs over every candidate of every pick."""
         now = self._now()
-        score = self._score
-        best: list[E] = []
+        oldest = now - self.stale_after
+        best: E | None = None
+        ties: list[E] | None = None
         lowest = math.inf
         for item in items:
             if item is avoid or item in exclude:
                 continue
-            figure = score(item, now)
+            load = item.load
+            if load is None or load.at < oldest:
+                figure = float(item.in_flight)
+            elif load.queues:
+                figure = self._queued(item, load)
+                if figure == math.inf:
+                    continue
+            else:
+                figure = item.in_flight + load.offset
+            prefills = item.prefills
+            if prefills is not None:
+                figure += prefills.left(now) / TOKENS_PER_REQUEST
             if figure < lowest:
                 lowest = figure
-                best = [item]
-            elif figure == lowest and figure != math.inf:
-                best.append(item)
-        if not best:
-            if avoid is not None and avoid not in exclude and score(avoid, now) != math.inf:
+                best = item
+                ties = None
+            elif figure == lowest:
+                if ties is None:
+                    ties = [best, item]  # type: ignore[list-item]
+                else:
+                    ties.append(item)
+        if best is None:
+            if avoid is not None and avoid not in exclude and self._score(avoid, now) != math.inf:
                 return avoid
             return None
-        return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
+        return best if ties is None else ties[rng.randrange(len(ties))]
+
+    def _queued(self, replica: Engined, load: EngineLoad) -> float:
+        """The score of a replica whose engine was queueing at its (fresh) reading, less its prefills:
+        math.inf where its queue now or its KV use reaches its model's bounds."""
+        in_flight = replica.in_flight
+        bounds = self._bounds.get(replica.model, self._default) if self._bounds else self._default
+        sent = in_flight - load.sent_then if in_flight > load.sent_then else 0
+        kv = load.kv
+        if load.waiting + sent >= bounds.waiting or (kv is not None and kv >= bounds.kv):
+            return math.inf
+        return in_flight + load.offset + sent
 
     def _score(self, replica: Engined, now: float) -> float:
-        """judge() at `now`: pressure(), queue_now() and blended() inlined into one call, as it runs for
-        every candidate of every pick (tests/core/test_loads.py holds it equal to them)."""
-        in_flight = replica.in_flight
-        prefills = replica.prefills
-        prefilling = prefills.left(now) / TOKENS_PER_REQUEST if prefills is not None else 0.0
+        """judge() at `now`: pressure(), queue_now() and blended() in one call, from the reading's own
+        offset (tests/core/test_loads.py holds it equal to them)."""
         load = replica.load
         if load is None or now - load.at > self.stale_after:
-            return in_flight + prefilling
-        bounds = self._bounds.get(replica.model, self._default) if self._bounds else self._default
-        waiting = load.waiting
-        moved = in_flight - load.sent_then
-        queue = waiting + moved if waiting > 0 and moved > 0 else waiting
-        kv = load.kv
-        if queue >= bounds.waiting or (kv is not None and waiting > 0 and kv >= bounds.kv):
-            return math.inf
-        running = load.running
-        engine = (running if running is not None else load.sent_then) + waiting + moved
-        return (
-            (engine if engine > in_flight else in_flight)
-            + queue
-            + (KV_WEIGHT * kv if kv is not None else 0.0)
-            + prefilling
-        )
+            figure = float(replica.in_flight)
+        elif load.queues:
+            figure = self._queued(replica, load)
+            if figure == math.inf:
+                return figure
+        else:
+            figure = replica.in_flight + load.offset
+        prefills = replica.prefills
+        if prefills is not None:
+            figure += prefills.left(now) / TOKENS_PER_REQUEST
+        return figure
+
+    def holds(self, replica: Engined) -> bool | None:
+        """Whether the replica's engine can take more by a fresh reading: None with no fresh reading,
+        False when it is saturated (session routing keeps a session's replica on this, loads.py)."""
+        load = replica.load
+        if load is None or self._now() - load.at > self.stale_after:
+            return None
+        return not load.queues or self._queued(replica, load) != math.inf
 
     def wants(self, replica: Engined) -> bool:
         """Whether the replica's reading is old enough to be renewed (an answer's ORCA header)."""

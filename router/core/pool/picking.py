@@ -116,6 +116,12 @@ class PolicySettings:
     judge: Callable[[Any], float] | None = None
     # The judge's pick over candidates in one pass (EngineView.least): least-loaded's, once aware.
     least: Callable[[Iterable[Any], Any, Container[Any], random.Random], Any] | None = None
+    # Whether a candidate's engine can take more by a fresh reading (EngineView.holds): None with
+    # no fresh reading, False when saturated.
+    holds: Callable[[Any], bool | None] | None = None
+    # routing = "session": once aware, a key stays on its home while its engine holds, whatever
+    # the bounded loads say (BoundedHashRing's docstring).
+    sticky: bool = False
 
 
 # What a session or prefix policy's first pick was: the key's own replica, one
@@ -302,11 +308,24 @@ class BoundedHashRing(LeastLoaded[T]):
     loses, about 1/N of them. A request without a key goes to the least
     loaded candidate, as with least_loaded, whose bookkeeping of loads (and
     of the total in flight) this reuses whole.
+
+    Once the model's engines are read (`aware`), a candidate whose engine
+    is saturated is passed over as a full one is. Session routing
+    (`sticky`) goes further: a session's home is kept while a fresh
+    reading says its engine is not saturated, above the bound or not. A
+    session is one conversation, a request at a time, spread over the ring
+    by its hash: what puts its home above the bound is the other sessions'
+    requests of the moment, and spilling it there costs the whole
+    conversation's prefix cache for a queue the engine's batch takes in
+    (continuous batching). Only a queue at the model's bounds is worth that
+    miss. A prefix key is not so: many clients share it (a popular system
+    prompt), and only the bound keeps its home from taking them all.
     """
 
     __slots__ = (
         "_factor",
         "_held",
+        "_holds",
         "_joining",
         "_layout",
         "_outcomes",
@@ -314,6 +333,7 @@ class BoundedHashRing(LeastLoaded[T]):
         "_per_replica",
         "_points",
         "_scale",
+        "_sticky",
     )
 
     def __init__(self, rng: random.Random | None = None, settings: PolicySettings | None = None) -> None:
@@ -322,6 +342,9 @@ class BoundedHashRing(LeastLoaded[T]):
         self._factor = settings.balance_factor
         self._per_replica = settings.per_replica
         self._outcomes = settings.outcomes
+        # Session routing's keep-home rule, once aware: only with the engines' readings to go by.
+        self._holds = settings.holds
+        self._sticky = settings.sticky and settings.holds is not None
         # balance_factor / the number of candidates: capacity is ceil(_scale x (in flight + 1)).
         self._scale = 0.0
         # The ring (router.core.pool.ring): sorted points, and the member of each,
@@ -415,7 +438,13 @@ class BoundedHashRing(LeastLoaded[T]):
             home = self._owners[start]
             slot = self._slots[home]
         judge = self._judge if self.aware else None
-        if slot[0] < capacity and (judge is None or judge(home) != math.inf):
+        holds_of = self._holds if judge is not None and self._sticky else None
+        if holds_of is not None and (holds := holds_of(home)) is not None:
+            # A session: its home while its engine takes more (and under the per-replica limit).
+            kept = holds and not (self._per_replica and slot[0] >= self._per_replica)
+        else:
+            kept = slot[0] < capacity and (judge is None or judge(home) != math.inf)
+        if kept:
             self._outcomes[_HIT] += 1
             return home
         self._outcomes[_SPILL] += 1

@@ -32,7 +32,7 @@ from router.core.pool.adapters import Adapters
 from router.core.pool.coldstart import ColdStart
 from router.core.pool.ejection import EjectionPolicy, Ejections
 from router.core.pool.fairness import Lines
-from router.core.pool.loads import EngineView
+from router.core.pool.loads import LARGE_PROMPT_TOKENS, EngineView
 from router.core.pool.picking import Policy, Routing
 from router.core.pool.pinned import PinnedLines
 from router.core.pool.queues import Queues
@@ -132,6 +132,7 @@ class Pool:
         if engines is not None:
             self._set.judge = engines.judge
             self._set.least = engines.least
+            self._set.holds = engines.holds
             self.engine_loads = EngineLoads(
                 engines, clock, self._candidates, self._waiting, self.touched, hand_off=self._hand_off
             )
@@ -182,7 +183,8 @@ class Pool:
         replica.in_flight += 1
         replica.last_used = self._now()
         self.touched[replica] = None
-        if tokens and self.engines is not None:
+        # (A large prompt only: the test written out, as this runs on every request.)
+        if tokens >= LARGE_PROMPT_TOKENS and self.engines is not None:
             self.engines.sent(replica, tokens)
         return replica
 

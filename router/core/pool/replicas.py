@@ -178,6 +178,7 @@ class ReplicaSet:
         "candidates",
         "ever_served",
         "joined",
+        "holds",
         "judge",
         "least",
         "leaving",
@@ -232,6 +233,8 @@ class ReplicaSet:
         self.judge: Callable[[Replica], float] | None = None
         # ... and its pick over a model's candidates in one pass (EngineView.least).
         self.least: Callable[[Iterable[Replica], Replica | None, Container[Replica], random.Random], Any] | None = None
+        # ... and whether a replica's engine takes more by a fresh reading (EngineView.holds).
+        self.holds: Callable[[Replica], bool | None] | None = None
         # While a whole set is applied: the policies holding their changes, and
         # the models whose waiters are told once it is in.
         self._batch: _Batch | None = None
@@ -365,6 +368,8 @@ class ReplicaSet:
                 self._affinity.setdefault(replica.model, [0, 0, 0]),
                 self.judge,
                 self.least,
+                self.holds,
+                routing.policy == "session",
             )
             candidates = self.candidates[replica.model] = POLICIES[routing.policy](self._rng, settings)
         batch = self._batch

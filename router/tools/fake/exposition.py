@@ -17,6 +17,11 @@ Each engine's names and shapes are its own, read from its source (docs/routing.m
   `llamacpp:requests_deferred`; no KV gauge in current code.
 - TGI (backends/v3): `tgi_queue_size`, `tgi_batch_current_size`,
   `tgi_batch_current_max_tokens`, `tgi_batch_max_total_tokens`.
+
+Beside them, what vLLM's router (vllm-project/router, vllm-router on PyPI)
+polls for its `power_of_two` policy: `GET /get_load`, of whose JSON it reads
+the integer `load` alone (src/routers/http/router.rs, get_worker_load_static);
+served by the simulated vLLM engine as its requests running plus waiting.
 """
 
 from __future__ import annotations
@@ -165,6 +170,11 @@ def sglang_loads(r: EngineReport, timestamp: float) -> bytes:
         "cache_hit_rate": round(_rate(r.prefix_hits, r.prefix_queries), 4),
     }
     return orjson.dumps({"timestamp": "", "version": "0.5.23", "loads": [load]})
+
+
+def router_load(r: EngineReport) -> bytes:
+    """vLLM's router's GET /get_load: {"load": N}, an integer (here the requests running and waiting)."""
+    return orjson.dumps({"load": r.running + r.waiting})
 
 
 def orca_header(form: str, r: EngineReport) -> str | None:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from router.tools.fake.echo import ECHOED, TRANSCRIBED, Echo
 from router.tools.fake.engine import Engine
-from router.tools.fake.exposition import ENGINES, metrics_page, orca_header, sglang_loads
+from router.tools.fake.exposition import ENGINES, metrics_page, orca_header, router_load, sglang_loads
 from router.tools.fake.inference import Inference
 from router.tools.fake.messages import Messages
 from router.tools.fake.responses import ResponsesApi
@@ -135,6 +135,7 @@ class FakeReplica:
         if self.engine is not None:
             app.router.add_get("/metrics", self._metrics)
             app.router.add_get("/v1/loads", self._loads)
+            app.router.add_get("/get_load", self._router_load)
         # What SGLang's and vLLM's own routers probe before they route (bench/compare.py).
         app.router.add_get("/get_model_info", self._engine_info)
         app.router.add_get("/get_server_info", self._engine_info)
@@ -303,6 +304,14 @@ class FakeReplica:
             return web.Response(status=404)
         self.metrics_reads += 1
         return web.Response(body=sglang_loads(self.engine.report, time.time()), content_type="application/json")
+
+    async def _router_load(self, request: web.Request) -> web.Response:
+        """What vLLM's router polls for its power_of_two policy (exposition.router_load): a vLLM engine's only."""
+        assert self.engine is not None
+        if self.engine_kind != "vllm":
+            return web.Response(status=404)
+        self.metrics_reads += 1
+        return web.Response(body=router_load(self.engine.report), content_type="application/json")
 
     def next_id(self) -> int:
         """A number for the next answer's id, unique within this replica."""
