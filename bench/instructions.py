@@ -194,6 +194,23 @@ def engine_runs(tmp: Path, requests: int) -> dict[str, dict[str, float]]:
     return {"router-engines-off": off, "router-engines": on}
 
 
+def traced_runs(tmp: Path, fake_url: str, requests: int) -> dict[str, dict[str, float]]:
+    """The working tree with [tracing] on, every span exported to bench/otlp_sink.py, at sample_ratio 0 and 1."""
+    sink = subprocess.Popen(
+        [sys.executable, str(HERE / "otlp_sink.py")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        url = said(sink, re.compile(r"otlp sink on (\S+)")).group(1)
+        out = {}
+        for ratio in (0, 1):
+            table = f'[tracing]\nendpoint = "{url}"\nsample_ratio = {ratio}\n'
+            out[f"router-traced-{ratio}"] = measure(f"router-traced-{ratio}", None, tmp, fake_url, requests, table)
+        return out
+    finally:
+        sink.terminate()
+        sink.wait(timeout=20)
+
+
 # A tenant with a key, counted: the limits' runs and their baseline.
 KEYED = 'count_tokens = true\n[api_keys.bench]\nkey = "sk-bench"\ntenant = "bench"\n'
 # Limits never reached: what checking them costs, not what refusing does.
@@ -287,6 +304,12 @@ def main() -> int:
         "with --compiled, its compiled build too: router-compiled-tokens)",
     )
     parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also run the working tree with [tracing] at sample_ratio 0 and 1 (router-traced-0, router-traced-1), "
+        "exporting to a local sink that accepts everything (bench/otlp_sink.py)",
+    )
+    parser.add_argument(
         "--limits",
         action="store_true",
         help="also run a tenant's requests counted (router-keyed), under limits never reached in memory "
@@ -334,6 +357,8 @@ def main() -> int:
                 results["router-tokens"] = measure(
                     "router-tokens", None, tmp, fake_url, args.requests, "count_tokens = true\n"
                 )
+            if args.tracing:
+                results.update(traced_runs(tmp, fake_url, args.requests))
             if args.hold_configured:
                 hold = "".join(f'[models."{m}"]\ncold_start_seconds = 60\n' for m in ("fast", "slow", "sleepy"))
                 results["router-hold"] = measure("router-hold", None, tmp, fake_url, args.requests, hold)

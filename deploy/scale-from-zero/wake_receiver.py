@@ -1,8 +1,12 @@
 """A wake receiver: starts a replica when the router holds a request for a cold model, and pushes it.
 
-    python deploy/scale-from-zero/wake_receiver.py --listen 127.0.0.1:9400 \
+    .venv/bin/python deploy/scale-from-zero/wake_receiver.py --listen 127.0.0.1:9400 \
         --router-admin http://127.0.0.1:9090 \
         --model llama-3.1-8b='vllm serve meta-llama/Llama-3.1-8B-Instruct --port {port}'
+
+Run it with the router's own Python (the clone's `.venv/bin/python`, or the
+one of the venv the router was installed in): it needs aiohttp, which the
+router brings and a system Python usually lacks.
 
 The router (`wake_url = "http://127.0.0.1:9400/wake"`) POSTs
 `{"router", "model", "held", "since"}` here when a request for a model is
@@ -41,8 +45,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-from aiohttp import web
+try:
+    import aiohttp
+    from aiohttp import web
+except ModuleNotFoundError as exc:
+    # The one dependency, there wherever the router is installed: say where to run it from.
+    sys.exit(
+        f"wake_receiver.py needs aiohttp ({exc}). Run it with the router's Python, which has it: "
+        f".venv/bin/python {sys.argv[0]} ... (the clone's venv, made by `make setup`), "
+        "or the python of the venv the router was installed in."
+    )
 
 
 def free_port() -> int:

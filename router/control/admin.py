@@ -81,6 +81,9 @@ def replica_rows(snapshot: UsageSnapshot, now: float) -> list[dict[str, Any]]:
                 "saturated": r.saturated,
                 # false: its /v1/models does not list the model sent to it (its engine answers 404); null: not read.
                 "serves_model": r.serves_model,
+                # The node it runs on and its fabric (null: not said): `fabrics` in /api/v1/status.
+                "node": r.node,
+                "fabric": r.fabric,
             }
         )
     return rows
@@ -191,11 +194,19 @@ class Admin:
             idle_for = -1.0
         if not 0 <= idle_for < float("inf"):
             return _error(400, f"idle_for must be a number of seconds >= 0, got {raw!r}.", "invalid_idle_for")
+        with_replicas = request.query.get("replicas", "false")
+        if with_replicas not in ("true", "false"):
+            return _error(400, f"replicas must be true or false, got {with_replicas!r}.", "invalid_replicas")
         snapshot = await self.fleet.snapshot()
         summary = fleet_status(
             snapshot, now=snapshot.generated_at, idle_for=idle_for, rates=self._rates.per_second(snapshot)
         )
-        return _json(summary.as_json())
+        doc = summary.as_json()
+        if with_replicas == "true":
+            # The rows of GET /api/v1/replicas from the same snapshot: a reader of both (ctl top)
+            # sees one instant, its totals and its rows in agreement.
+            doc["replicas"] = replica_rows(snapshot, self._wall())
+        return _json(doc)
 
     async def openapi(self, request: web.Request) -> web.Response:
         return _json(DOCUMENT)

@@ -62,12 +62,15 @@ class LocalFleet:
         snapshot: Callable[[], UsageSnapshot],
         *,
         exposition: Callable[[], bytes] = bytes,
+        before_scrape: Callable[[], None] = lambda: None,
     ) -> None:
-        """`exposition`: the per-replica series, rendered as they change (Sinks.exposition)."""
+        """`exposition`: the per-replica series, rendered as they change (Sinks.exposition);
+        `before_scrape`: reads on the event loop what the scrape shows as of now (sinks/waiting.py)."""
         self.pool = pool
         self.registry = registry
         self._snapshot = snapshot
         self._exposition = exposition
+        self._before_scrape = before_scrape
 
     async def snapshot(self) -> UsageSnapshot:
         return self._snapshot()
@@ -85,6 +88,7 @@ class LocalFleet:
         return {"id": replica.id, "state": replica.state.value, "in_flight": replica.in_flight}
 
     async def metrics(self) -> bytes:
+        self._before_scrape()
         # The registry's families off the event loop, as they were when they
         # held every replica's series; those are bytes rendered at the tick now.
         own = await asyncio.get_running_loop().run_in_executor(None, generate_latest, self.registry)

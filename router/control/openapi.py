@@ -37,6 +37,18 @@ _REPLICA = {
             "enum": list(ENGINES),
             "description": "the engine it runs, whose load is read; absent: recognised from its /metrics",
         },
+        "node": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 253,
+            "description": "the node (machine) it runs on; absent: not said (status counts it under no_node)",
+        },
+        "fabric": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 253,
+            "description": "the interconnect fabric of its node; status's `fabrics` groups the nodes by it",
+        },
     },
 }
 
@@ -127,7 +139,14 @@ DOCUMENT: dict[str, Any] = {
             "get": {
                 "summary": "The fleet summary",
                 "parameters": [
-                    {"name": "idle_for", "in": "query", "required": False, "schema": {"type": "number", "minimum": 0}}
+                    {"name": "idle_for", "in": "query", "required": False, "schema": {"type": "number", "minimum": 0}},
+                    {
+                        "name": "replicas",
+                        "in": "query",
+                        "required": False,
+                        "description": "true: also the rows of /api/v1/replicas, from the same snapshot",
+                        "schema": {"type": "boolean", "default": False},
+                    },
                 ],
                 "responses": {"200": _json({"type": "object"}), "400": _ERRORS["400"]},
             }

@@ -14,9 +14,12 @@ from collections.abc import Container, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from router.control.nodes import FabricStatus, NodeConflict, NoNode, Seen, freeable, whole_nodes
 from router.core.usage.snapshots import ReplicaUsage, UsageSnapshot
 
 BAR_WIDTH = 20
+# No replica without a node: the summary's default.
+NO_NODE = NoNode(0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +136,10 @@ class FleetStatus:
     queue: tuple[QueuedFor, ...] = ()
     not_serving: tuple[NotServing, ...] = ()
     tenants: tuple[TenantTokens, ...] = ()
+    # Per fabric, its nodes and the whole nodes that could be freed now (router/control/nodes.py).
+    fabrics: tuple[FabricStatus, ...] = ()
+    no_node: NoNode = NO_NODE
+    node_conflicts: tuple[NodeConflict, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -197,10 +204,12 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
     per_class: dict[str, dict[str, int]] = {}
     unasked = []
     not_serving = []
+    seen = []
     for r in snapshot.replicas:
         if r.serves_model is False:
             not_serving.append(NotServing(r.id, r.model, r.url))
         kind = usage_class(r, quiet.get(r.id), now, idle_for, wanted)
+        seen.append(Seen(r, gpus_of(r), freeable(r, kind, r.model in wanted), kind == "ejected"))
         tally = by_model.get(r.model)
         if tally is None:
             tally = by_model[r.model] = _ModelTally()
@@ -235,6 +244,7 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
         )
         for c, t in sorted(per_class.items())
     )
+    nodes = whole_nodes(seen)
     return FleetStatus(
         router=snapshot.router,
         generated_at=snapshot.generated_at,
@@ -267,6 +277,9 @@ def fleet_status(snapshot: UsageSnapshot, *, now: float, idle_for: float, rates:
         ),
         not_serving=tuple(not_serving),
         tenants=tenant_tokens(snapshot),
+        fabrics=nodes.fabrics,
+        no_node=nodes.no_node,
+        node_conflicts=nodes.node_conflicts,
     )
 
 

@@ -17,8 +17,12 @@ import os
 import sys
 import time
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 import orjson
+
+if TYPE_CHECKING:
+    from router.gateway.traces import RequestTrace
 
 log = logging.getLogger("router.access")
 
@@ -56,6 +60,7 @@ class Entry:
         "started",
         "status",
         "tenant",
+        "trace",
         "ttfb_seconds",
     )
 
@@ -92,6 +97,8 @@ class Entry:
         self.cached_tokens: int | None = None
         # ok, client_gone, upstream_reset, stalled, timeout, error; overflow, shutdown (a hold's)
         self.outcome = "ok"
+        # Its trace, when [tracing] is on and it is an inference request (router.gateway.traces).
+        self.trace: RequestTrace | None = None
 
     def line(self, now: float) -> bytes:
         return orjson.dumps(

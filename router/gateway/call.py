@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from router.core.config.tenants import ANYONE, Caller
+from router.core.pool.waiters import Charge
 from router.gateway.access_log import Entry
 from router.gateway.bodies import with_model
 from router.gateway.tokens import Tokens
@@ -32,6 +33,7 @@ class Call:
         "_bodies",
         "adapter",
         "caller",
+        "charge",
         "entry",
         "headers",
         "metered",
@@ -81,6 +83,8 @@ class Call:
         # When it arrived (time.perf_counter()): a stream's time to first token runs from here.
         self.started = time.perf_counter() if started is None else started
         self.metered = True
+        # With fairness_unit = "tokens", once it waited: its cost to its tenant's turn (router.gateway.chain).
+        self.charge: Charge | None = None
         # What its answer said it took, once read (Ledgers.tokens): a rate limit's settlement reads it.
         self.usage: Tokens | None = None
 

@@ -15,6 +15,7 @@ from router.core.config.tenants import Caller, PriorityClass, lowered
 from router.core.errors import NoReplicaAvailable, Overloaded, quoted
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica
+from router.core.pool.waiters import Charge
 from router.gateway.access_log import Entry
 from router.gateway.affinity import Affinity
 from router.gateway.answers import error_response
@@ -50,6 +51,8 @@ class Chain:
         self.metrics = metrics
         self._max_attempts = config.max_attempts
         self._classes = config.priority_classes
+        # fairness_unit = "tokens": a request that waits is charged its estimate (docs/fairness.md).
+        self._output_weight = config.fairness_output_weight if config.fairness_unit == "tokens" else None
         # The names X-Priority may give, as the header's bytes, lower-cased.
         self._ranks = {c.name.encode(): rank for rank, c in enumerate(config.priority_classes)}
         # The models routed by session or prompt prefix: how their requests are keyed.
@@ -185,7 +188,7 @@ class Chain:
         if replica is None and not timed_out:
             # Gone, draining or ejected (at once or while it waited): not a wait of the limits.
             raise lost(response_id, replica_id)
-        self._waited(entry, keeper.model, klass, started)
+        self._waited(entry, keeper.model, klass, started, replica is not None)
         if replica is None:
             self.pool.tallies.refused_overloaded(keeper.model)
             raise Overloaded(
@@ -202,6 +205,8 @@ class Chain:
         rank = self.rank(call.request, call.parsed, call.caller)
         klass = self._classes[rank]
         started = time.perf_counter()
+        if self._output_weight is not None and call.charge is None:
+            call.charge = Charge(estimate(call, self._output_weight), self._output_weight)
         replica, timed_out = await self.pool.queues.acquire_or_wait(
             model,
             avoid,
@@ -210,8 +215,9 @@ class Chain:
             key=key,
             caller=call.caller,
             priority=rank,
+            charge=call.charge,
         )
-        self._waited(call.entry, model, klass, started)
+        self._waited(call.entry, model, klass, started, replica is not None)
         if timed_out:
             self.pool.tallies.refused_overloaded(model)
             raise Overloaded(
@@ -221,12 +227,16 @@ class Chain:
             )
         return replica
 
-    def _waited(self, entry: Entry | None, model: str, klass: PriorityClass, started: float) -> None:
+    def _waited(
+        self, entry: Entry | None, model: str, klass: PriorityClass, started: float, served: bool = True
+    ) -> None:
         """A wait for a slot ended, served or not: a wait that ended in a 503 counts too, it is the one
         the client saw. The access log sums a request's waits, one per attempt that waited."""
         waited = time.perf_counter() - started
         self.metrics.observe_queue_wait(model, klass.name, waited)
         if entry is not None:
+            if entry.trace is not None:
+                entry.trace.waited(klass.name, waited, served)
             entry.priority = klass.name
             entry.queued_seconds = waited + (entry.queued_seconds or 0.0)
 
@@ -246,3 +256,22 @@ class Chain:
                 )
             )
         return last.reply()
+
+
+# The output a request that names no bound is counted for, until its answer says what it made.
+DEFAULT_OUTPUT_TOKENS = 256
+# The names the APIs give the bound on the output: chat and completions, chat's newer one, Responses.
+_OUTPUT_BOUNDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def estimate(call: Call, output_weight: float) -> float:
+    """What a request may cost in tokens before its answer says: about four bytes a prompt token
+    (the body's, its JSON included), plus its bound on the output (or DEFAULT_OUTPUT_TOKENS) weighted."""
+    parsed = call.parsed
+    output = DEFAULT_OUTPUT_TOKENS
+    for name in _OUTPUT_BOUNDS:
+        bound = parsed.get(name)
+        if type(bound) is int and bound >= 0:
+            output = bound
+            break
+    return (len(call.request.body) >> 2) + output_weight * output

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from router.core.config.engines import ANTHROPIC_PATHS
@@ -31,6 +32,7 @@ from router.gateway.keys import CLIENT_KEY_HEADERS, ApiKeys
 from router.gateway.limits import LimitedWriter, RateLimiter
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.responses import ResponsesMemory
+from router.gateway.traces import TRACE_HEADERS, RequestTrace, Tracer
 from router.gateway.tunnel import Tunnels, asks_websocket
 from router.gateway.wake import Waker
 from router.http.client import Client
@@ -91,6 +93,8 @@ class Proxy:
         self.upgrades = frozenset(config.upgrade_paths)
         self.tunnels = Tunnels(config, pool, routes, keys, self._forwarded)
         self.access_log: AccessLog | None = None
+        # [tracing]'s (router.run.tracing), set by trace_with(); None: nothing of tracing runs.
+        self.tracer: Tracer | None = None
         # The tenants' rate limits ([limits], router.gateway.limits); None: no tenant is limited.
         self.limiter: RateLimiter | None = None
 
@@ -130,7 +134,21 @@ class Proxy:
         if self.limiter is not None:
             # Limits of tenants that had none at start need a restart: the limiter is made at start.
             self.limiter.update(dict(config.limits.tenants) if config.limits is not None else {})
-        self._forwarded = self.tunnels.forwarded = HeaderFilter(self.keys.drop | withheld(config) | REQUEST_ID)
+        dropped = self.keys.drop | withheld(config) | REQUEST_ID
+        self.tunnels.forwarded = HeaderFilter(dropped)
+        self._forwarded = HeaderFilter(dropped | TRACE_HEADERS) if self.tracer is not None else self.tunnels.forwarded
+
+    def handler(self) -> Callable[[Request, Writer], Awaitable[None]]:
+        """The client port's handler: with no access log and no tracing, one that keeps nothing per request for them."""
+        if self.tracer is not None:
+            return self.dispatch_traced
+        return self.dispatch_logged if self.access_log is not None else self.dispatch
+
+    def trace_with(self, tracer: Tracer, config: Config) -> None:
+        """Trace inference requests (the server's handler is then dispatch_traced): a replica gets the
+        router's traceparent, never the client's as it came (its trace is continued by the router's span)."""
+        self.tracer = tracer
+        self._forwarded = HeaderFilter(self.keys.drop | withheld(config) | REQUEST_ID | TRACE_HEADERS)
 
     def may_switch(self, request: Request) -> bool:
         """The server's upgrade check: a WebSocket upgrade on a path of upgrade_paths."""
@@ -157,9 +175,24 @@ class Proxy:
 
     async def dispatch_logged(self, request: Request, writer: Writer) -> None:
         """dispatch(), with the request's line written to the access log when it ends."""
-        assert self.access_log is not None
+        await self._entered(request, writer, None)
+
+    async def dispatch_traced(self, request: Request, writer: Writer) -> None:
+        """dispatch(), an inference request traced (and, with the access log on, every request logged)."""
+        tracer = self.tracer
+        if tracer is None or request.method != "POST" or request.path not in self.routed:
+            if self.access_log is None:
+                await self.dispatch(request, writer)
+            else:
+                await self._entered(request, writer, None)
+            return
+        await self._entered(request, writer, tracer.begin(request))
+
+    async def _entered(self, request: Request, writer: Writer, trace: RequestTrace | None) -> None:
+        """dispatch() with the request's entry (its access-log line, its trace's record), ended when it ends."""
         ident = request.request_id.decode("ascii")
         entry = Entry(ident, request.peer, request.method, request.path, len(request.body))
+        entry.trace = trace
         # The writer fills in what it writes (status, bytes); the gateway's own
         # fields are reached through current_entry, for this request's task only.
         writer.meter = entry
@@ -176,7 +209,10 @@ class Proxy:
             raise
         finally:
             current_entry.reset(token)
-            self.access_log.write(entry)
+            if trace is not None:
+                trace.end(entry)
+            if self.access_log is not None:
+                self.access_log.write(entry)
 
     async def inference(self, request: Request, writer: Writer) -> None:
         started = time.perf_counter()

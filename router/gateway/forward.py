@@ -211,6 +211,8 @@ class Forwarder:
                 b"\r\nX-Request-Id: ",
                 request.request_id,
                 b"\r\nendpoint-load-metrics-format: TEXT\r\n" if orca else b"\r\n",
+                # A traced request's attempt: its span's traceparent, so that the engine's spans join the trace.
+                b"" if entry is None or (trace := entry.trace) is None else trace.attempt(replica, model),
                 # The engine's own key and headers: the replica's, else its model's, else none.
                 own.lines
                 if (own := replica.config.upstream) is not None

@@ -97,5 +97,7 @@ class HeldRequests:
             if entry is not None:
                 entry.hold_outcome = hold.outcome
                 entry.held_seconds = held if held is not None and hold.outcome == "served" else hold.held_seconds()
+                if entry.trace is not None:
+                    entry.trace.held(hold.held_seconds(), entry.held_seconds, hold.outcome or "")
                 if hold.outcome in ("timeout", "shutdown"):
                     entry.outcome = hold.outcome

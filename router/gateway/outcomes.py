@@ -113,6 +113,8 @@ class Ledgers:
         loading (refused or 503): the replica's own counters only (count_tried).
         """
         pool = self.pool
+        if entry is not None and (trace := entry.trace) is not None:
+            trace.outcome(outcome.value, status, ttfb, reason)
         if outcome is Outcome.ANSWERED:
             self.metrics.observe_first_byte(model, ttfb or 0.0)
             replica.requests += 1
@@ -167,6 +169,8 @@ class Ledgers:
             prompt, completion, cached = tokens
             call.usage = tokens
             tallies.count_tokens(model, call.caller.tenant, prompt, cached, completion)
+            if call.charge is not None:
+                call.charge.settle(prompt, completion)
             if entry is not None:
                 entry.prompt_tokens = prompt
                 entry.completion_tokens = completion

@@ -33,6 +33,7 @@ from router.control.health import HealthChecker
 from router.control.sinks import Sinks, build_sinks
 from router.control.sinks.latest import LatestSink
 from router.control.sinks.push import PushSink
+from router.control.sinks.waiting import waiting_now
 from router.control.sources import (
     ReplicaSource,
     build_sources,
@@ -62,6 +63,7 @@ from router.http.protocol_errors import ProtocolErrorCollector
 from router.http.server import Server as ClientServer
 from router.run.readers import engine_view, start_readers
 from router.run.session import make_session
+from router.run.tracing import start_tracing
 from router.run.worker_metrics import METRICS_PATH, report
 
 log = logging.getLogger("router")
@@ -92,6 +94,19 @@ class Listening:
     def admin_url(self) -> str:
         assert self.admin_address is not None, "start() first"
         return http_url(self.admin_address)
+
+
+def limit_tenants(
+    proxy: Proxy,
+    config: Config,
+    now: Callable[[], float],
+    registry: CollectorRegistry,
+    stack: contextlib.AsyncExitStack,
+) -> None:
+    """[limits]: the tenants' rate limits on the proxy, their store closed with the router; nothing when unset."""
+    if config.limits is not None:
+        proxy.limiter = limiter = build_limiter(config.limits, now, registry)
+        stack.push_async_callback(limiter.store.close)
 
 
 class RouterServer(Listening):
@@ -136,7 +151,13 @@ class RouterServer(Listening):
             ),
             limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
             routing={name: Routing(model.routing, model.balance_factor) for name, model in config.models.items()},
-            queueing=Queueing(config.priority_classes, config.max_queued_per_tenant, unit_weight(config.api_keys)),
+            queueing=Queueing(
+                config.priority_classes,
+                config.max_queued_per_tenant,
+                unit_weight(config.api_keys),
+                config.fairness_unit,
+                config.fairness_output_weight,
+            ),
             engines=engine_view(config, clock),
         )
         if worker_socket is not None:
@@ -209,7 +230,6 @@ class RouterServer(Listening):
             wall=self.wall,
             mono=self._mono,
         )
-        metrics = DataPathMetrics(self.registry)
         self.upstream = Client(
             connect_timeout=config.connect_timeout_seconds,
             keepalive_seconds=config.upstream_keepalive_seconds,
@@ -217,18 +237,17 @@ class RouterServer(Listening):
             clock=self.clock,
         )
         stack.push_async_callback(self.upstream.close)
+        metrics = DataPathMetrics(self.registry)
         self.proxy = proxy = Proxy(config, self.pool, self.upstream, metrics, started_at=self.started_at)
-        if config.limits is not None:
-            proxy.limiter = limiter = build_limiter(config.limits, self.clock.now, self.registry)
-            stack.push_async_callback(limiter.store.close)
+        limit_tenants(proxy, config, self.clock.now, self.registry, stack)
         if config.wake_url:
             proxy.waker = waker_of(self, session)
         # The client port's own HTTP/1.1 server (router/http/server/): the request
         # path stays in one protocol object, with no framework per request.
         proxy.access_log = access_log
+        start_tracing(proxy, config, stack)
         self._client_server = client = ClientServer(
-            # With no access log, the handler keeps nothing per request for it.
-            proxy.dispatch_logged if proxy.access_log is not None else proxy.dispatch,
+            proxy.handler(),
             max_body_bytes=config.max_body_bytes,
             header_timeout=config.header_timeout_seconds,
             body_timeout=config.body_timeout_seconds,
@@ -250,6 +269,7 @@ class RouterServer(Listening):
             ticker.snapshot,
             # A worker's series are its supervisor's to export.
             exposition=bytes if worker else sinks.exposition,
+            before_scrape=lambda: sinks.prometheus.read_waiting(waiting_now(self.pool, self.wall())),
         )
         admin = Admin(
             fleet,
@@ -354,11 +374,9 @@ class RouterServer(Listening):
     async def _snapshot_json(self, request: web.Request) -> web.Response:
         """The supervisor's collection: what changed since its last report taken (`?since=BOOK.SEQ`), else all."""
         assert self.ticker is not None
-        book, _, seq = request.query.get("since", "").partition(".")
-        own = self.ticker.snapshotter.book.number
-        since = int(seq) if seq.isdigit() and book == str(own) else None
-        body = orjson.dumps(report_json(self.ticker.snapshot(since=since)))
-        return web.Response(body=body, content_type="application/json")
+        return web.Response(
+            body=report_since(self.ticker, request.query.get("since", "")), content_type="application/json"
+        )
 
     async def _metrics_json(self, request: web.Request) -> web.Response:
         return web.Response(body=orjson.dumps(report(self.registry)), content_type="application/json")
@@ -391,6 +409,13 @@ class RouterServer(Listening):
     @property
     def latest(self) -> LatestSink:
         return self.sinks.latest
+
+
+def report_since(ticker: Ticker, since: str) -> bytes:
+    """What changed since the report `since` (`BOOK.SEQ`) names, when it is of this book; else all of it."""
+    book, _, seq = since.partition(".")
+    taken = int(seq) if seq.isdigit() and book == str(ticker.snapshotter.book.number) else None
+    return orjson.dumps(report_json(ticker.snapshot(since=taken)))
 
 
 def freeze_start_up() -> None:

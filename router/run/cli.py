@@ -48,10 +48,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from router.core.config.settings import check_files, load_config
     from router.core.errors import ConfigError
     from router.run.app import serve
+    from router.run.tracing import check_installed
 
     try:
         config = load_config(args.config)
         check_files(config)
+        check_installed(config)
     except ConfigError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2

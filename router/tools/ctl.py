@@ -277,6 +277,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         ),
         "",
     ]
+    parts += _fabric_lines(doc)
     if doc["unasked"]:
         parts += [
             f"unasked-for (proven quiet for at least {window}):",
@@ -339,6 +340,42 @@ def cmd_status(args: argparse.Namespace) -> int:
         ]
     _emit(args, doc, "\n".join(parts))
     return 0
+
+
+def _fabric_lines(doc: dict[str, Any]) -> list[str]:
+    """The whole nodes per fabric (status's `fabrics`): shown once some replica names its node."""
+    fabrics, conflicts = doc.get("fabrics") or [], doc.get("node_conflicts") or []
+    if not fabrics and not conflicts:
+        return []
+    lines = [
+        "whole nodes per fabric (free: every replica on it asleep, drained or proven idle; ejected GPUs apart):",
+        table(
+            ["FABRIC", "NODES", "GPUS", "FREE-NODES", "FREE-GPUS", "EJECTED-GPUS"],
+            [
+                [f["fabric"] or "-", f["nodes"], f["gpus"], len(f["free_nodes"]), f["free_gpus"], f["ejected_gpus"]]
+                for f in fabrics
+            ],
+        ),
+    ]
+    free = [(f["fabric"] or "-", n) for f in fabrics for n in f["free_nodes"]]
+    if free:
+        lines += [
+            "",
+            "whole nodes that could be freed now:",
+            table(
+                ["FABRIC", "NODE", "GPUS", "REPLICAS"],
+                [[fabric, n["node"], n["gpus"], ", ".join(n["replicas"])] for fabric, n in free],
+            ),
+        ]
+    no_node = doc.get("no_node") or {}
+    if no_node.get("replicas"):
+        lines.append(f"replicas naming no node: {no_node['replicas']} ({no_node['gpus']} GPUs), on no node above")
+    for c in conflicts:
+        lines.append(
+            f"node {c['node']} is on fabrics {', '.join(c['fabrics'])} (replicas {', '.join(c['replicas'])}): "
+            "counted on none"
+        )
+    return [*lines, ""]
 
 
 def cmd_state(args: argparse.Namespace, state: str) -> int:

@@ -144,8 +144,8 @@ def build_frame(
     elapsed: float | None,
     previous_tokens: Mapping[str, int] | None = None,
 ) -> Frame:
-    """A frame from GET /api/v1/replicas and /api/v1/status; rates from `previous` rows (and each
-    tenant's `previous_tokens`, prompt and completion) read `elapsed` s before."""
+    """A frame from GET /api/v1/status?replicas=true (rows and summary of one snapshot); rates from
+    `previous` rows (and each tenant's `previous_tokens`, prompt and completion) read `elapsed` s before."""
     now = status["generated_at"]
     replicas = []
     for r in rows:
@@ -364,8 +364,12 @@ class Sampler:
 
     def sample(self) -> Frame:
         try:
-            rows = self.client.call("GET", "/api/v1/replicas")
-            status = self.client.call("GET", f"/api/v1/status?idle_for={self.idle_for:g}")
+            # One snapshot per frame: the rows and the summary of the same instant.
+            status = self.client.call("GET", f"/api/v1/status?idle_for={self.idle_for:g}&replicas=true")
+            rows = status.pop("replicas", None)
+            if rows is None:
+                # A router from before the extension: two reads, a tick apart at worst.
+                rows = self.client.call("GET", "/api/v1/replicas")
         except CtlError as exc:
             if self.last is None:
                 raise

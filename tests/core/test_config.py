@@ -83,6 +83,13 @@ def test_admin_token_falls_back_to_the_environment(tmp_path: Path) -> None:
             "replicas[2].labels.gpu_class",
             "non-empty string",
         ),
+        ('[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1"\nnode = ""\n', "replicas[2].node", "not be empty"),
+        ('[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1"\nfabric = 3\n', "replicas[2].fabric", "a string"),
+        (
+            '[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1"\nfabrc = "ib"\n',
+            "replicas[2].fabrc",
+            "did you mean 'fabric'?",
+        ),
         ('[models."x"]\nfallbacks = ["nobody"]\n', 'models."x".fallbacks[0]', "no replica serves"),
         ('[models."x"]\naliases = ["llama-3.1-70b"]\n', 'models."x".aliases[0]', "shadows the model"),
         ('[models."x"]\naliases = ["llama"]\n', 'models."x".aliases[0]', "already an alias"),
@@ -158,7 +165,7 @@ def test_the_configuration_reference_says_what_the_code_declares() -> None:
     block = section.split("```toml\n", 1)[1].split("```", 1)[0]
     documented = tomllib.loads(block)
     declared = settings()
-    assert set(documented) - {"replicas", "models", "discovery", "priority_classes"} == set(declared)
+    assert set(documented) - {"replicas", "models", "discovery", "priority_classes", "tracing"} == set(declared)
     comments = {
         m.group(1): (m.group(2) or "").strip()
         for m in re.finditer(r"^(\w+) = [^#\n]*?(?:# (.*))?$", block.split("[[replicas]]")[0], re.M)
@@ -179,6 +186,14 @@ def test_the_configuration_reference_says_what_the_code_declares() -> None:
     from router.core.config.settings import _KUBERNETES_KEYS
 
     assert set(documented["discovery"]["kubernetes"]) == _KUBERNETES_KEYS
+    from dataclasses import fields
+
+    from router.core.config.tracing import TRACING_KEYS, TracingConfig
+
+    assert set(documented["tracing"]) == TRACING_KEYS
+    defaults = {f.name: f.default for f in fields(TracingConfig)}
+    for key in TRACING_KEYS - {"endpoint", "headers"}:
+        assert documented["tracing"][key] == defaults[key], key
     # The classes shown are the ones the router has when none is declared, every key shown.
     from router.core.config.tenants import (
         _CLASS_KEYS,
@@ -246,3 +261,22 @@ def test_the_routings_the_settings_accept_are_the_pools_policies() -> None:
     from router.core.pool.picking import POLICIES
 
     assert set(ROUTINGS) == set(POLICIES)
+
+
+def test_a_replicas_node_and_fabric_are_read_and_unset_is_unknown(tmp_path: Path) -> None:
+    text = GOOD + '[[replicas]]\nid = "r"\nmodel = "x"\nurl = "http://h:1"\nnode = "gpu-a1"\nfabric = "ib-east"\n'
+    config = load_config(write(tmp_path, text), environ={})
+    by_id = {r.id: r for r in config.replicas}
+    assert (by_id["r"].node, by_id["r"].fabric) == ("gpu-a1", "ib-east")
+    assert by_id["r"].as_json()["node"] == "gpu-a1"
+    assert (by_id["llama-0"].node, by_id["llama-0"].fabric) == (None, None)
+    assert "node" not in by_id["llama-0"].as_json()
+
+
+def test_fabric_label_needs_pods_mode_and_says_so(tmp_path: Path) -> None:
+    text = '[discovery.kubernetes]\nselector = "a=b"\nport = "http"\nfabric_label = "router.llm/fabric"\n'
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=r"discovery\.kubernetes\.fabric_label: .*needs selector_on = \"pods\""):
+        load_config(path, environ={})
+    config = load_config(write(tmp_path, text + 'selector_on = "pods"\n'), environ={})
+    assert config.discovery is not None and config.discovery.fabric_label == "router.llm/fabric"

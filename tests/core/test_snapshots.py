@@ -18,8 +18,19 @@ from tests.support.clock import FakeClock
 WALL = 1_764_000_000.0
 
 
-def fleet(n: int, **labels: Any) -> list[ReplicaConfig]:
-    return [ReplicaConfig(f"r{i}", f"m{i % 3}", f"http://127.0.0.1:{9000 + i}", labels) for i in range(n)]
+def fleet(n: int, *, machine: str | None = None, **labels: Any) -> list[ReplicaConfig]:
+    """`n` replicas; with `machine`, each on node MACHINE-(i % 2) of fabric MACHINE (changed in place by a push)."""
+    return [
+        ReplicaConfig(
+            f"r{i}",
+            f"m{i % 3}",
+            f"http://127.0.0.1:{9000 + i}",
+            labels,
+            node=None if machine is None else f"{machine}-{i % 2}",
+            fabric=machine,
+        )
+        for i in range(n)
+    ]
 
 
 def ticker_of(pool: Pool, clock: FakeClock) -> Ticker:
@@ -52,6 +63,8 @@ def expected(replica: Replica, started_at: float = WALL) -> tuple[object, ...]:
         False,
         # Whether its /v1/models lists its model: no card read in these pools.
         replica.serves_model,
+        replica.config.node,
+        replica.config.fabric,
     )
 
 
@@ -125,7 +138,7 @@ OPS = st.lists(
 @given(OPS)
 def test_a_snapshot_made_from_what_changed_equals_one_read_whole(ops: list[Op]) -> None:
     clock = FakeClock(0.0)
-    pool = Pool(fleet(8, node="a"), clock=clock)
+    pool = Pool(fleet(8, node="a", machine="x"), clock=clock)
     ticker = ticker_of(pool, clock)
     held: list[Replica] = []
     members = 8
@@ -157,7 +170,7 @@ def test_a_snapshot_made_from_what_changed_equals_one_read_whole(ops: list[Op]) 
         elif op == "push":
             # Some go, some come, one moves to another URL, labels change.
             members = 4 + n % 8
-            configs = fleet(members, node="b" if n % 2 else "a")
+            configs = fleet(members, node="b" if n % 2 else "a", machine=("x", "y", None)[n % 3])
             if n % 3 == 0:
                 configs[0] = ReplicaConfig("r0", "m0", f"http://127.0.0.2:{n}")
             pool.set_replicas(configs)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -206,3 +209,23 @@ def test_the_podmonitor_scrapes_every_router_pod_s_admin_port() -> None:
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["port"] == "admin" and endpoint["path"] == "/metrics"
     assert "admin" in {p["name"] for p in router["spec"]["template"]["spec"]["containers"][0]["ports"]}
+
+
+def test_the_keda_overlay_in_another_namespace_needs_its_one_line_edit_and_only_that(tmp_path: Path) -> None:
+    """docs/kubernetes.md's sed, run as written in a copy of the tree: KEDA's address names llm, all else as is."""
+
+    docs_text = (KUBERNETES.parents[1] / "docs" / "kubernetes.md").read_text()
+    (edit,) = re.findall(r"^sed -i .*scaledobject\.yaml$", docs_text, re.MULTILINE)
+    assert edit in (KUBERNETES / "keda" / "scaledobject.yaml").read_text()  # the overlay says the same line
+    shutil.copytree(KUBERNETES, tmp_path / "deploy" / "kubernetes")
+    done = subprocess.run(["bash", "-c", edit], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    before, after = render("keda"), render(tmp_path / "deploy" / "kubernetes" / "keda")
+    assert scaler_addresses(before) == {"router-scaler.default.svc.cluster.local:9091"}
+    assert scaler_addresses(after) == {"router-scaler.llm.svc.cluster.local:9091"}
+    for doc in after:
+        for trigger in doc["spec"].get("triggers", []) if doc["kind"] == "ScaledObject" else []:
+            trigger["metadata"]["scalerAddress"] = "router-scaler.default.svc.cluster.local:9091"
+    assert after == before
+    # Still no object names a namespace: `-n llm` puts them all there.
+    assert not [d for d in after if "namespace" in d["metadata"]]

@@ -51,8 +51,8 @@ def helm() -> str:
 
 
 @functools.cache
-def _template(*values: str) -> tuple[Doc, ...]:
-    args = [helm(), "template", "router", str(CHART), "--namespace", "llm"]
+def _template(*values: str, namespace: str = "llm") -> tuple[Doc, ...]:
+    args = [helm(), "template", "router", str(CHART), "--namespace", namespace]
     for value in values:
         args += ["--set", value]
     done = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
@@ -60,8 +60,8 @@ def _template(*values: str) -> tuple[Doc, ...]:
     return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
 
 
-def template(*values: str) -> list[Doc]:
-    return copy.deepcopy(list(_template(*values)))
+def template(*values: str, namespace: str = "llm") -> list[Doc]:
+    return copy.deepcopy(list(_template(*values, namespace=namespace)))
 
 
 def comparable(docs: list[Doc]) -> dict[tuple[str, str], Doc]:
@@ -78,7 +78,7 @@ def comparable(docs: list[Doc]) -> dict[tuple[str, str], Doc]:
         if doc["kind"] == "Deployment":
             pod = doc["spec"]["template"]
             pod["metadata"].pop("annotations", None)
-            for volume in pod["spec"]["volumes"]:
+            for volume in pod["spec"].get("volumes", []):
                 if "configMap" in volume:
                     volume["configMap"]["name"] = "router-config"
             for container in pod["spec"]["containers"]:
@@ -138,3 +138,49 @@ def test_a_changed_config_rolls_the_pods() -> None:
         return value
 
     assert checksum(template()) != checksum(template("config=tick_seconds = 1"))
+
+
+KEDA_OBJECTS = {("Deployment", "router-scaler"), ("Service", "router-scaler"), ("ScaledObject", "vllm-llama-3-1-8b")}
+
+
+def test_keda_enabled_renders_the_keda_overlay_s_scaler_and_scaled_object() -> None:
+    """In the namespace the overlay's address names (default), field for field the overlay's objects."""
+    assert not {(d["kind"], d["metadata"]["name"]) for d in template()} & KEDA_OBJECTS
+    chart = comparable(template("keda.enabled=true", namespace="default"))
+    overlay = comparable(render("keda"))
+    for key in KEDA_OBJECTS:
+        assert chart[key] == overlay[key], key
+
+
+def test_the_scaler_address_keda_dials_is_built_from_the_release_namespace() -> None:
+    """KEDA dials scalerAddress from its own namespace (kedacore/keda#978): the short name would not resolve."""
+    for namespace in ("llm", "team-b"):
+        (scaled,) = [d for d in template("keda.enabled=true", namespace=namespace) if d["kind"] == "ScaledObject"]
+        (trigger,) = scaled["spec"]["triggers"]
+        assert trigger["metadata"]["scalerAddress"] == f"router-scaler.{namespace}.svc.cluster.local:9091"
+        assert "namespace" not in scaled["metadata"]
+
+
+def test_each_model_of_keda_models_gets_its_scaled_object_and_the_rest_validates_strictly() -> None:
+    docs = template(
+        "keda.enabled=true",
+        "keda.models[0].model=a,keda.models[0].deployment=vllm-a,keda.models[0].minReplicaCount=0",
+        "keda.models[0].maxReplicaCount=2,keda.models[0].pollingInterval=30,keda.models[0].cooldownPeriod=60",
+        "keda.models[0].idleAfter=300,keda.models[0].targetInFlight=4",
+        "keda.models[1].model=b,keda.models[1].deployment=vllm-b,keda.models[1].minReplicaCount=1",
+        "keda.models[1].maxReplicaCount=3,keda.models[1].pollingInterval=30,keda.models[1].cooldownPeriod=60",
+        "keda.models[1].idleAfter=900,keda.models[1].targetInFlight=8",
+    )
+    scaled = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ScaledObject"}
+    assert sorted(scaled) == ["vllm-a", "vllm-b"]
+    assert scaled["vllm-b"]["spec"]["scaleTargetRef"] == {"name": "vllm-b"}
+    assert scaled["vllm-b"]["spec"]["minReplicaCount"] == 1
+    assert scaled["vllm-b"]["spec"]["triggers"][0]["metadata"] | {"scalerAddress": ""} == {
+        "scalerAddress": "",
+        "model": "b",
+        "idleAfter": "900",
+        "targetInFlight": "8",
+    }
+    for doc in docs:
+        if doc["kind"] != "ScaledObject":  # KEDA's CRD: not in the schemas kubernetes_validate has
+            kubernetes_validate.validate(doc, kubernetes_validate.utils.latest_version(), strict=True)

@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -90,3 +91,17 @@ async def test_the_receiver_stops_its_engine_and_the_engine_s_children_on_sigter
         if child is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
+
+
+def test_without_aiohttp_the_receiver_says_to_run_it_with_the_router_s_python() -> None:
+    """A system Python has no aiohttp: one clear line naming the fix, not a traceback."""
+    from tests.support.receiver import RECEIVER
+
+    # -S: no site-packages at all, as a system Python without the router's dependencies.
+    done = subprocess.run(
+        [sys.executable, "-S", str(RECEIVER), "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert "wake_receiver.py needs aiohttp (No module named 'aiohttp')" in done.stderr
+    assert ".venv/bin/python" in done.stderr

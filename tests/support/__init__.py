@@ -17,6 +17,7 @@ keda_standin.py  KEDA's stand-in, run as a process (python -m tests.support.keda
 manifests.py     the rendered deploy/ manifests
 receiver.py      deploy/scale-from-zero/wake_receiver.py as a test's process
 kube_api.py      a fake Kubernetes API server: lists, watches, bookmarks, 410 Gone
+otlp.py          an OTLP/HTTP traces receiver that decodes the spans it gets; slow or failing on demand
 programs.py      the outside programs a test needs (Prometheus, promtool), found or skipped
 redis.py         a real redis-server per test (or a skip saying it is missing), and Redis fakes on raw sockets
 

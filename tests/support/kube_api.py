@@ -71,6 +71,8 @@ class Endpoint:
     ready: bool = True
     serving: bool = True
     terminating: bool = False
+    # The node that hosts it (Endpoint.nodeName); None: the field left out, as the API may.
+    node: str | None = None
 
 
 def endpoint_slice(
@@ -94,6 +96,7 @@ def endpoint_slice(
                 "addresses": [e.address],
                 "conditions": {"ready": e.ready, "serving": e.serving, "terminating": e.terminating},
                 "targetRef": {"kind": "Pod", "namespace": namespace, "name": e.pod},
+                **({} if e.node is None else {"nodeName": e.node}),
             }
             for e in endpoints
         ],
@@ -101,13 +104,18 @@ def endpoint_slice(
     }
 
 
-def pod(name: str, address: str, *, labels: dict[str, str], namespace: str = "default") -> dict[str, Any]:
-    """A running Pod as the API server serves it, with the fields a Pod must have (v1)."""
+def pod(
+    name: str, address: str, *, labels: dict[str, str], namespace: str = "default", node: str | None = None
+) -> dict[str, Any]:
+    """A running Pod as the API server serves it, with the fields a Pod must have (v1); `node`: its spec.nodeName."""
+    spec: dict[str, Any] = {"containers": [{"name": "engine", "image": "vllm/vllm-openai:v0.11.0"}]}
+    if node is not None:
+        spec["nodeName"] = node
     return {
         "kind": "Pod",
         "apiVersion": "v1",
         "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
-        "spec": {"containers": [{"name": "engine", "image": "vllm/vllm-openai:v0.11.0"}]},
+        "spec": spec,
         "status": {"phase": "Running", "podIP": address, "podIPs": [{"ip": address}]},
     }
 

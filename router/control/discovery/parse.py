@@ -28,7 +28,10 @@ its slices), its URL `http://address:port`.
 
 With `selector_on = "pods"` a replica is an endpoint whose targetRef names
 a selected pod (`join_pods`); its model is the pod's `model_label`, else
-the slice's; `labels_from` reads the pod's labels, then the slice's.
+the slice's; `labels_from` reads the pod's labels, then the slice's; its
+node is the pod's spec.nodeName (else the endpoint's nodeName) and its
+fabric the pod's `fabric_label`. In either mode an endpoint's nodeName is
+its replica's node.
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ class SliceEndpoint:
     # As it goes in a URL: an IPv6 address in brackets.
     host: str
     terminating: bool
+    # The node that hosts it (discovery/v1's Endpoint.nodeName); None: not said.
+    node: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +113,9 @@ class PodRead:
     labels: Mapping[str, str]
     # The `engine_label` value, when it names an engine the router reads; None: the slice's then.
     engine: str | None = None
+    # Its spec.nodeName (None: not scheduled yet, or not said), and its `fabric_label` value.
+    node: str | None = None
+    fabric: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +235,8 @@ def _endpoint(raw: object, ipv6: bool, namespace: str, where: str) -> SliceEndpo
     if target_kind == "Pod" and target_name:
         pod = (target_namespace or namespace, target_name)
     replica_id = f"{pod[0]}/{pod[1]}" if pod is not None else f"{namespace}/{address}"
-    return SliceEndpoint(replica_id, pod, host, terminating)
+    node = _text(endpoint.get("nodeName"), f"{where}.nodeName") or None
+    return SliceEndpoint(replica_id, pod, host, terminating, node)
 
 
 def _port(value: object, wanted: str | int, where: str) -> int | None:
@@ -274,7 +283,9 @@ def slice_members(read: SliceRead, settings: KubernetesDiscovery) -> SliceView:
     return SliceView(
         tuple(
             Member(
-                ReplicaConfig(e.replica_id, read.model, f"http://{e.host}:{read.port}", read.labels, read.engine),
+                ReplicaConfig(
+                    e.replica_id, read.model, f"http://{e.host}:{read.port}", read.labels, read.engine, node=e.node
+                ),
                 e.terminating,
             )
             for e in read.endpoints
@@ -293,7 +304,13 @@ def read_pod(obj: object, settings: KubernetesDiscovery) -> PodRead:
     name = metadata.get("name")
     where = f"Pod {name}" if isinstance(name, str) else "a Pod"
     model, copied, engine = _model_and_labels(metadata.get("labels"), settings, where)
-    return PodRead(model, copied, engine)
+    spec = _object(_object(obj, "a Pod").get("spec"), f"{where}: spec")
+    node = _text(spec.get("nodeName"), f"{where}: spec.nodeName") or None
+    fabric = None
+    if settings.fabric_label is not None:
+        labels = _object(metadata.get("labels"), f"{where}: metadata.labels")
+        fabric = _text(labels.get(settings.fabric_label), f"{where}: label {settings.fabric_label}") or None
+    return PodRead(model, copied, engine, node, fabric)
 
 
 def read_list(doc: object, kind: str) -> ListRead:
@@ -364,7 +381,15 @@ def join_pods(
                 continue
             labels = MappingProxyType({**read.labels, **pod.labels})
             url = f"http://{endpoint.host}:{read.port}"
-            config = ReplicaConfig(endpoint.replica_id, model, url, labels, pod.engine or read.engine)
+            config = ReplicaConfig(
+                endpoint.replica_id,
+                model,
+                url,
+                labels,
+                pod.engine or read.engine,
+                node=pod.node or endpoint.node,
+                fabric=pod.fabric,
+            )
             members.append(Member(config, endpoint.terminating))
             served.add(endpoint.replica_id)
         if members:

@@ -26,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from router.control.sinks.usage_maps import UsageMaps
+from router.control.sinks.waiting import WaitingNow, waiting_of
 from router.core.pool.replicas import ReplicaState
 from router.core.usage.snapshots import ReplicaUsage, UsageSnapshot
 
@@ -181,6 +182,8 @@ class PrometheusSink:
     def __init__(self, maps: UsageMaps | None = None) -> None:
         """`maps`: shared with the other exporters, which follow the same snapshots."""
         self.snapshot: UsageSnapshot | None = None
+        # The requests waiting now, read at the latest scrape (waiting.py); None: never read.
+        self.waiting: WaitingNow | None = None
         self._maps = maps if maps is not None else UsageMaps()
         self._step = 0
         # Records changed since their lines were last rendered: rendered at the next scrape.
@@ -197,6 +200,10 @@ class PrometheusSink:
     def records(self) -> Iterable[ReplicaUsage]:
         """Every replica's record as of the newest snapshot (a snapshot itself may carry only those that changed)."""
         return self._maps.records.values()
+
+    def read_waiting(self, waiting: WaitingNow) -> None:
+        """The requests waiting as read at this scrape: newer than the snapshot, so shown instead."""
+        self.waiting = waiting
 
     def publish(self, snapshot: UsageSnapshot) -> None:
         maps = self._maps
@@ -401,13 +408,16 @@ class UsageCollector(Collector):
             ["model", "tenant"],
             snapshot.usage_unknown.items(),
         )
+        # The newer of the two: what was read at this scrape, or the snapshot.
+        waiting = self._sink.waiting
+        if waiting is None or waiting.taken_at < snapshot.generated_at:
+            waiting = waiting_of(snapshot)
         held = GaugeMetricFamily(
             "router_held_requests", "Requests held now, waiting for a replica of a cold model.", labels=["model"]
         )
         # Every model ever held keeps its series, at 0 when nothing is held: an empty queue is a fact.
-        for model in sorted(set(snapshot.demand) | {model for model, _ in snapshot.hold_outcomes}):
-            demand = snapshot.demand.get(model)
-            held.add_metric([model], demand.held if demand is not None else 0)
+        for model, count in sorted(waiting.held.items()):
+            held.add_metric([model], count)
         yield held
         queued = GaugeMetricFamily(
             "router_queued_requests",
@@ -415,8 +425,8 @@ class UsageCollector(Collector):
             labels=["model", "priority", "tenant"],
         )
         # Every (model, class, tenant) that ever queued keeps its series, at 0 once empty.
-        for (model, priority, tenant), figures in sorted(snapshot.queues.items()):
-            queued.add_metric([model, priority, tenant], figures.queued)
+        for (model, priority, tenant), count in sorted(waiting.queued.items()):
+            queued.add_metric([model, priority, tenant], count)
         yield queued
         if snapshot.saturation:
             saturation = GaugeMetricFamily(

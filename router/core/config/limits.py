@@ -150,3 +150,18 @@ def tenant_limits(where: check.Where, keys: Iterable[Any]) -> dict[str, TenantLi
             )
     # A key of the tenant with no limits is still the tenant's: it shares them.
     return {tenant: limit for tenant, (limit, _) in found.items()}
+
+
+def limits_of(where: check.Where, raw: object, keys: Iterable[Any], counting: bool) -> LimitsConfig | None:
+    """[limits] with the tenants' limits; None when no key limits its tenant (nothing of it then runs)."""
+    tenants = tenant_limits(where, keys)
+    limits = parse_limits(where, raw, tenants)
+    if not counting:
+        for client_key in keys:
+            if client_key.tokens_per_minute is not None:
+                raise where.error(
+                    f"{client_key.name}.tokens_per_minute",
+                    "needs count_tokens = true: a token limit is settled with each answer's usage, "
+                    "which only counting reads (docs/limits.md)",
+                )
+    return limits if tenants else None

@@ -11,7 +11,6 @@ becomes a Config. Each single value is checked in router.core.config.checks.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import socket
@@ -25,16 +24,18 @@ from urllib.parse import urlsplit
 
 from router.core.config import checks as check
 from router.core.config.engines import ENGINES, ROUTED_PATHS, UPGRADE_PATHS
-from router.core.config.limits import LimitsConfig, parse_limits, tenant_limits
+from router.core.config.limits import LimitsConfig, limits_of
 from router.core.config.models import ModelConfig, parse_models
 from router.core.config.tenants import (
     DEFAULT_CLASSES,
+    FAIRNESS_UNITS,
     ClientKey,
     PriorityClass,
     check_key_classes,
     parse_api_keys,
     parse_priority_classes,
 )
+from router.core.config.tracing import TracingConfig, parse_tracing
 from router.core.config.upstream import UPSTREAM_KEYS, Upstream, parse_upstream
 from router.core.errors import ConfigError
 
@@ -67,11 +68,19 @@ class ReplicaConfig:
     engine: str | None = None
     # Its own API key and extra headers (router.core.config.upstream): the config file's only, never shown.
     upstream: Upstream | None = None
+    # The machine it runs on and the interconnect fabric that machine is on (router/control/nodes.py:
+    # the whole nodes that could be freed); None: not said, counted apart, never guessed.
+    node: str | None = None
+    fabric: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"id": self.id, "model": self.model, "url": self.url, "labels": dict(self.labels)}
         if self.engine is not None:
             doc["engine"] = self.engine
+        if self.node is not None:
+            doc["node"] = self.node
+        if self.fabric is not None:
+            doc["fabric"] = self.fabric
         return doc
 
 
@@ -125,6 +134,9 @@ class KubernetesDiscovery:
     # "pods": `selector` picks pods, whose labels name the model and fill `labels_from`
     # (the slices of the namespace still say which serve); needs list/watch on pods.
     selector_on: str = SELECTOR_ON[0]
+    # With "pods": the pod's label naming its node's fabric (a replica's `fabric`); its node is
+    # the pod's spec.nodeName. None: no fabric read.
+    fabric_label: str | None = None
 
 
 # Each setting is declared once, as a field of Config below: its type and
@@ -224,6 +236,18 @@ class Config:
     max_queued_per_tenant: int = _count(
         0, "per model and tenant (per worker); one more gets 429 rate_limit_exceeded; 0 = no bound"
     )
+    # What a tenant's share of a full model counts (docs/fairness.md): a long prompt costs more than a short one.
+    fairness_unit: str = _setting(
+        "requests",
+        lambda w, k, v: check.one_of(w, k, v, FAIRNESS_UNITS),
+        '"requests" or "tokens": what the tenants\' shares of a full model count',
+    )
+    # An output token is about four times a prompt token's GPU time (prefill is batched, decode is not).
+    fairness_output_weight: float = _setting(
+        4.0,
+        lambda w, k, v: check.number(w, k, v, minimum=0.0),
+        "with tokens: an output token counts this many prompt tokens",
+    )
     shutdown_delay_seconds: float = _seconds(
         5.0,
         "SIGTERM: /readyz answers 503 while still serving this long, then the drain; 0 = drain at once",
@@ -297,6 +321,8 @@ class Config:
     priority_classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
     # [discovery.kubernetes]: the replica set comes from the Kubernetes API instead of [[replicas]].
     discovery: KubernetesDiscovery | None = None
+    # [tracing]: OpenTelemetry traces (router.core.config.tracing); None: off, nothing of it runs.
+    tracing: TracingConfig | None = None
     # [limits] and the tenants' limits (router.core.config.limits); None: no tenant is limited.
     limits: LimitsConfig | None = None
     source: str = "<defaults>"
@@ -309,11 +335,11 @@ def settings() -> dict[str, tuple[Any, Setting]]:
 
 _SETTINGS = settings()
 # The tables beside the settings.
-_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery", "priority_classes", "limits"}
+_TOP_KEYS = set(_SETTINGS) | {"replicas", "models", "discovery", "priority_classes", "tracing", "limits"}
 # `router scaler`'s table (router/scaler/settings.py reads and checks it), so
 # that one file may configure both; `router serve` does not read it.
 _OTHER_COMMANDS_TABLES = {"scaler"}
-_REPLICA_KEYS = {"id", "model", "url", "labels", "engine"}
+_REPLICA_KEYS = {"id", "model", "url", "labels", "engine", "node", "fabric"}
 
 
 def _labels(where: check.Where, key: str, value: object) -> Mapping[str, LabelValue]:
@@ -382,7 +408,20 @@ def parse_replica(
         labels=_labels(where, f"{item_key}.labels", table.get("labels", {})),
         engine=_engine(where, f"{item_key}.engine", table.get("engine")),
         upstream=upstream,
+        node=_name(where, f"{item_key}.node", table.get("node")),
+        fabric=_name(where, f"{item_key}.fabric", table.get("fabric")),
     )
+
+
+def _name(where: check.Where, key: str, value: object) -> str | None:
+    """A node's or a fabric's name: absent is unknown (None), never an empty string standing for it."""
+    if value is None:
+        return None
+    name = check.string(where, key, value)
+    # A Kubernetes node name is a DNS subdomain: at most 253 characters.
+    if len(name) > 253:
+        raise where.error(key, f"must be at most 253 characters, got {len(name)}")
+    return name
 
 
 def _engine(where: check.Where, key: str, value: object) -> str | None:
@@ -427,30 +466,17 @@ def parse_config(raw: Mapping[str, Any], source: str, environ: Mapping[str, str]
         raise where.error("replicas", "cannot be used with [discovery.kubernetes], which owns the whole replica set")
     classes = parse_priority_classes(where, raw.get("priority_classes"), values["queue_timeout_seconds"])
     check_key_classes(where, values["api_keys"], classes)
+    tracing = parse_tracing(where, raw["tracing"]) if "tracing" in raw else None
     return Config(
         **values,
         replicas=replicas,
         models=models,
         priority_classes=classes,
         discovery=discovery,
-        limits=_limits(where, raw.get("limits"), values["api_keys"], values["count_tokens"]),
+        tracing=tracing,
+        limits=limits_of(where, raw.get("limits"), values["api_keys"], values["count_tokens"]),
         source=source,
     )
-
-
-def _limits(where: check.Where, raw: object, keys: tuple[ClientKey, ...], counting: bool) -> LimitsConfig | None:
-    """[limits] with the tenants' limits; None when no key limits its tenant (nothing of it then runs)."""
-    tenants = tenant_limits(where, keys)
-    limits = parse_limits(where, raw, tenants)
-    if not counting:
-        for client_key in keys:
-            if client_key.tokens_per_minute is not None:
-                raise where.error(
-                    f"{client_key.name}.tokens_per_minute",
-                    "needs count_tokens = true: a token limit is settled with each answer's usage, "
-                    "which only counting reads (docs/limits.md)",
-                )
-    return limits if tenants else None
 
 
 _DISCOVERY_KEYS = {"kubernetes"}
@@ -463,6 +489,7 @@ _KUBERNETES_KEYS = {
     "engine_label",
     "labels_from",
     "kubeconfig",
+    "fabric_label",
 }
 # RFC 1123 labels (namespaces, and EndpointSlice port names), label keys: what the API server accepts.
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -507,6 +534,14 @@ def _discovery(where: check.Where, value: object) -> KubernetesDiscovery:
     selector_on = check.string(where, f"{key}.selector_on", raw.get("selector_on", SELECTOR_ON[0]))
     if selector_on not in SELECTOR_ON:
         raise where.error(f"{key}.selector_on", f"must be 'endpointslices' or 'pods', got {selector_on!r}")
+    fabric_label = None
+    if "fabric_label" in raw:
+        fabric_label = check.label_key(where, f"{key}.fabric_label", raw["fabric_label"])
+        if selector_on != "pods":
+            raise where.error(
+                f"{key}.fabric_label",
+                'is read from the pods: it needs selector_on = "pods" (an EndpointSlice carries no pod labels)',
+            )
     return KubernetesDiscovery(
         selector=selector,
         port=port,
@@ -516,6 +551,7 @@ def _discovery(where: check.Where, value: object) -> KubernetesDiscovery:
         labels_from=labels_from,
         kubeconfig=kubeconfig,
         selector_on=selector_on,
+        fabric_label=fabric_label,
     )
 
 
@@ -556,12 +592,3 @@ def check_files(config: Config) -> None:
 def replicas_where(source: str) -> check.Where:
     """The message prefix for a replica set that does not come from a file."""
     return check.Where(source)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

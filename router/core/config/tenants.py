@@ -34,6 +34,11 @@ _CLASS_KEYS = {"name", "queue_timeout_seconds", "max_queue_seconds"}
 # The class of batch work when no [[priority_classes]] is declared: it may wait
 # this long (or queue_timeout_seconds, if longer), and is aged at half of it.
 BATCH_QUEUE_TIMEOUT_SECONDS = 60.0
+# What a tenant's share of a full model counts (`fairness_unit`).
+FAIRNESS_UNITS = ("requests", "tokens")
+# With tokens: a turn of a tenant of the smallest weight is worth this many tokens. Large
+# enough that most turns serve a whole request, small enough that a turn is short.
+QUANTUM_TOKENS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +102,10 @@ class Queueing:
     # The smallest weight of any tenant. A tenant's turn serves weight / unit_weight
     # requests (at least one), so that a pick never passes over a tenant in vain.
     unit_weight: float = 1.0
+    # "tokens": a request costs its estimate (router.core.pool.waiters.Charge), not one.
+    unit: str = "requests"
+    # With tokens: an output token counts this many prompt tokens.
+    output_weight: float = 4.0
 
 
 def parse_api_keys(where: check.Where, key: str, value: object) -> tuple[ClientKey, ...]:

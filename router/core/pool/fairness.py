@@ -20,7 +20,9 @@ The next request to serve (`next`):
    whose turn it is: a deficit round robin (Shreedhar and Varghese), where a
    turn serves `weight / unit_weight` requests, the fraction left carried to
    the tenant's next turn, so that over time each tenant waiting gets slots in
-   proportion to its weight.
+   proportion to its weight. With `fairness_unit = "tokens"` a turn is worth
+   `weight / unit_weight` times QUANTUM_TOKENS tokens and a request costs its
+   estimate (its `Charge`), so that the shares count tokens (`_paying`).
 
 Each step reads the heads of a few ordered dicts and moves one entry: a
 pick costs the same with ten waiting requests or ten thousand, with one
@@ -30,10 +32,11 @@ removed from each dict in O(1).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from router.core.config.tenants import Queueing
+from router.core.config.tenants import QUANTUM_TOKENS, Queueing
 from router.core.pool.waiters import Flow, Waiter
 
 
@@ -52,12 +55,15 @@ class _Band:
 class Line:
     """One model's waiting requests, held and queued, and the order in which slots go to them."""
 
-    __slots__ = ("held", "_bands", "_count", "_per_tenant", "_unit")
+    __slots__ = ("held", "_bands", "_count", "_per_tenant", "_quantum", "_tokens", "_unit")
 
     def __init__(self, queueing: Queueing) -> None:
         self.held: OrderedDict[Waiter, None] = OrderedDict()
         self._bands = [_Band(c.max_queue_seconds) for c in queueing.classes]
         self._unit = queueing.unit_weight
+        # fairness_unit = "tokens": a turn is worth QUANTUM_TOKENS a unit of weight, a request its charge.
+        self._tokens = queueing.unit == "tokens"
+        self._quantum = QUANTUM_TOKENS if self._tokens else 1.0
         self._per_tenant: dict[str, int] = {}
         self._count = 0
 
@@ -79,7 +85,9 @@ class Line:
             flow = band.flows.get(tenant)
             if flow is None:
                 # Last in the round: a tenant that arrives waits for the others' turns.
-                flow = band.flows[tenant] = Flow(waiter.priority, tenant, max(1.0, caller.weight / self._unit))
+                flow = band.flows[tenant] = Flow(
+                    waiter.priority, tenant, max(1.0, caller.weight / self._unit) * self._quantum
+                )
             flow.waiters[waiter] = None
             waiter.flow = flow
             self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
@@ -126,7 +134,9 @@ class Line:
                     first += 1
                 if first == count:
                     return None
-                waiter = next(iter(next(iter(bands[first].flows.values())).waiters))
+                flows = bands[first].flows
+                flow = _paying(flows) if self._tokens else next(iter(flows.values()))
+                waiter = next(iter(flow.waiters))
                 time: float | None = None
                 for index in range(first + 1, count):
                     band = bands[index]
@@ -151,6 +161,14 @@ class Line:
             flows = self._bands[flow.band].flows
             # Only a pick of the round pays for the turn; an aged one is a debt of the class, not the tenant.
             if next(iter(flows.values())) is flow and next(iter(flow.waiters)) is waiter:
+                if self._tokens:
+                    # next() saw to it that the turn pays for it (_paying): the next pick rotates.
+                    charge = waiter.charge
+                    flow.deficit -= charge.tokens if charge is not None else 1.0
+                    if charge is not None:
+                        charge.flow = flow
+                    self.discard(waiter)
+                    return
                 if flow.deficit < 1.0:
                     flow.deficit += flow.quantum
                 flow.deficit -= 1.0
@@ -176,6 +194,44 @@ class Line:
         """Every tenant's flow with requests, class by class."""
         for band in self._bands:
             yield from band.flows.values()
+
+
+def _cost(flow: Flow) -> float:
+    charge = next(iter(flow.waiters)).charge
+    return charge.tokens if charge is not None else 1.0
+
+
+def _paying(flows: OrderedDict[str, Flow]) -> Flow:
+    """With tokens: the flow whose turn can pay for its oldest request, the round moved on to it.
+
+    A deficit round robin as Shreedhar and Varghese wrote it: a turn adds the
+    flow's quantum, serves while what is left pays for its next request, then
+    passes, the rest kept for the next turn. A request dearer than a quantum
+    takes several turns to pay; rather than go round in vain, once a whole
+    round has passed with nobody able to pay, every flow is given at once the
+    rounds it would take the first of them to pay (O(tenants), and rare).
+    """
+    passed = 0
+    while True:
+        flow = next(iter(flows.values()))
+        cost = _cost(flow)
+        if flow.deficit >= cost:
+            return flow
+        if not flow.started:
+            flow.started = True
+            flow.deficit += flow.quantum
+            if flow.deficit >= cost:
+                return flow
+        # Its turn is over: the rest is kept for its next.
+        flow.started = False
+        flows.move_to_end(flow.tenant)
+        passed += 1
+        if passed == len(flows):
+            rounds = min(math.ceil((_cost(f) - f.deficit) / f.quantum) for f in flows.values()) - 1
+            if rounds > 0:
+                for f in flows.values():
+                    f.deficit += rounds * f.quantum
+            passed = 0
 
 
 class Lines(dict[str, Line]):

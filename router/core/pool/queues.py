@@ -20,7 +20,7 @@ from router.core.config.tenants import ANYONE, Caller
 from router.core.errors import RateLimited
 from router.core.pool.fairness import Lines
 from router.core.pool.replicas import Replica
-from router.core.pool.waiters import Waiter, handed
+from router.core.pool.waiters import Charge, Waiter, handed
 
 
 class QueueFigures(NamedTuple):
@@ -66,11 +66,13 @@ class Queues:
         key: Hashable | None = None,
         caller: Caller = ANYONE,
         priority: int | None = None,
+        charge: Charge | None = None,
     ) -> tuple[Replica | None, bool]:
         """acquire(), or wait up to `wait_seconds` in `model`'s queue while it is saturated.
 
         `caller` is whose request it is; `priority` the rank of its class
-        (default: the caller's). Returns (replica, timed_out): a replica; or
+        (default: the caller's); `charge` its cost in tokens, when the shares
+        count tokens. Returns (replica, timed_out): a replica; or
         None and False when no replica can take the request (none ready, or
         all excluded); or None and True when every candidate stayed at its
         limit until the deadline. Raises RateLimited when the caller's tenant
@@ -100,6 +102,7 @@ class Queues:
             key=key,
             caller=caller,
             priority=rank,
+            charge=charge,
         )
         self._seen.add((model, rank, caller.tenant))
         return await self._wait(waiter, now + wait_seconds)

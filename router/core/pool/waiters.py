@@ -32,6 +32,7 @@ class Waiter:
     __slots__ = (
         "avoid",
         "caller",
+        "charge",
         "deadline",
         "exclude",
         "expired",
@@ -59,6 +60,7 @@ class Waiter:
         key: Hashable | None = None,
         caller: Caller = ANYONE,
         priority: int = 0,
+        charge: Charge | None = None,
     ) -> None:
         self.future = future
         self.model = model
@@ -75,6 +77,8 @@ class Waiter:
         # Whose request it is, and the rank of its class (0 the first): where it waits in its model's line.
         self.caller = caller
         self.priority = priority
+        # With fairness_unit = "tokens": what it costs its tenant's turn, and who paid it.
+        self.charge = charge
         # Its tenant's flow in its class, while it is queued (router.core.pool.fairness).
         self.flow: Flow | None = None
         # Its deadline passed before a replica was handed over.
@@ -83,10 +87,35 @@ class Waiter:
         self.probe: Probing | None = None
 
 
+class Charge:
+    """A request's cost to its tenant's turn when shares count tokens, and the flow that paid it.
+
+    Made by the gateway for a request that waits, with its estimate: the
+    prompt's bytes / 4 plus `output_weight` times the output it may make.
+    The answer's own usage settles it (`settle`): the difference is charged
+    to, or given back to, the flow that paid, while that flow is in the round.
+    """
+
+    __slots__ = ("flow", "output_weight", "tokens")
+
+    def __init__(self, tokens: float, output_weight: float) -> None:
+        self.tokens = tokens
+        self.output_weight = output_weight
+        # The flow whose turn paid for it; None until a pick of the round served it.
+        self.flow: Flow | None = None
+
+    def settle(self, prompt: int, completion: int) -> None:
+        """What the answer said it took: the flow that paid the estimate pays the difference."""
+        flow = self.flow
+        if flow is not None:
+            flow.deficit -= prompt + self.output_weight * completion - self.tokens
+            self.flow = None
+
+
 class Flow:
     """One tenant's requests in one class, oldest first, and what is left of its turn."""
 
-    __slots__ = ("band", "deficit", "quantum", "tenant", "waiters")
+    __slots__ = ("band", "deficit", "quantum", "started", "tenant", "waiters")
 
     def __init__(self, band: int, tenant: str, quantum: float) -> None:
         self.band = band
@@ -95,6 +124,8 @@ class Flow:
         self.quantum = quantum
         # Requests it may still be served in this turn; below 1, its turn is over.
         self.deficit = 0.0
+        # With tokens: its turn has begun (its quantum added), and goes on while it can pay.
+        self.started = False
         self.waiters: OrderedDict[Waiter, None] = OrderedDict()
 
 

@@ -165,6 +165,9 @@ def _combined(key: Key, parts: list[ReplicaUsage], memory: Memory) -> ReplicaUsa
         saturated=any(r.saturated for r in parts),
         # Each worker reads the cards itself: one that found the model missing says so for all.
         serves_model=_serves(parts),
+        # Every worker has the same set: the node and fabric are its config's.
+        node=first.node,
+        fabric=first.fabric,
     )
 
 

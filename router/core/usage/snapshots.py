@@ -80,6 +80,9 @@ class ReplicaUsage(NamedTuple):
     saturated: bool = False
     # Whether its /v1/models lists the model the router sends it (Replica.serves_model); None: not said.
     serves_model: bool | None = None
+    # The node it runs on and that node's fabric, as configured, pushed or discovered; None: not said.
+    node: str | None = None
+    fabric: str | None = None
 
     def quiet_seconds(self, now: float) -> float | None:
         """Seconds since the last request, or None when no request is known."""
@@ -407,7 +410,7 @@ class Snapshotter:
                     r.requests,
                     None if last_used is None else last_used + offset,
                     known[1],
-                    r.config.labels,
+                    (config := r.config).labels,
                     MappingProxyType(r.responses.copy()) if r.responses else _EMPTY,
                     MappingProxyType(r.errors.copy()) if r.errors else _EMPTY,
                     r.ejections,
@@ -419,6 +422,8 @@ class Snapshotter:
                     else EngineReading(load.waiting, load.running, load.kv, load.at + offset, load.source),
                     engines is not None and engines.saturated(r),
                     r.serves_model,
+                    config.node,
+                    config.fabric,
                 ),
             )
             put(known[0], usage)

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from router.control.admin import Admin
 from router.control.sinks import build_sinks
+from router.control.sinks.waiting import waiting_of
 from router.control.sources import build_sources, exclusive_source, initial_set, reload_all, sources_ready
 from router.core.config.settings import Config
 from router.core.errors import CannotListen
@@ -307,8 +308,11 @@ class Supervisor(Listening):
 
     async def metrics(self) -> bytes:
         """One set of series: the supervisor's own, and the workers' data-path ones merged by mode."""
-        # Fresh per-worker figures for router_worker_in_flight_requests.
-        await self.collect()
+        # Fresh per-worker figures for router_worker_in_flight_requests, and the
+        # requests held and queued now: every worker's, read at this scrape.
+        fresh = await self.collect()
+        # A worker that did not answer: the last tick's figures for all, never half fresh.
+        self.sinks.prometheus.waiting = None if fresh is None else waiting_of(fresh)
         # Counters summed over workers must never go down: a worker that does
         # not answer (dying, restarting) counts with its last figures, and a
         # dead worker's last figures stay in the sum (_lost retires them).
