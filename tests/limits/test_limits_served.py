@@ -135,8 +135,8 @@ async def test_tokens_are_estimated_on_admission_and_settled_with_the_answers_us
         third_estimate = len(fake.seen[-1].body) // 4 + 16
         remaining = int(third.headers["x-ratelimit-remaining-tokens"])
         expected = 60_000 - 20 - kept - third_estimate
-        # Refilled meanwhile by at most a second's worth: never more than full.
-        assert expected <= remaining <= min(expected + 1000, 60_000 - third_estimate)
+        # Refilled meanwhile (1,000 a second; a busy machine may take a few): never more than full.
+        assert expected <= remaining <= min(expected + 3000, 60_000 - third_estimate)
         assert third.headers["x-ratelimit-reset-tokens"].endswith("ms")
 
 
