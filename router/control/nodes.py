@@ -113,6 +113,7 @@ class _Node:
 
     def __init__(self) -> None:
         self.fabrics: set[str] = set()
+        # In the order met; listed sorted by id, as the workers' merge may meet them in any order.
         self.replicas: list[str] = []
         self.gpus = self.ejected_gpus = 0
         self.free = True
@@ -142,7 +143,7 @@ def whole_nodes(seen: Iterable[Seen]) -> WholeNodes:
     by_fabric: dict[str | None, list[tuple[str, _Node]]] = {}
     for name, node in sorted(nodes.items()):
         if len(node.fabrics) > 1:
-            conflicts.append(NodeConflict(name, tuple(sorted(node.fabrics)), tuple(node.replicas)))
+            conflicts.append(NodeConflict(name, tuple(sorted(node.fabrics)), tuple(sorted(node.replicas))))
             continue
         fabric = next(iter(node.fabrics), None)
         by_fabric.setdefault(fabric, []).append((name, node))
@@ -150,7 +151,7 @@ def whole_nodes(seen: Iterable[Seen]) -> WholeNodes:
     # Named fabrics by name, then the nodes of no fabric.
     for fabric in sorted(by_fabric, key=lambda f: (f is None, f or "")):
         members = by_fabric[fabric]
-        free = tuple(FreeNode(name, n.gpus, tuple(n.replicas)) for name, n in members if n.free)
+        free = tuple(FreeNode(name, n.gpus, tuple(sorted(n.replicas))) for name, n in members if n.free)
         fabrics.append(
             FabricStatus(
                 fabric=fabric,
