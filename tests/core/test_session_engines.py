@@ -1,10 +1,12 @@
 """Session routing with the engines' readings: a session keeps its replica while its engine takes more.
 
 A session is one conversation, its replica's prefix cache holds it: with a
-fresh reading that says the engine takes more, the session stays there above
-the ring's bounded load (where prefix routing, whose key many clients share,
-spills), and leaves only once the engine is saturated. With no fresh reading,
-the bounded load decides, as with engine metrics off.
+fresh reading that says the engine takes requests in as they come (nothing
+waiting, no large prompt still prefilling), the session stays there above the
+ring's bounded load (where prefix routing, whose key many clients share,
+spills). Once the engine queues, the bound decides again, and a saturated
+engine is left; with no fresh reading, the bounded load decides, as with
+engine metrics off.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def picks(pool: Pool, count: int) -> list[Replica]:
     return [replica for replica in got if replica is not None]
 
 
-def test_a_session_stays_on_its_replica_past_the_bounded_load_while_its_engine_takes_more() -> None:
+def test_a_session_stays_on_its_replica_past_the_bounded_load_while_its_engine_queues_nothing() -> None:
     pool, _ = fleet("session")
     read_all(pool)
     got = picks(pool, 6)
@@ -75,14 +77,28 @@ def test_a_session_leaves_a_saturated_engine_and_comes_back_once_it_frees() -> N
     assert picks(pool, 1)[0] is home
 
 
-def test_requests_sent_since_a_queueing_reading_count_toward_the_session_leaving() -> None:
+def test_once_its_engine_queues_the_bounded_load_decides_again() -> None:
     pool, _ = fleet("session")
     read_all(pool)
     (home,) = picks(pool, 1)
-    # Queueing, below the bound of 4: the session stays, and each request sent since joins the queue.
+    # Queueing, below the bound of 4: a request there would wait, so the ring's bound applies.
     read(pool, home, waiting=2)
-    assert picks(pool, 2) == [home, home]
-    assert picks(pool, 1)[0] is not home
+    assert picks(pool, 2) == [home, next(r for r in pool if r is not home)]
+
+
+def test_a_large_prompt_still_prefilling_on_its_replica_puts_the_bounded_load_back() -> None:
+    pool, clock = fleet("session")
+    read_all(pool)
+    home = pool.acquire("m", key=KEY, tokens=30_000)
+    assert home is not None
+    # Its 30,000 tokens take 3 s to prefill (10,000 a second): the session's next request goes by the bound.
+    assert picks(pool, 2) == [home, next(r for r in pool if r is not home)]
+    for replica in list(pool):
+        while replica.in_flight:
+            pool.release(replica)
+    clock.advance(3.5)
+    read_all(pool)
+    assert len({replica.id for replica in picks(pool, 4)}) == 1
 
 
 def test_without_a_fresh_reading_the_bounded_load_decides_as_with_metrics_off() -> None:

@@ -270,13 +270,16 @@ class EngineView:
             figure += prefills.left(now) / TOKENS_PER_REQUEST
         return figure
 
-    def holds(self, replica: Engined) -> bool | None:
-        """Whether the replica's engine can take more by a fresh reading: None with no fresh reading,
-        False when it is saturated (session routing keeps a session's replica on this, loads.py)."""
+    def holds(self, replica: Engined) -> bool:
+        """Whether a fresh reading says the replica's engine takes requests in as they come: nothing
+        waiting there (as read, and never counting this router's since), and no large prompt of this
+        router's still prefilling. Session routing keeps a session's replica on this (picking.py)."""
         load = replica.load
-        if load is None or self._now() - load.at > self.stale_after:
-            return None
-        return not load.queues or self._queued(replica, load) != math.inf
+        now = self._now()
+        if load is None or load.queues or now - load.at > self.stale_after:
+            return False
+        prefills = replica.prefills
+        return prefills is None or prefills.left(now) <= 0
 
     def wants(self, replica: Engined) -> bool:
         """Whether the replica's reading is old enough to be renewed (an answer's ORCA header)."""

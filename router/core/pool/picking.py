@@ -116,9 +116,9 @@ class PolicySettings:
     judge: Callable[[Any], float] | None = None
     # The judge's pick over candidates in one pass (EngineView.least): least-loaded's, once aware.
     least: Callable[[Iterable[Any], Any, Container[Any], random.Random], Any] | None = None
-    # Whether a candidate's engine can take more by a fresh reading (EngineView.holds): None with
-    # no fresh reading, False when saturated.
-    holds: Callable[[Any], bool | None] | None = None
+    # Whether a fresh reading says a candidate's engine takes requests in as they come
+    # (EngineView.holds: nothing waiting, no large prompt still prefilling).
+    holds: Callable[[Any], bool] | None = None
     # routing = "session": once aware, a key stays on its home while its engine holds, whatever
     # the bounded loads say (BoundedHashRing's docstring).
     sticky: bool = False
@@ -311,15 +311,17 @@ class BoundedHashRing(LeastLoaded[T]):
 
     Once the model's engines are read (`aware`), a candidate whose engine
     is saturated is passed over as a full one is. Session routing
-    (`sticky`) goes further: a session's home is kept while a fresh
-    reading says its engine is not saturated, above the bound or not. A
-    session is one conversation, a request at a time, spread over the ring
-    by its hash: what puts its home above the bound is the other sessions'
-    requests of the moment, and spilling it there costs the whole
-    conversation's prefix cache for a queue the engine's batch takes in
-    (continuous batching). Only a queue at the model's bounds is worth that
-    miss. A prefix key is not so: many clients share it (a popular system
-    prompt), and only the bound keeps its home from taking them all.
+    (`sticky`) goes further: a session's home is kept, above the bound or
+    not, while a fresh reading says its engine takes requests in as they
+    come (nothing waiting, no large prompt still prefilling). A session is
+    one conversation, a request at a time, spread over the ring by its
+    hash: what puts its home above the bound is the other sessions'
+    requests of the moment, which such an engine's batch takes in
+    (continuous batching), and spilling it there costs the whole
+    conversation's prefix cache for no wait saved. Once the engine queues,
+    a request there waits, and the bound and the saturation decide, as
+    before. A prefix key is not so: many clients share it (a popular
+    system prompt), and only the bound keeps its home from taking them all.
     """
 
     __slots__ = (
@@ -438,10 +440,10 @@ class BoundedHashRing(LeastLoaded[T]):
             home = self._owners[start]
             slot = self._slots[home]
         judge = self._judge if self.aware else None
-        holds_of = self._holds if judge is not None and self._sticky else None
-        if holds_of is not None and (holds := holds_of(home)) is not None:
-            # A session: its home while its engine takes more (and under the per-replica limit).
-            kept = holds and not (self._per_replica and slot[0] >= self._per_replica)
+        holds = self._holds if judge is not None and self._sticky else None
+        if holds is not None and holds(home):
+            # A session: its home while its engine takes requests in as they come (under the per-replica limit).
+            kept = not (self._per_replica and slot[0] >= self._per_replica)
         else:
             kept = slot[0] < capacity and (judge is None or judge(home) != math.inf)
         if kept:

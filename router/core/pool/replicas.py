@@ -233,8 +233,8 @@ class ReplicaSet:
         self.judge: Callable[[Replica], float] | None = None
         # ... and its pick over a model's candidates in one pass (EngineView.least).
         self.least: Callable[[Iterable[Replica], Replica | None, Container[Replica], random.Random], Any] | None = None
-        # ... and whether a replica's engine takes more by a fresh reading (EngineView.holds).
-        self.holds: Callable[[Replica], bool | None] | None = None
+        # ... and whether a fresh reading says a replica's engine takes requests in as they come (EngineView.holds).
+        self.holds: Callable[[Replica], bool] | None = None
         # While a whole set is applied: the policies holding their changes, and
         # the models whose waiters are told once it is in.
         self._batch: _Batch | None = None
