@@ -50,7 +50,13 @@ def start_engine() -> Any:
     for process in processes:
         process.terminate()
     for process in processes:
-        process.communicate(timeout=10)
+        try:
+            process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            # Still a failure, but not one that leaves a process and its pipe to the next test.
+            process.kill()
+            process.communicate()
+            raise
 
 
 async def busy(serve: Serve, requests: int, *, stream: bool, tokens: int = 24) -> AsyncIterator[str]:

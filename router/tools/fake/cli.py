@@ -227,4 +227,12 @@ async def _serve_forever(
         # Once it listens: a script may wait for this line and read the address from it.
         count = f" in {args.processes} processes" if args.processes > 1 else ""
         print(f"fake replica of {', '.join(models)} at {url}{count}", flush=True)
-    await asyncio.Event().wait()
+    # From here SIGTERM and SIGINT are the loop's: uvloop runs a Python handler inside whatever
+    # callback it is in, and a SystemExit raised there is logged as a transport's fatal error
+    # while the fake runs on (a test's terminate() then waited for ever).
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    # Then gone at once, as the SystemExit left: whatever is in flight ends with the process.
+    await stopping.wait()
