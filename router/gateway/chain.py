@@ -100,7 +100,8 @@ class Chain:
                     continue
                 # The body under the target's name, made now: a body that cannot be
                 # renamed is refused (400) before any replica is taken for it.
-                call.body_for(target)
+                if target != call.requested:
+                    call.body_for(target)
                 avoid: Replica | None = None
                 # Replicas this request must not reach: those that refused it, and for an
                 # adapter, from the start, those of its base model that do not list it.
@@ -131,8 +132,9 @@ class Chain:
                             call,
                             replica,
                             target,
-                            remember=self.responses.remember(replica) if remembering else None,
-                            probe=probing,
+                            None,
+                            self.responses.remember(replica) if remembering else None,
+                            probing,
                         )
                     finally:
                         pool.release(replica)

@@ -254,19 +254,8 @@ class Proxy:
                     )
                 adapter, model = model, base
             # Framed once for every attempt; only Host and the length differ.
-            call = Call(
-                request,
-                writer,
-                obj,
-                requested,
-                model,
-                stream,
-                self._forwarded.framed(request.raw_headers),
-                entry,
-                caller,
-                adapter,
-                started,
-            )
+            headers = self._forwarded.framed(request.raw_headers)
+            call = Call(request, writer, obj, requested, model, stream, headers, entry, caller, adapter, started)
             if (limiter := self.limiter) is not None and caller.tenant in limiter.tenants:
                 # A tenant with rate limits (router.gateway.limits); any other: this one check.
                 await self.limited(limiter, call, obj)
@@ -328,7 +317,8 @@ class Proxy:
             if entry is not None:
                 entry.model = replica.model
             headers = self._forwarded.framed(request.raw_headers)
-            call = Call(request, writer, {}, replica.model, replica.model, False, headers, entry)
+            model = replica.model
+            call = Call(request, writer, {}, model, model, False, headers, entry, ANYONE, None, time.perf_counter())
             # The response again, not a new one: its tokens were counted when it was made.
             call.metered = False
             try:

@@ -168,12 +168,11 @@ class Forwarder:
         # Each answer's usage read (config count_tokens): off, nothing of it runs.
         self._count_tokens = count_tokens
 
-    async def attempt(
+    async def attempt(  # noqa: PLR0917 (positional from the retry chain: called once per attempt)
         self,
         call: Call,
         replica: Replica,
         model: str,
-        *,
         extra: list[tuple[bytes, bytes]] | None = None,
         remember: Callable[[bytes], None] | None = None,
         probe: bool = False,
@@ -188,7 +187,7 @@ class Forwarder:
         """
         entry = call.entry
         request = call.request
-        body = call.body_for(model)
+        body = request.body if model == call.requested else call.body_for(model)  # (body_for(), written out)
         origin = origin_of(replica.base_url)
         method = request.method
         # vLLM says its queue and KV cache in a whole answer when asked (ORCA): a busy replica's reading
@@ -254,20 +253,21 @@ class Forwarder:
                 read_orca(self.pool, replica, resp)
             if status in RETRY_STATUSES:
                 return await self._refused(entry, replica, resp, model, ttfb=ttfb, probe=probe)
-            self.ledgers.record(entry, replica, model, Outcome.ANSWERED, status=status, ttfb=ttfb)
+            self.ledgers.record(entry, replica, model, Outcome.ANSWERED, status, ttfb)
             out_headers = RESPONSE_HEADERS.kept(resp.headers)
             if extra:
                 out_headers += extra
             if self._expose_replica:
                 # Percent-encoded: an id is any string, a header value is not.
                 out_headers.append((b"X-Router-Replica", quote(replica.id, safe="/:@-._~").encode()))
-            # Passed through as it arrives: a stream, or anything without a length.
+            # Passed through as it arrives: a stream, or anything without a length (_is_sse(), written out).
             # A replica's error answer is read whole, to give it OpenAI's shape.
             length = resp.content_length
+            whole = not call.stream and length is not None and length <= WHOLE_ANSWER_BYTES
             if (
                 status < 400
                 and status not in _NO_BODY
-                and (call.stream or length is None or length > WHOLE_ANSWER_BYTES or _is_sse(resp))
+                and (not whole or (resp.header(b"content-type") or b"").startswith(b"text/event-stream"))
             ):
                 await self._stream(call, replica, resp, out_headers, remember)
                 return None

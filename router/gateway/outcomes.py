@@ -96,13 +96,12 @@ class Ledgers:
         self.pool = pool
         self.metrics = metrics
 
-    def record(
+    def record(  # noqa: PLR0917 (positional from the attempt: called at least once per request)
         self,
         entry: Entry | None,
         replica: Replica,
         model: str,
         outcome: Outcome,
-        *,
         status: int = 0,
         ttfb: float | None = None,
         reason: str = "",
@@ -120,8 +119,15 @@ class Ledgers:
         if outcome is Outcome.ANSWERED:
             self.metrics.observe_first_byte(model, ttfb or 0.0)
             replica.requests += 1
-            pool.count_response(replica, status)
-            _attempted(entry, replica, model, ttfb)
+            # pool.count_response(), written out as `requests` is: the replica's own counter.
+            replica.count_response(status)
+            # _attempted(), written out: the common case, and without an access log nothing to write.
+            if entry is not None:
+                entry.attempts += 1
+                entry.served_model = model
+                entry.replica = replica.id
+                if ttfb is not None:
+                    entry.ttfb_seconds = ttfb
             if status in UNHEALTHY_STATUSES:
                 pool.record_failure(replica)
             else:
