@@ -114,13 +114,21 @@ class Proxy:
         sleepers.waker = self.held_requests.waker
         self.held_requests.sleepers = self.forwarder.sleepers = sleepers
 
-    async def dispatch(self, request: Request, writer: Writer) -> None:
-        """The client port's one handler: every answer goes through `writer`."""
+    def dispatch(self, request: Request, writer: Writer) -> Awaitable[None]:
+        """The client port's one handler: every answer goes through `writer`.
+
+        An inference request's coroutine is handed back to be awaited as it is:
+        one of dispatch's own around it would cost a frame on every request.
+        """
+        if request.method == "POST" and request.path in self.routed:
+            return self.inference(request, writer)
+        return self._other(request, writer)
+
+    async def _other(self, request: Request, writer: Writer) -> None:
+        """Any request but an inference request: a stored response, a WebSocket upgrade, the models."""
         path = request.path
         method = request.method
-        if method == "POST" and path in self.routed:
-            await self.inference(request, writer)
-        elif path.startswith("/v1/responses/"):
+        if path.startswith("/v1/responses/"):
             await self.stored_response(request, writer)
         elif method == "GET" or method == "HEAD":  # noqa: PLR1714 (two compares beat a tuple here)
             if path in self.upgrades and method == "GET":
