@@ -250,9 +250,10 @@ class Proxy:
             model = routes.aliases.get(requested, requested)
             pool = self.pool
             adapter = None
-            if not pool.serves(model) and model not in routes.declared and model not in pool.ever_served:
-                # Known is declared, or served now or at any time since start:
-                # a model scaled to zero is unavailable (503), not unknown (404).
+            if model not in pool.ever_served and not pool.serves(model) and model not in routes.declared:
+                # Known is served at any time since start (the test that settles the common
+                # case, first), or now, or declared: a model scaled to zero is unavailable (503),
+                # not unknown (404).
                 # Else a LoRA adapter some replica lists, served by its base model's.
                 base = pool.adapters.base_of(model)
                 if base is None:
