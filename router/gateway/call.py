@@ -14,10 +14,9 @@ counted (router.gateway.tokens); not a stored response read again.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from router.core.config.tenants import ANYONE, Caller
+from router.core.config.tenants import Caller
 from router.core.pool.waiters import Charge
 from router.gateway.access_log import Entry
 from router.gateway.bodies import with_model
@@ -57,10 +56,11 @@ class Call:
         stream: bool,
         headers: bytes,
         entry: Entry | None,
-        caller: Caller = ANYONE,
-        adapter: str | None = None,
-        started: float | None = None,
+        caller: Caller,
+        adapter: str | None,
+        started: float,
     ) -> None:
+        # Every field given, none defaulted or tested: this runs once per request.
         self.request = request
         self.writer = writer
         # The body as JSON (or a multipart form's fields): only `model` and `stream` are read here.
@@ -73,15 +73,14 @@ class Call:
         self.entry = entry
         # Whose request it is: its key's tenant and priority class.
         self.caller = caller
-        # The body under each other model's name it was sent to (an alias's model, a fallback).
-        self._bodies: dict[str, bytes] | None = None
         # The LoRA adapter it names, served by replicas of `model` that list it
         # (router.core.pool.adapters): sent as the client wrote it, under the adapter's name.
         self.adapter = adapter
-        if adapter is not None:
-            self._bodies = {model: request.body}
+        # The body under each other model's name it was sent to (an alias's model, a fallback;
+        # an adapter's base model gets the client's own bytes): made by body_for() when first asked.
+        self._bodies: dict[str, bytes] | None = None
         # When it arrived (time.perf_counter()): a stream's time to first token runs from here.
-        self.started = time.perf_counter() if started is None else started
+        self.started = started
         self.metered = True
         # With fairness_unit = "tokens", once it waited: its cost to its tenant's turn (router.gateway.chain).
         self.charge: Charge | None = None
@@ -98,5 +97,10 @@ class Call:
             bodies = self._bodies = {}
         body = bodies.get(target)
         if body is None:
-            body = bodies[target] = with_model(self.request.body, self.parsed, target)
+            if target == self.model and self.adapter is not None:
+                # An adapter's base model is sent the client's own bytes, under the adapter's name.
+                body = self.request.body
+            else:
+                body = with_model(self.request.body, self.parsed, target)
+            bodies[target] = body
         return body

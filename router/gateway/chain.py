@@ -9,6 +9,7 @@ that reached the client, or one the replica may have acted on, ends it there.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 from router.core.config.settings import Config
 from router.core.config.tenants import Caller, PriorityClass, lowered
@@ -100,11 +101,13 @@ class Chain:
                     continue
                 # The body under the target's name, made now: a body that cannot be
                 # renamed is refused (400) before any replica is taken for it.
-                call.body_for(target)
+                if target != call.requested:
+                    call.body_for(target)
                 avoid: Replica | None = None
                 # Replicas this request must not reach: those that refused it, and for an
                 # adapter, from the start, those of its base model that do not list it.
-                refused = set() if adapter is None else pool.lacking(target, adapter)
+                # (A set only once there is one: none on the common path.)
+                refused: Collection[Replica] = () if adapter is None else pool.lacking(target, adapter)
                 key = None
                 if self._affinity and (affinity := self._affinity.get(target)) is not None:
                     key = affinity.key(request, call.parsed)
@@ -131,8 +134,9 @@ class Chain:
                             call,
                             replica,
                             target,
-                            remember=self.responses.remember(replica) if remembering else None,
-                            probe=probing,
+                            None,
+                            self.responses.remember(replica) if remembering else None,
+                            probing,
                         )
                     finally:
                         pool.release(replica)
@@ -149,7 +153,7 @@ class Chain:
                         answer_failed(call, failed)
                         return
                     avoid = replica
-                    refused.add(replica)
+                    refused = {*refused, replica}
             if cold_start is None and self._sleepy and model in self._sleepy:
                 # A replica that answered 503 "sleeping" just now: asleep, and woken for this request.
                 cold_start = self._wake_hold
@@ -212,7 +216,7 @@ class Chain:
         return replica
 
     async def _wait(
-        self, call: Call, model: str, avoid: Replica | None, refused: set[Replica], key: bytes | None
+        self, call: Call, model: str, avoid: Replica | None, refused: Collection[Replica], key: bytes | None
     ) -> Replica | None:
         """Every replica of `model` is at its limit: wait in its queue for one (503 after the class's timeout)."""
         rank = self.rank(call.request, call.parsed, call.caller)

@@ -114,13 +114,21 @@ class Proxy:
         sleepers.waker = self.held_requests.waker
         self.held_requests.sleepers = self.forwarder.sleepers = sleepers
 
-    async def dispatch(self, request: Request, writer: Writer) -> None:
-        """The client port's one handler: every answer goes through `writer`."""
+    def dispatch(self, request: Request, writer: Writer) -> Awaitable[None]:
+        """The client port's one handler: every answer goes through `writer`.
+
+        An inference request's coroutine is handed back to be awaited as it is:
+        one of dispatch's own around it would cost a frame on every request.
+        """
+        if request.method == "POST" and request.path in self.routed:
+            return self.inference(request, writer)
+        return self._other(request, writer)
+
+    async def _other(self, request: Request, writer: Writer) -> None:
+        """Any request but an inference request: a stored response, a WebSocket upgrade, the models."""
         path = request.path
         method = request.method
-        if method == "POST" and path in self.routed:
-            await self.inference(request, writer)
-        elif path.startswith("/v1/responses/"):
+        if path.startswith("/v1/responses/"):
             await self.stored_response(request, writer)
         elif method == "GET" or method == "HEAD":  # noqa: PLR1714 (two compares beat a tuple here)
             if path in self.upgrades and method == "GET":
@@ -242,9 +250,10 @@ class Proxy:
             model = routes.aliases.get(requested, requested)
             pool = self.pool
             adapter = None
-            if not pool.serves(model) and model not in routes.declared and model not in pool.ever_served:
-                # Known is declared, or served now or at any time since start:
-                # a model scaled to zero is unavailable (503), not unknown (404).
+            if model not in pool.ever_served and not pool.serves(model) and model not in routes.declared:
+                # Known is served at any time since start (the test that settles the common
+                # case, first), or now, or declared: a model scaled to zero is unavailable (503),
+                # not unknown (404).
                 # Else a LoRA adapter some replica lists, served by its base model's.
                 base = pool.adapters.base_of(model)
                 if base is None:
@@ -254,19 +263,8 @@ class Proxy:
                     )
                 adapter, model = model, base
             # Framed once for every attempt; only Host and the length differ.
-            call = Call(
-                request,
-                writer,
-                obj,
-                requested,
-                model,
-                stream,
-                self._forwarded.framed(request.raw_headers),
-                entry,
-                caller,
-                adapter,
-                started,
-            )
+            headers = self._forwarded.framed(request.raw_headers)
+            call = Call(request, writer, obj, requested, model, stream, headers, entry, caller, adapter, started)
             if (limiter := self.limiter) is not None and caller.tenant in limiter.tenants:
                 # A tenant with rate limits (router.gateway.limits); any other: this one check.
                 await self.limited(limiter, call, obj)
@@ -328,7 +326,8 @@ class Proxy:
             if entry is not None:
                 entry.model = replica.model
             headers = self._forwarded.framed(request.raw_headers)
-            call = Call(request, writer, {}, replica.model, replica.model, False, headers, entry)
+            model = replica.model
+            call = Call(request, writer, {}, model, model, False, headers, entry, ANYONE, None, time.perf_counter())
             # The response again, not a new one: its tokens were counted when it was made.
             call.metered = False
             try:

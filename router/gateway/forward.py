@@ -37,7 +37,7 @@ from router.gateway.answers import error_body, replica_answer
 from router.gateway.call import Call
 from router.gateway.codings import StreamDecoder, decoded
 from router.gateway.metrics import DataPathMetrics
-from router.gateway.outcomes import Failed, Ledgers, Outcome
+from router.gateway.outcomes import ANSWERED, ASLEEP, BROKEN, CUT_OFF, REFUSED, SILENT, UNREACHABLE, Failed, Ledgers
 from router.gateway.sleepers import Sleepers
 from router.gateway.tokens import TAIL_WINDOW, stream_tokens, whole_answer_tokens
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
@@ -168,12 +168,11 @@ class Forwarder:
         # Each answer's usage read (config count_tokens): off, nothing of it runs.
         self._count_tokens = count_tokens
 
-    async def attempt(
+    async def attempt(  # noqa: PLR0917 (positional from the retry chain: called once per attempt)
         self,
         call: Call,
         replica: Replica,
         model: str,
-        *,
         extra: list[tuple[bytes, bytes]] | None = None,
         remember: Callable[[bytes], None] | None = None,
         probe: bool = False,
@@ -188,7 +187,7 @@ class Forwarder:
         """
         entry = call.entry
         request = call.request
-        body = call.body_for(model)
+        body = request.body if model == call.requested else call.body_for(model)  # (body_for(), written out)
         origin = origin_of(replica.base_url)
         method = request.method
         # vLLM says its queue and KV cache in a whole answer when asked (ORCA): a busy replica's reading
@@ -229,13 +228,13 @@ class Forwarder:
             # runs from the request going out.
             resp = await self.client.request(origin, head, body, self._first_byte_timeout)
         except HeadTimeout:
-            self.ledgers.record(entry, replica, model, Outcome.SILENT)
+            self.ledgers.record(entry, replica, model, SILENT)
             timeout = self._first_byte_timeout
             return Failed(UpstreamTimeout(f"Replica {replica.id} sent no response within {timeout:g} s."), False)
         except ConnectFailed as not_connected:
             # Nothing reached the replica: not one of its requests. A probe's is
             # an engine still loading, as the hold expects: not an attempt nor an error.
-            self.ledgers.record(entry, replica, model, Outcome.UNREACHABLE, probe=probe)
+            self.ledgers.record(entry, replica, model, UNREACHABLE, probe=probe)
             refused = UpstreamConnectError(f"Cannot connect to replica {replica.id}: {not_connected}")
             return Failed(refused, True, replica=replica if probe else None)
         except ConnectionBroken as exc:
@@ -245,7 +244,7 @@ class Forwarder:
             # (A reused connection that the replica closed before the request
             # went out whole is the one case the client itself tries again,
             # once; a refusal of that second connect is a ConnectFailed.)
-            self.ledgers.record(entry, replica, model, Outcome.BROKEN)
+            self.ledgers.record(entry, replica, model, BROKEN)
             return Failed(UpstreamResetError(f"Replica {replica.id} failed before its answer: {exc}"), False)
         try:
             ttfb = time.perf_counter() - began
@@ -254,30 +253,31 @@ class Forwarder:
                 read_orca(self.pool, replica, resp)
             if status in RETRY_STATUSES:
                 return await self._refused(entry, replica, resp, model, ttfb=ttfb, probe=probe)
-            self.ledgers.record(entry, replica, model, Outcome.ANSWERED, status=status, ttfb=ttfb)
+            self.ledgers.record(entry, replica, model, ANSWERED, status, ttfb)
             out_headers = RESPONSE_HEADERS.kept(resp.headers)
             if extra:
                 out_headers += extra
             if self._expose_replica:
                 # Percent-encoded: an id is any string, a header value is not.
                 out_headers.append((b"X-Router-Replica", quote(replica.id, safe="/:@-._~").encode()))
-            # Passed through as it arrives: a stream, or anything without a length.
+            # Passed through as it arrives: a stream, or anything without a length (_is_sse(), written out).
             # A replica's error answer is read whole, to give it OpenAI's shape.
             length = resp.content_length
+            whole = not call.stream and length is not None and length <= WHOLE_ANSWER_BYTES
             if (
                 status < 400
                 and status not in _NO_BODY
-                and (call.stream or length is None or length > WHOLE_ANSWER_BYTES or _is_sse(resp))
+                and (not whole or (resp.header(b"content-type") or b"").startswith(b"text/event-stream"))
             ):
                 await self._stream(call, replica, resp, out_headers, remember)
                 return None
             try:
                 data = await resp.read(WHOLE_ANSWER_BYTES)
             except UpstreamIdle as idle:
-                self.ledgers.record(entry, replica, model, Outcome.CUT_OFF, reason="timeout")
+                self.ledgers.record(entry, replica, model, CUT_OFF, reason="timeout")
                 return Failed(UpstreamTimeout(f"Replica {replica.id} stopped sending its answer: {idle}"), False)
             except ConnectionBroken as exc:
-                self.ledgers.record(entry, replica, model, Outcome.CUT_OFF, reason="reset")
+                self.ledgers.record(entry, replica, model, CUT_OFF, reason="reset")
                 return Failed(UpstreamResetError(f"Replica {replica.id} broke off its answer: {exc}"), False)
             if status < 400:
                 if remember is not None:
@@ -309,7 +309,7 @@ class Forwarder:
         # A 503 "sleeping" is asleep, not failing; a held request's try finding the engine loading, a probe.
         asleep = status == 503 and self.sleepers is not None and self.sleepers.found_asleep(replica, data)
         loading = probe and status == 503 and not asleep
-        outcome = Outcome.ASLEEP if asleep else Outcome.REFUSED
+        outcome = ASLEEP if asleep else REFUSED
         self.ledgers.record(entry, replica, model, outcome, status=status, ttfb=ttfb, probe=loading)
         return Failed(error, retryable=True, answer=answer, replica=replica if loading else None)
 
@@ -388,7 +388,7 @@ class Forwarder:
                 # must look broken, never complete: an SSE stream gets an
                 # error event the SDKs raise, then the connection closes
                 # without the last-chunk; any other body just closes.
-                self.ledgers.record(entry, replica, replica.model, Outcome.CUT_OFF, reason="reset")
+                self.ledgers.record(entry, replica, replica.model, CUT_OFF, reason="reset")
                 log.warning("replica %s broke off an answer: %s", replica.id, exc)
                 if counting:
                     # A broken answer says nothing of its tokens: unknown.
