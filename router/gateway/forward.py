@@ -39,7 +39,7 @@ from router.gateway.codings import StreamDecoder, decoded
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.outcomes import Failed, Ledgers, Outcome
 from router.gateway.sleepers import Sleepers
-from router.gateway.tokens import TAIL_WINDOW, stream_tokens, whole_answer_tokens
+from router.gateway.tokens import read_stream, whole_answer_tokens
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
 from router.http.headers import RESPONSE_HEADERS
 from router.http.messages import Reply
@@ -119,9 +119,7 @@ def count_stream(
 ) -> None:
     """A whole stream's tokens, read from its last reads (and its first), to the ledgers."""
     ended = time.perf_counter()
-    # The usage event may be split over the last two reads, or followed by [DONE] in a read of its own.
-    tail = last if len(last) >= TAIL_WINDOW else before_last[-TAIL_WINDOW:] + last
-    tokens = stream_tokens(tail, first)
+    tokens = read_stream(before_last, last, first)
     ledgers.tokens(call, model, tokens, first_chunk=None if first is None else first_at, last_chunk=ended)
 
 

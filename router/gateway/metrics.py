@@ -115,8 +115,6 @@ class DataPathMetrics:
         )
         self.observe_duration = self.duration.observe
         self.observe_first_byte = self.first_byte.observe
-        self.observe_first_token = self.first_token.observe
-        self.observe_per_output_token = self.per_output_token.observe
 
     def observe_held(self, model: str, seconds: float) -> None:
         self.held.labels(model).observe(seconds)

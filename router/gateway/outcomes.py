@@ -180,9 +180,10 @@ class Ledgers:
                 entry.completion_tokens = completion
                 entry.cached_tokens = cached
             if first_chunk is not None and completion > 1:
-                self.metrics.observe_per_output_token(model, (last_chunk - first_chunk) / (completion - 1))
+                self.metrics.per_output_token.observe(model, (last_chunk - first_chunk) / (completion - 1))
         if first_chunk is not None:
-            self.metrics.observe_first_token(model, first_chunk - call.started)
+            # The histogram's own method, not the metrics' bound one: compiled, a direct call.
+            self.metrics.first_token.observe(model, first_chunk - call.started)
 
     def count_tried(self, entry: Entry | None, probes: list[Failed], model: str) -> None:
         """Probes of `model` that were not a held request's after all: attempts and upstream errors, as any."""

@@ -133,6 +133,38 @@ def whole_answer_tokens(body: bytes) -> Tokens | None:
     return None if usage is None else tokens_of(usage)
 
 
+def read_stream(before_last: bytes, last: bytes, first: bytes | None) -> Tokens | None:
+    """A stream's usage from its last two reads (and its first): stream_tokens over their last
+    TAIL_WINDOW bytes, in one call for the usual end (a flat OpenAI usage object).
+
+    The end of every counted stream runs this, so the usual end is read here without a call
+    per step (each Python call costs as much as a search here): one search, the flat object cut
+    out, orjson, the counts checked in place. Anything else (no flat object, Anthropic's or the
+    Responses API's names, counts that do not read) is left to stream_tokens, whose answer it is.
+    """
+    # The usage event may be split over the last two reads, or followed by [DONE] in a read of its own.
+    tail = last if len(last) >= TAIL_WINDOW else before_last[-TAIL_WINDOW:] + last
+    start = len(tail) - TAIL_WINDOW
+    at = tail.rfind(_KEY, start if start > 0 else 0)
+    if at <= 0:
+        return None
+    if tail[at - 1] != 0x5C and tail[at + 7 : at + 9] == b":{":
+        close = tail.find(b"}", at + 7, at + 7 + MAX_USAGE_BYTES)
+        # Flat: no brace inside (one with details is cut out by stream_tokens' expression).
+        # A search with bounds, not `in` on a slice: that copies, and costs half as much again.
+        if close > 0 and tail.find(b"{", at + 9, close) < 0:
+            try:
+                usage = orjson.loads(tail[at + 8 : close + 1])
+            except orjson.JSONDecodeError:
+                return None
+            prompt = usage.get("prompt_tokens")
+            completion = usage.get("completion_tokens", 0)
+            if type(prompt) is int and type(completion) is int and 0 <= prompt < _MAX_COUNT > completion >= 0:
+                # Flat: its details, if named, are null, so it says nothing of its cache.
+                return (prompt, completion, None)
+    return stream_tokens(tail, first)
+
+
 def stream_tokens(tail: bytes, first: bytes | None) -> Tokens | None:
     """A stream's usage: from the end of its `tail` (its last reads), completed from its `first`
     read's when the last says only the output (Anthropic's message_delta after message_start)."""
