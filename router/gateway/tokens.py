@@ -25,20 +25,21 @@ object, a float, a negative) is unknown: None, never 0.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
-_KEY = b'"usage"'
+# Final: the compiled build reads these as constants, not from the module's dict.
+_KEY: Final = b'"usage"'
 # A usage object is a few hundred bytes; one past this is not one an engine wrote.
-MAX_USAGE_BYTES = 4096
+MAX_USAGE_BYTES: Final = 4096
 # A count past JSON's exact integers (2**53) is no count an engine made.
-_MAX_COUNT = 1 << 53
+_MAX_COUNT: Final = 1 << 53
 # Where `"usage"` is looked for: a stream's last bytes (its usage event, then at most
 # `data: [DONE]`, or the few fields after usage in a response.completed), and the end
 # of a whole answer.
-TAIL_WINDOW = 512
-WHOLE_WINDOW = 65536
+TAIL_WINDOW: Final = 512
+WHOLE_WINDOW: Final = 65536
 
 
 # What one answer says it took: (prompt, completion, cached), cached None when it says
@@ -154,7 +155,8 @@ def read_stream(before_last: bytes, last: bytes, first: bytes | None) -> Tokens 
         # A search with bounds, not `in` on a slice: that copies, and costs half as much again.
         if close > 0 and tail.find(b"{", at + 9, close) < 0:
             try:
-                usage = orjson.loads(tail[at + 8 : close + 1])
+                # A dict, as an object parsed whole is: compiled, its reads are direct.
+                usage: dict[str, Any] = orjson.loads(tail[at + 8 : close + 1])
             except orjson.JSONDecodeError:
                 return None
             prompt = usage.get("prompt_tokens")
