@@ -150,10 +150,12 @@ def read_stream(before_last: bytes, last: bytes, first: bytes | None) -> Tokens 
     if at <= 0:
         return None
     if tail[at - 1] != 0x5C and tail[at + 7 : at + 9] == b":{":
-        close = tail.find(b"}", at + 7, at + 7 + MAX_USAGE_BYTES)
+        # Bounded after the search, not by it: each bound given to a bytes method is parsed
+        # (about 450 instructions), and the first "}" is near.
+        close = tail.find(b"}", at + 7)
         # Flat: no brace inside (one with details is cut out by stream_tokens' expression).
         # A search with bounds, not `in` on a slice: that copies, and costs half as much again.
-        if close > 0 and tail.find(b"{", at + 9, close) < 0:
+        if 0 < close < at + 7 + MAX_USAGE_BYTES and tail.find(b"{", at + 9, close) < 0:
             try:
                 # A dict, as an object parsed whole is: compiled, its reads are direct.
                 usage: dict[str, Any] = orjson.loads(tail[at + 8 : close + 1])
