@@ -351,14 +351,20 @@ def main() -> int:
                 )
                 if args.count_tokens:
                     results["router-compiled-tokens"] = measure(
-                        "router-compiled-tokens", tree, tmp, fake_url, args.requests, "count_tokens = true\n"
+                        "router-compiled-tokens",
+                        tree,
+                        tmp,
+                        fake_url,
+                        args.requests,
+                        "count_tokens = true\n",
+                        keep=args.profile,
                     )
             if args.access_log:
                 logged = f'access_log = "{tmp / "access.log"}"\n'
                 results["router-logged"] = measure("router-logged", None, tmp, fake_url, args.requests, logged)
             if args.count_tokens:
                 results["router-tokens"] = measure(
-                    "router-tokens", None, tmp, fake_url, args.requests, "count_tokens = true\n"
+                    "router-tokens", None, tmp, fake_url, args.requests, "count_tokens = true\n", keep=args.profile
                 )
             if args.tracing:
                 results.update(traced_runs(tmp, fake_url, args.requests))

@@ -39,7 +39,7 @@ from router.gateway.codings import StreamDecoder, decoded
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.outcomes import ANSWERED, ASLEEP, BROKEN, CUT_OFF, REFUSED, SILENT, UNREACHABLE, Failed, Ledgers
 from router.gateway.sleepers import Sleepers
-from router.gateway.tokens import TAIL_WINDOW, stream_tokens, whole_answer_tokens
+from router.gateway.tokens import read_stream, whole_answer_tokens
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
 from router.http.headers import RESPONSE_HEADERS
 from router.http.messages import Reply
@@ -112,17 +112,6 @@ def answer_failed(call: Call, failed: Failed) -> None:
 
 def _is_sse(resp: Response) -> bool:
     return (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
-
-
-def count_stream(
-    ledgers: Ledgers, call: Call, model: str, *, before_last: bytes, last: bytes, first: bytes | None, first_at: float
-) -> None:
-    """A whole stream's tokens, read from its last reads (and its first), to the ledgers."""
-    ended = time.perf_counter()
-    # The usage event may be split over the last two reads, or followed by [DONE] in a read of its own.
-    tail = last if len(last) >= TAIL_WINDOW else before_last[-TAIL_WINDOW:] + last
-    tokens = stream_tokens(tail, first)
-    ledgers.tokens(call, model, tokens, first_chunk=None if first is None else first_at, last_chunk=ended)
 
 
 def read_orca(pool: Pool, replica: Replica, resp: Response) -> None:
@@ -412,14 +401,14 @@ class Forwarder:
                 remembering.end()
             writer.end()
             if counting and resp.status < 300:
-                count_stream(
-                    self.ledgers,
+                # Here, not in a function of its own: in the pure build a call costs as much as a search.
+                ended = time.perf_counter()
+                self.ledgers.tokens(
                     call,
                     replica.model,
-                    before_last=before_last,
-                    last=last,
-                    first=first,
-                    first_at=first_at,
+                    read_stream(before_last, last, first),
+                    first_chunk=None if first is None else first_at,
+                    last_chunk=ended,
                 )
         except WriteStalled:
             if entry is not None:

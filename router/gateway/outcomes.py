@@ -186,6 +186,7 @@ class Ledgers:
         stream histograms: `first_chunk` and `last_chunk` (time.perf_counter()) of a stream."""
         tallies = self.pool.tallies
         entry = call.entry
+        per_token: float | None = None
         if tokens is None:
             tallies.count_unknown_usage(model, call.caller.tenant)
         else:
@@ -199,9 +200,9 @@ class Ledgers:
                 entry.completion_tokens = completion
                 entry.cached_tokens = cached
             if first_chunk is not None and completion > 1:
-                self.metrics.observe_per_output_token(model, (last_chunk - first_chunk) / (completion - 1))
+                per_token = (last_chunk - first_chunk) / (completion - 1)
         if first_chunk is not None:
-            self.metrics.observe_first_token(model, first_chunk - call.started)
+            self.metrics.observe_stream(model, first_chunk - call.started, per_token)
 
     def count_tried(self, entry: Entry | None, probes: list[Failed], model: str) -> None:
         """Probes of `model` that were not a held request's after all: attempts and upstream errors, as any."""

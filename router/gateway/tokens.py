@@ -25,20 +25,21 @@ object, a float, a negative) is unknown: None, never 0.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
-_KEY = b'"usage"'
+# Final: the compiled build reads these as constants, not from the module's dict.
+_KEY: Final = b'"usage"'
 # A usage object is a few hundred bytes; one past this is not one an engine wrote.
-MAX_USAGE_BYTES = 4096
+MAX_USAGE_BYTES: Final = 4096
 # A count past JSON's exact integers (2**53) is no count an engine made.
-_MAX_COUNT = 1 << 53
+_MAX_COUNT: Final = 1 << 53
 # Where `"usage"` is looked for: a stream's last bytes (its usage event, then at most
 # `data: [DONE]`, or the few fields after usage in a response.completed), and the end
 # of a whole answer.
-TAIL_WINDOW = 512
-WHOLE_WINDOW = 65536
+TAIL_WINDOW: Final = 512
+WHOLE_WINDOW: Final = 65536
 
 
 # What one answer says it took: (prompt, completion, cached), cached None when it says
@@ -131,6 +132,41 @@ def whole_answer_tokens(body: bytes) -> Tokens | None:
     only what follows it, such as prompt logprobs asked for, could put it past WHOLE_WINDOW)."""
     usage = usage_object(body, within=WHOLE_WINDOW)
     return None if usage is None else tokens_of(usage)
+
+
+def read_stream(before_last: bytes, last: bytes, first: bytes | None) -> Tokens | None:
+    """A stream's usage from its last two reads (and its first): stream_tokens over their last
+    TAIL_WINDOW bytes, in one call for the usual end (a flat OpenAI usage object).
+
+    The end of every counted stream runs this, so the usual end is read here without a call
+    per step (each Python call costs as much as a search here): one search, the flat object cut
+    out, orjson, the counts checked in place. Anything else (no flat object, Anthropic's or the
+    Responses API's names, counts that do not read) is left to stream_tokens, whose answer it is.
+    """
+    # The usage event may be split over the last two reads, or followed by [DONE] in a read of its own.
+    tail = last if len(last) >= TAIL_WINDOW else before_last[-TAIL_WINDOW:] + last
+    start = len(tail) - TAIL_WINDOW
+    at = tail.rfind(_KEY, start if start > 0 else 0)
+    if at <= 0:
+        return None
+    if tail[at - 1] != 0x5C and tail[at + 7 : at + 9] == b":{":
+        # Bounded after the search, not by it: each bound given to a bytes method is parsed
+        # (about 450 instructions), and the first "}" is near.
+        close = tail.find(b"}", at + 7)
+        # Flat: no brace inside (one with details is cut out by stream_tokens' expression).
+        # A search with bounds, not `in` on a slice: that copies, and costs half as much again.
+        if 0 < close < at + 7 + MAX_USAGE_BYTES and tail.find(b"{", at + 9, close) < 0:
+            try:
+                # A dict, as an object parsed whole is: compiled, its reads are direct.
+                usage: dict[str, Any] = orjson.loads(tail[at + 8 : close + 1])
+            except orjson.JSONDecodeError:
+                return None
+            prompt = usage.get("prompt_tokens")
+            completion = usage.get("completion_tokens", 0)
+            if type(prompt) is int and type(completion) is int and 0 <= prompt < _MAX_COUNT > completion >= 0:
+                # Flat: its details, if named, are null, so it says nothing of its cache.
+                return (prompt, completion, None)
+    return stream_tokens(tail, first)
 
 
 def stream_tokens(tail: bytes, first: bytes | None) -> Tokens | None:

@@ -7,7 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.core.pool.tallies import MAX_TOKEN_TENANTS, OTHER_TENANTS, Tallies
-from router.gateway.tokens import MAX_USAGE_BYTES, stream_tokens, tokens_of, whole_answer_tokens
+from router.gateway.tokens import (
+    MAX_USAGE_BYTES,
+    TAIL_WINDOW,
+    read_stream,
+    stream_tokens,
+    tokens_of,
+    whole_answer_tokens,
+)
 
 
 def chunk(doc: object) -> bytes:
@@ -111,6 +118,46 @@ def test_any_bytes_read_as_tokens_or_unknown_and_never_raise(data: bytes, first:
     for text in (data, b'{"usage": ' + data, b'data: {"choices": [], "usage": {' + data):
         for found in (whole_answer_tokens(text), stream_tokens(text, first)):
             assert found is None or (found[0] >= 0 and found[1] >= 0)
+
+
+# Usage objects as engines write them (compact, flat or with details) and as they should not be.
+_values = st.one_of(
+    st.integers(min_value=-3, max_value=1 << 54), st.none(), st.booleans(), st.floats(allow_nan=False), st.text()
+)
+_usages = st.dictionaries(
+    st.sampled_from(
+        [
+            "prompt_tokens",
+            "completion_tokens",
+            "total_tokens",
+            "input_tokens",
+            "output_tokens",
+            "cache_read_input_tokens",
+            "prompt_tokens_details",
+        ]
+    ),
+    st.one_of(_values, st.dictionaries(st.just("cached_tokens"), _values, max_size=1)),
+    max_size=5,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    _usages,
+    st.binary(max_size=300),
+    st.binary(max_size=40),
+    st.integers(min_value=0, max_value=700),
+    st.one_of(st.none(), st.binary(max_size=200), _usages.map(lambda u: chunk({"type": "message_start", "usage": u}))),
+)
+def test_reading_a_streams_last_two_reads_is_reading_their_tail(
+    usage: dict[str, object], before: bytes, after: bytes, split: int, first: bytes | None
+) -> None:
+    """read_stream (the one call a stream's end makes) answers what stream_tokens answers over
+    the last TAIL_WINDOW bytes of the two reads, wherever they are split."""
+    stream = before + chunk({"choices": [], "usage": usage}) + after + b"data: [DONE]\n\n"
+    before_last, last = stream[:split], stream[split:]
+    tail = last if len(last) >= TAIL_WINDOW else before_last[-TAIL_WINDOW:] + last
+    assert read_stream(before_last, last, first) == stream_tokens(tail, first)
 
 
 def test_tenants_past_the_bound_are_tallied_together_and_the_first_keep_their_own() -> None:
