@@ -316,6 +316,10 @@ class ReplicaSet:
 
     def set_sleep(self, replica: Replica, level: int | None, *, waking: bool = False) -> None:
         """Asleep at `level` (its drain ends with it), waking from it, or awake and ready again (None)."""
+        if replica.removed:
+            # Gone from the pool (a sleep call or a 503 "sleeping" that came back after it left):
+            # counted nowhere, or its model would stay one sleepy replica short of the truth.
+            return
         if (replica.asleep is None) != (level is None):
             self._count_sleepy(replica.model, 1 if level is not None else -1)
         replica.asleep = level

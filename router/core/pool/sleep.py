@@ -107,10 +107,12 @@ async def wake_up(call: EngineCall, api: SleepApi, base_url: str, seconds: float
     still asleep at the deadline.
     """
     deadline = now() + seconds
-    if api.check is not None and not await _sleeping(call, api, base_url, seconds):
+    # Each step gets what is left of `seconds`, not all of it: the whole wake is bounded.
+    if api.check is not None and not await _sleeping(call, api, base_url, max(0.0, deadline - now())):
         return
     method, path = api.wake
-    await _call(call, method, base_url.rstrip("/") + path, api.body, seconds=seconds, what=f"{method} {path}")
+    left = max(0.0, deadline - now())
+    await _call(call, method, base_url.rstrip("/") + path, api.body, seconds=left, what=f"{method} {path}")
     await until_awake(call, api, base_url, deadline, now=now)
 
 
