@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import orjson
@@ -72,7 +73,7 @@ class Sleeper:
             self.under_way.discard(replica_id)
 
     async def sleep(self, replica_id: str, servers: list[str], level: int = 1) -> None:
-        path = f"/api/v1/replicas/{replica_id}/state"
+        path = f"/api/v1/replicas/{quote(replica_id, safe='')}/state"
         try:
             for server in servers:
                 await self._post(server, path, {"state": "draining"})

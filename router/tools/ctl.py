@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import quote
 
 from router.core.usage.snapshots import RouterReport, merge_reports
 
@@ -400,7 +401,7 @@ def _fabric_lines(doc: dict[str, Any]) -> list[str]:
 
 def cmd_state(args: argparse.Namespace, state: str) -> int:
     client = Client(args.server[0], token=args.token)
-    answer = client.call("POST", f"/api/v1/replicas/{args.id}/state", {"state": state})
+    answer = client.call("POST", f"/api/v1/replicas/{quote(args.id, safe='')}/state", {"state": state})
     if state == "draining" and getattr(args, "wait", False):
         deadline = time.monotonic() + args.timeout_wait
         while answer["state"] != "drained":
@@ -426,7 +427,7 @@ def cmd_sleep(args: argparse.Namespace) -> int:
     wait = args.timeout_wait
     # A sleep answers once drained and once the engine slept: longer than a read.
     clients = [Client(server, token=args.token, timeout=wait + _ENGINE_CALL_SECONDS) for server in args.server]
-    path = f"/api/v1/replicas/{args.id}/state"
+    path = f"/api/v1/replicas/{quote(args.id, safe='')}/state"
     if len(clients) > 1:
         try:
             for client in clients:
@@ -458,7 +459,7 @@ def cmd_sleep(args: argparse.Namespace) -> int:
 def cmd_wake(args: argparse.Namespace) -> int:
     """Wake a replica: one router calls its engine, the others are told it is ready."""
     clients = [Client(server, token=args.token, timeout=_ENGINE_CALL_SECONDS) for server in args.server]
-    path = f"/api/v1/replicas/{args.id}/state"
+    path = f"/api/v1/replicas/{quote(args.id, safe='')}/state"
     answer = clients[0].call("POST", path, {"state": "ready"})
     for client in clients[1:]:
         client.call("POST", path, {"state": "ready", "call_engine": False})

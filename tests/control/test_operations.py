@@ -452,3 +452,17 @@ async def test_every_view_says_the_same_about_idle_at_several_ages(
     code, out = await asyncio.to_thread(run_ctl, "replicas", "--server", server.admin_url)
     r2_line = next(line for line in out.splitlines() if line.startswith("r2"))
     assert r2_line.split()[5] == "-" and r2_line.split()[6] != "-"
+
+
+async def test_a_discovered_replica_s_id_with_its_namespace_is_drained_by_ctl(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    # Discovery names a replica NAMESPACE/POD: ctl quotes the slash, or the admin API's route
+    # (one path segment per id) answered 404 to every drain, sleep and wake of such a replica.
+    fake = await start_fake("m")
+    server = await start_router([replica_entry("llm/pod-a", fake)])
+    code, out = await asyncio.to_thread(run_ctl, "drain", "llm/pod-a", "--server", server.admin_url)
+    assert code == 0, out
+    assert (await states(server))["llm/pod-a"] in {"draining", "drained"}
+    assert (await asyncio.to_thread(run_ctl, "undrain", "llm/pod-a", "--server", server.admin_url))[0] == 0
+    assert (await states(server))["llm/pod-a"] == "ready"

@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 
@@ -129,7 +130,7 @@ class SupervisedFleet:
                 self.draining.discard(replica_id)
             self.write_state()
             body = orjson.dumps({"state": "draining" if draining else "ready"})
-            answers = await self.everywhere("POST", f"/api/v1/replicas/{replica_id}/state", body)
+            answers = await self.everywhere("POST", f"/api/v1/replicas/{quote(replica_id, safe='')}/state", body)
         found = [orjson.loads(data) for status, data in answers if status == 200]
         if not found:
             self.draining.discard(replica_id)
@@ -145,7 +146,7 @@ class SupervisedFleet:
             self.asleep.pop(replica_id, None)
             self.write_state()
         body = orjson.dumps({"state": "ready", "call_engine": False})
-        await self.everywhere("POST", f"/api/v1/replicas/{replica_id}/state", body)
+        await self.everywhere("POST", f"/api/v1/replicas/{quote(replica_id, safe='')}/state", body)
         return {"id": replica_id, "state": "ready", "in_flight": 0, "level": None}
 
     async def everywhere(self, method: str, path: str, body: bytes) -> list[tuple[int, bytes]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import orjson
 
@@ -74,7 +75,7 @@ class SupervisedSleeps:
                     502, "engine_call_failed", f"Replica {replica_id!r}'s engine did not sleep: {exc}"
                 ) from exc
         body = orjson.dumps({"state": "asleep", "level": level, "call_engine": False, "wait_seconds": 0})
-        await fleet.everywhere("POST", f"/api/v1/replicas/{replica_id}/state", body)
+        await fleet.everywhere("POST", f"/api/v1/replicas/{quote(replica_id, safe='')}/state", body)
         # Asleep, no longer drained, in the state file too: a worker that restarts loads it asleep.
         fleet.asleep[replica_id] = level
         fleet.draining.discard(replica_id)
@@ -92,5 +93,5 @@ class SupervisedSleeps:
         except EngineCallFailed as exc:
             raise SleepRefused(502, "engine_call_failed", f"Replica {replica_id!r} did not wake: {exc}") from exc
         body = orjson.dumps({"state": "ready", "call_engine": False})
-        await fleet.everywhere("POST", f"/api/v1/replicas/{replica_id}/state", body)
+        await fleet.everywhere("POST", f"/api/v1/replicas/{quote(replica_id, safe='')}/state", body)
         return {"id": replica_id, "state": "ready", "in_flight": 0, "level": None}
