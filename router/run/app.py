@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
 from typing import Any, TypeVar
 
-import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -34,7 +33,6 @@ from router.control.sinks import Sinks, build_sinks
 from router.control.sinks.latest import LatestSink
 from router.control.sinks.push import PushSink
 from router.control.sinks.waiting import waiting_now
-from router.control.sleeping import SleepCollector
 from router.control.sources import (
     ReplicaSource,
     build_sources,
@@ -50,7 +48,6 @@ from router.core.errors import CannotListen, ConfigError
 from router.core.pool.ejection import EjectionPolicy
 from router.core.pool.picking import Routing
 from router.core.pool.pool import Limits, Pool
-from router.core.pool.sleep import Wakes
 from router.core.pool.tallies import WORKER_UNSERVED_NAMES
 from router.core.usage.merging import report_json
 from router.core.usage.snapshots import Ticker
@@ -63,7 +60,7 @@ from router.http.protocol_errors import ProtocolErrorCollector
 from router.http.server import Server as ClientServer
 from router.run.optional import limit_tenants, sleep_tier, waker_of
 from router.run.readers import engine_view, start_readers
-from router.run.session import SessionCall, make_session
+from router.run.session import make_session
 from router.run.tracing import start_tracing
 from router.run.worker_metrics import METRICS_PATH, report
 
@@ -438,14 +435,6 @@ def reread_keys(path: str, config: Config, proxy: Proxy | None) -> Config | None
     if fresh.api_keys != config.api_keys:
         log.info("reloaded api_keys: %d keys, %d tenants", len(fresh.api_keys), len({k.tenant for k in fresh.api_keys}))
     return replace(config, api_keys=fresh.api_keys)
-
-
-def wakes_of(server: RouterServer, session: aiohttp.ClientSession, stack: contextlib.AsyncExitStack) -> Wakes:
-    """The sleep tier's wakes of this process (one per replica, whoever asks), counted, ended at stop."""
-    wakes = Wakes(server.pool, SessionCall(session), server.clock.now)
-    stack.push_async_callback(wakes.close)
-    server.registry.register(SleepCollector(wakes))
-    return wakes
 
 
 async def admin_runner(stack: contextlib.AsyncExitStack, app: web.Application) -> web.AppRunner:

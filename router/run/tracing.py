@@ -162,18 +162,22 @@ class OtelTracer:
         path = request.path
         operation = _OPERATIONS.get(path) or path.rsplit("/", 1)[-1]
         provider = "anthropic" if path in _ANTHROPIC else "openai"
-        span = self.tracer.start_span(
-            operation,
-            context=parent,
-            kind=self.kinds.SERVER,
-            attributes={
-                "gen_ai.operation.name": operation,
-                "gen_ai.provider.name": provider,
-                "http.request.method": request.method,
-                "url.path": path,
-                "router.request.id": request.request_id.decode("ascii"),
-            },
-        )
+        try:
+            span = self.tracer.start_span(
+                operation,
+                context=parent,
+                kind=self.kinds.SERVER,
+                attributes={
+                    "gen_ai.operation.name": operation,
+                    "gen_ai.provider.name": provider,
+                    "http.request.method": request.method,
+                    "url.path": path,
+                    "router.request.id": request.request_id.decode("ascii"),
+                },
+            )
+        except Exception as exc:  # noqa: BLE001 (the SDK's fault is never the request's: served untraced)
+            self.failed(exc)
+            return Unsampled(b"%032x" % (random.getrandbits(128) or 1), None)
         return RequestTraceImpl(self, span, operation, provider)
 
     def failed(self, exc: Exception) -> None:
