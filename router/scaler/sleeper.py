@@ -84,11 +84,12 @@ class Sleeper:
                         raise SleepFailed(f"{server} did not drain {replica_id} within {DRAIN_SECONDS:g} s")
                     await asyncio.sleep(_POLL_SECONDS)
             await self._post(servers[0], path, {"state": "asleep", "level": level, "wait_seconds": 0})
-        except (SleepFailed, aiohttp.ClientError, OSError, TimeoutError) as exc:
+        # ValueError: an answer that is no JSON (orjson's error is one); it too is rolled back.
+        except (SleepFailed, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             for server in servers:
                 try:
                     await self._post(server, path, {"state": "ready"})
-                except (SleepFailed, aiohttp.ClientError, OSError, TimeoutError):
+                except (SleepFailed, aiohttp.ClientError, OSError, TimeoutError, ValueError):
                     log.warning("%s: %s could not be put back to ready", server, replica_id)
             if isinstance(exc, SleepFailed):
                 raise

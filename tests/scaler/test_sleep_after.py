@@ -6,7 +6,9 @@ from __future__ import annotations
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
+from router.scaler.sleeper import Sleeper, SleepFailed
 from router.scaler.view import BadMetadata, parse_metadata
 from router.tools.fake import SleepMode
 from tests.conftest import StartFake
@@ -55,3 +57,27 @@ async def test_a_quiet_replica_sleeps_at_both_routers_and_the_model_stays_active
         answer = await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     assert answer.choices[0].message.content
     assert fake.sleep.calls[:2] == ["sleep 1", "wake_up"]
+
+
+async def test_a_router_answering_no_json_is_rolled_back_like_any_failed_sleep() -> None:
+    # A router (or something in its place) answering 200 with a body that is no JSON: the two phases
+    # stop there and every router is told ready again, or the replica stayed draining everywhere.
+    posted: list[dict[str, object]] = []
+
+    async def state(request: web.Request) -> web.Response:
+        posted.append(await request.json())
+        return web.Response(text="fine, thanks")
+
+    app = web.Application()
+    app.router.add_post("/api/v1/replicas/{id}/state", state)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(SleepFailed):
+                await Sleeper(session, "").sleep("llm/r0", [f"http://{host}:{port}"])
+    finally:
+        await runner.cleanup()
+    assert [body["state"] for body in posted] == ["draining", "ready"]
