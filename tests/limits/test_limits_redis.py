@@ -18,13 +18,13 @@ import openai
 import orjson
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.core.config.limits import TenantLimit
 from router.core.limits.buckets import Buckets
 from router.gateway.redis_limits import SCRIPT, SHA
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake
+from tests.support.clients import metric
 from tests.support.processes import Serve
 from tests.support.redis import fake_redis, need_redis, redis_server
 from tests.support.waiting import until
@@ -50,17 +50,6 @@ async def serving(tmp_path: Path, name: str, fake_url: str, text: str, *args: st
     serve.write([{"id": "r0", "model": "m", "url": fake_url}], text)
     await serve.start(*args)
     return serve
-
-
-async def metric(serve: Serve, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    async with aiohttp.ClientSession() as session, session.get(serve.admin_url + "/metrics") as resp:
-        text = await resp.text()
-    return {
-        tuple(sorted(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name
-    }
 
 
 async def post_fresh(serve: Serve) -> tuple[int, Any]:
@@ -97,7 +86,7 @@ async def test_two_routers_share_one_tenants_limit_exactly(tmp_path: Path, start
                 assert 14 <= int(refused.value.response.headers["retry-after"]) <= 15
             # One round trip per request: the script loaded once per router, each check one EVALSHA.
             for serve in routers:
-                calls = await metric(serve, "router_rate_limit_redis_calls_total")
+                calls = await metric(serve.admin_url, "router_rate_limit_redis_calls_total")
                 assert calls == {(("call", "check"),): 3.0, (("call", "load"),): 1.0, (("call", "select"),): 1.0}
             assert await redis.command(b"EXISTS", b"router:limits:a") == b":0\r\n"
             assert await redis.command(b"EXISTS", b"router:limits:a", db=3) == b":1\r\n"
@@ -128,13 +117,13 @@ async def test_settlements_reach_redis_with_the_next_check_or_within_a_second(
             before = await redis.command(b"HGET", b"router:limits:a", b"t")
             assert float(before.split(b"\r\n")[1]) <= 300 - estimate + 5
             await until(settled, timeout=3, what="the settlement never reached Redis")
-            calls = await metric(serve, "router_rate_limit_redis_calls_total")
+            calls = await metric(serve.admin_url, "router_rate_limit_redis_calls_total")
             assert calls == {(("call", "check"),): 1.0, (("call", "flush"),): 1.0, (("call", "load"),): 1.0}
             # Under load, settlements ride on the next check: at most one round trip per request, and a flush.
             async with sdk(serve) as client:
                 for _ in range(20):
                     await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1)
-            calls = await metric(serve, "router_rate_limit_redis_calls_total")
+            calls = await metric(serve.admin_url, "router_rate_limit_redis_calls_total")
             assert calls[(("call", "check"),)] == 21.0
             assert calls[(("call", "flush"),)] <= 3.0
         finally:
@@ -150,7 +139,7 @@ async def test_with_workers_and_redis_a_limit_is_one_for_all_workers(tmp_path: P
             statuses = [(await post_fresh(serve))[0] for _ in range(16)]
             assert statuses.count(200) == 5 and statuses.count(429) == 11
             # The supervisor sums its workers' counters.
-            found = await metric(serve, "router_rate_limited_total")
+            found = await metric(serve.admin_url, "router_rate_limited_total")
             assert found == {(("kind", "requests"), ("tenant", "a")): 11.0}
         finally:
             serve.output()
@@ -206,9 +195,9 @@ async def test_redis_killed_and_restarted_under_load_fails_open_then_recovers(
             await asyncio.gather(*clients)
             # Every request answered: fail open.
             assert set(statuses) == {200}
-            unchecked = await metric(serve, "router_rate_limit_unchecked_total")
+            unchecked = await metric(serve.admin_url, "router_rate_limit_unchecked_total")
             assert unchecked[(("outcome", "admitted"),)] == checked.count(False)
-            errors = await metric(serve, "router_rate_limit_redis_errors_total")
+            errors = await metric(serve.admin_url, "router_rate_limit_redis_errors_total")
             assert errors.get((("reason", "connect"),), 0) + errors.get((("reason", "reset"),), 0) >= 1
             # Rate-limited: a line for the outage and one for the recovery, not one per request.
             out = serve.output()
@@ -262,9 +251,11 @@ async def test_a_redis_that_hangs_or_answers_garbage_admits_unchecked_within_the
                     # Admitted unchecked, past the limit of 1, each within about one timeout.
                     assert "x-ratelimit-limit-requests" not in raw.headers
                     assert time.monotonic() - began < 2.0
-            errors = await metric(serve, "router_rate_limit_redis_errors_total")
+            errors = await metric(serve.admin_url, "router_rate_limit_redis_errors_total")
             assert set(errors) == {(("reason", reason),)}
-            assert (await metric(serve, "router_rate_limit_unchecked_total")) == {(("outcome", "admitted"),): 5.0}
+            assert (await metric(serve.admin_url, "router_rate_limit_unchecked_total")) == {
+                (("outcome", "admitted"),): 5.0
+            }
         finally:
             serve.output()
 
@@ -279,7 +270,9 @@ async def test_redis_unavailable_refuse_answers_503(tmp_path: Path, start_fake: 
                 with pytest.raises(openai.InternalServerError) as refused:
                     await client.chat.completions.create(model="m", messages=MESSAGES)
             assert refused.value.status_code == 503
-            assert (await metric(serve, "router_rate_limit_unchecked_total")) == {(("outcome", "refused"),): 1.0}
+            assert (await metric(serve.admin_url, "router_rate_limit_unchecked_total")) == {
+                (("outcome", "refused"),): 1.0
+            }
             assert fake.seen == []
         finally:
             serve.output()
@@ -313,7 +306,7 @@ async def test_the_script_decides_as_the_buckets_do_and_reloads_after_a_flush(
                 assert await redis.command(b"SCRIPT", b"FLUSH") == b"+OK\r\n"
                 raw = await client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES)
                 assert raw.headers["x-ratelimit-remaining-requests"] == "98"
-            calls = await metric(serve, "router_rate_limit_redis_calls_total")
+            calls = await metric(serve.admin_url, "router_rate_limit_redis_calls_total")
             assert calls == {(("call", "check"),): 3.0, (("call", "load"),): 2.0}
         finally:
             serve.output()

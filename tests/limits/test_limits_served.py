@@ -12,15 +12,14 @@ import signal
 import time
 from typing import Any
 
-import aiohttp
 import anthropic
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.tools.fake import Behaviour
 from tests.conftest import StartFake
+from tests.support.clients import metric
 from tests.support.processes import Serve
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -45,17 +44,6 @@ async def started(serve: Serve, start_fake: StartFake, config: str, **behaviour:
     serve.write([{"id": "r0", "model": "m", "url": fake.url}], config)
     await serve.start()
     return fake
-
-
-async def metric(serve: Serve, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    async with aiohttp.ClientSession() as session, session.get(serve.admin_url + "/metrics") as resp:
-        text = await resp.text()
-    return {
-        tuple(sorted(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name
-    }
 
 
 async def test_a_request_limit_refuses_the_next_with_429_and_tells_every_answer_where_it_stands(
@@ -86,7 +74,7 @@ async def test_a_request_limit_refuses_the_next_with_429_and_tells_every_answer_
         # Another tenant is not limited, and gets no headers.
         raw = await unlimited.chat.completions.with_raw_response.create(model="m", messages=MESSAGES)
         assert "x-ratelimit-limit-requests" not in raw.headers
-    assert await metric(serve, "router_rate_limited_total") == {(("kind", "requests"), ("tenant", "a")): 1.0}
+    assert await metric(serve.admin_url, "router_rate_limited_total") == {(("kind", "requests"), ("tenant", "a")): 1.0}
 
 
 async def test_the_sdk_honours_retry_after_and_gets_through(serve: Serve, start_fake: StartFake) -> None:
@@ -185,8 +173,10 @@ async def test_shadow_mode_counts_and_logs_but_never_refuses_nor_adds_headers(
         for _ in range(3):
             raw = await client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=1)
             assert "x-ratelimit-limit-requests" not in raw.headers
-    assert await metric(serve, "router_rate_limited_shadow_total") == {(("kind", "requests"), ("tenant", "a")): 2.0}
-    assert await metric(serve, "router_rate_limited_total") == {}
+    assert await metric(serve.admin_url, "router_rate_limited_shadow_total") == {
+        (("kind", "requests"), ("tenant", "a")): 2.0
+    }
+    assert await metric(serve.admin_url, "router_rate_limited_total") == {}
     assert "tenant a over its requests per minute limit (1; requested 1); shadow mode: let through" in serve.output()
 
 

@@ -90,6 +90,11 @@ async def metrics(admin_url: str) -> str:
         return await resp.text()
 
 
+async def metric(admin_url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """One family's samples as `/metrics` at `admin_url` shows them now, by their sorted labels."""
+    return samples(await metrics(admin_url), name)
+
+
 async def protocol_errors(admin_url: str, side: str = "client") -> dict[str, float]:
     found = samples(await metrics(admin_url), f"router_{side}_protocol_errors_total")
     return {dict(labels)["reason"]: value for labels, value in found.items()}
