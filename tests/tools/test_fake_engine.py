@@ -63,6 +63,30 @@ async def test_the_gauges_show_the_queue_and_the_batch_while_they_last() -> None
         await engine.close()
 
 
+async def test_a_request_the_batch_has_room_for_is_never_reported_waiting() -> None:
+    # vLLM's scheduler takes what arrived into its next schedule before it reports: a request
+    # arriving mid-step is running at the next reading, not queued (router/tools/fake/engine.py).
+    engine = Engine(EngineParams(max_running=8, time_scale=2.0))
+    seqs: list[Sequence] = []
+    try:
+        seqs.append(engine.submit("first " * 10, 100_000))
+        await wait_for(lambda: engine.report.running == 1, timeout=2)
+        seen: set[int] = set()
+        for count in range(2, 6):
+            seqs.append(engine.submit(f"next {count} " * 10, 100_000))
+            # Every report between this arrival and its admission (each step is 5 ms of real time).
+            deadline = asyncio.get_running_loop().time() + 2
+            while engine.report.running < count and asyncio.get_running_loop().time() < deadline:
+                seen.add(engine.report.waiting)
+                await asyncio.sleep(0)
+            assert engine.report.running == count
+        assert seen == {0}
+    finally:
+        for seq in seqs:
+            engine.abort(seq)
+        await engine.close()
+
+
 async def test_a_prompt_finds_the_blocks_of_a_prefix_another_prompt_left_behind() -> None:
     engine = Engine(EngineParams(time_scale=FAST))
     try:

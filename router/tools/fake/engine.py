@@ -200,6 +200,11 @@ class Engine:
             seconds = self._step_plan()
             await asyncio.sleep(seconds / scale)
             self._step_done()
+            # What arrived during the step is admitted before the reading is taken, as vLLM's
+            # scheduler takes its input queue into the next schedule and reports its stats after it
+            # (vllm/v1/engine/core.py, EngineCore.step): an engine's `waiting` counts what its batch
+            # could not take in, never a request between its arrival and the next step.
+            self._admit()
             self._publish(self._engine_time(loop.time(), started, scale))
 
     @staticmethod
