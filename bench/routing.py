@@ -82,6 +82,7 @@ ROUTERS = (
     "vllm-cache_aware",
     "vllm-power_of_two",
     "engine-x2",
+    "engine-spread",
 )
 WORKLOADS = ("shared-prefix", "multi-turn", "mixed")
 
@@ -213,7 +214,9 @@ def start_router(
         return [process], [f"http://127.0.0.1:{port}"]
     count = 2 if name.endswith("-x2") else 1
     routing = name.removeprefix("engine-")
-    routing = routing if routing in ("prefix", "session") else "least_loaded"
+    # engine-spread: session routing, each prefix's sessions over prefix_replicas (2) replicas.
+    spread = routing.startswith("spread")
+    routing = "session" if spread else routing if routing in ("prefix", "session") else "least_loaded"
     metrics = "0.05" if name.startswith("engine") else "0"
     processes, clients = [], []
     for index in range(count):
@@ -228,6 +231,8 @@ def start_router(
         for i, url in enumerate(urls):
             lines += ["[[replicas]]", f'id = "e{i}"', 'model = "m"', f'url = "{url}"', 'engine = "vllm"']
         lines += ['[models."m"]', f'routing = "{routing}"']
+        if spread:
+            lines.append(f"prefix_replicas = {name.removeprefix('engine-spread') or 2}")
         config.write_text("\n".join(lines) + "\n")
         process = launch([sys.executable, "-m", "router", "serve", "--config", str(config), "--log-level", "info"])
         processes.append(process)

@@ -20,18 +20,28 @@ from router.http.messages import Request
 class Affinity:
     """How one model's requests are keyed."""
 
-    __slots__ = ("_by_prefix", "_header", "_prefix_chars")
+    __slots__ = ("_by_prefix", "_header", "_prefix_chars", "_spread")
 
     def __init__(self, model: ModelConfig) -> None:
         self._by_prefix = model.routing == "prefix"
         self._header = model.session_header.lower().encode("ascii")
         self._prefix_chars = model.prefix_chars
+        # Sessions spread over a few replicas of their prompt's prefix (prefix_replicas).
+        self._spread = model.prefix_replicas > 0
 
     def key(self, request: Request, obj: dict[str, Any]) -> bytes | None:
         """The request's key, or None when it has none (it then goes to the least loaded replica)."""
         if self._by_prefix:
             text = prompt_text(obj, self._prefix_chars)
             return affinity_key(text[: self._prefix_chars].encode()) if text else None
+        session = self._session(request, obj)
+        if session is None or not self._spread:
+            return session
+        # The prefix's key, then the session's: the ring places the session near the prefix (BoundedHashRing._start).
+        text = prompt_text(obj, self._prefix_chars)
+        return affinity_key(text[: self._prefix_chars].encode()) + session if text else session
+
+    def _session(self, request: Request, obj: dict[str, Any]) -> bytes | None:
         # The session header was picked out as the server read the head (Server's `captured`).
         captured = request.captured
         value = captured.get(self._header) if captured is not None else None

@@ -135,7 +135,7 @@ class RouterServer(Listening):
                 config.ejection_failures, config.ejection_base_seconds, config.ejection_max_seconds
             ),
             limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
-            routing={name: Routing(model.routing, model.balance_factor) for name, model in config.models.items()},
+            routing={n: Routing(m.routing, m.balance_factor, m.prefix_replicas) for n, m in config.models.items()},
             queueing=Queueing(
                 config.priority_classes,
                 config.max_queued_per_tenant,

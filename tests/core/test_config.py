@@ -232,11 +232,24 @@ def test_an_unknown_routing_policy_is_refused_with_the_known_ones() -> None:
         ("prefix_chars", 10.5, "integer"),
         ("balance_factor", 0.9, "at least 1"),
         ("balance_factor", "high", "a number"),
+        ("prefix_replicas", -1, "at least 0"),
+        ("prefix_replicas", 1.5, "integer"),
     ],
 )
 def test_affinity_settings_are_checked(key: str, value: object, problem: str) -> None:
     with pytest.raises(ConfigError, match=rf'models\."m"\.{key}: .*({problem})'):
         parse_config({"models": {"m": {"routing": "session", key: value}}}, "<test>", environ={})
+
+
+def test_prefix_replicas_need_session_routing() -> None:
+    needs = r'models\."m"\.prefix_replicas: spreads the sessions of a prefix: '
+    needs += r'it needs routing = "session", not \'prefix\''
+    with pytest.raises(ConfigError, match=needs):
+        parse_config({"models": {"m": {"routing": "prefix", "prefix_replicas": 2}}}, "<test>", environ={})
+    with pytest.raises(ConfigError, match="not 'least_loaded'"):
+        parse_config({"models": {"m": {"prefix_replicas": 2}}}, "<test>", environ={})
+    model = parse_config({"models": {"m": {"routing": "session", "prefix_replicas": 2}}}, "<test>", environ={})
+    assert model.models["m"].prefix_replicas == 2
 
 
 def test_affinity_settings_are_read() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import random
 from collections import Counter, defaultdict
@@ -157,6 +158,75 @@ def test_the_prompt_text_is_what_the_engine_reads_in_order() -> None:
     assert 1024 <= len(prompt_text(long, 1024)) < 1024 + 110
 
 
+def spread_ring(names: list[str], spread: int) -> BoundedHashRing[str]:
+    ring: BoundedHashRing[str] = BoundedHashRing(random.Random(1), PolicySettings("m", spread=spread))
+    for name in names:
+        ring.add(name, 0)
+    return ring
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(2, 12), spread=st.integers(2, 4), salt=st.integers(0, 10**6))
+def test_the_sessions_of_a_prefix_meet_on_prefix_replicas_of_the_ring(n: int, spread: int, salt: int) -> None:
+    names = [f"r{i}" for i in range(n)]
+    ring = spread_ring(names, spread)
+    prefix = affinity_key(f"system prompt {salt}".encode())
+    homes = {s: ring.pick(prefix + s) for s in KEYS[:300]}
+    # As many replicas as asked, or the whole fleet when it is smaller; each session on one of them.
+    assert len(set(homes.values())) == min(spread, n)
+    assert all(ring.pick(prefix + s) == home for s, home in homes.items())
+    # Another prefix's sessions meet elsewhere on the ring, or on some of the same replicas.
+    assert set(homes.values()) <= set(names)
+    # A session without a prompt is placed by its own key, as without the setting.
+    plain = ring_of(names)
+    assert all(ring.pick(s) == plain.pick(s) for s in KEYS[:100])
+
+
+def test_a_replica_leaving_moves_only_the_sessions_it_held_or_its_successor_wins() -> None:
+    names = [f"r{i}" for i in range(8)]
+    ring = spread_ring(names, 2)
+    prefix = affinity_key(b"You are a careful assistant.")
+    before = {s: ring.home(prefix + s) for s in KEYS[:1000]}
+    held = Counter(home for home in before.values() if home is not None)
+    assert len(held) == 2
+    gone, kept = sorted(held)
+    ring.discard(gone)
+    after = {s: ring.pick(prefix + s) for s in KEYS[:1000]}
+    assert all(after[s] != gone for s in KEYS[:1000])
+    # The one that stayed keeps its sessions but those the replica coming in ranks higher.
+    stayed = [s for s in KEYS[:1000] if before[s] == kept]
+    moved = [s for s in stayed if after[s] != kept]
+    assert len(moved) < len(stayed) * 0.7
+    # A replica that is not one of the first two along the ring from the prefix's point moves none.
+    ring = spread_ring(names, 2)
+    start = bisect.bisect_left(ring._points, prefix)
+    along = [owner for _, owner in candidates_after(ring, start)]
+    nearest = list(dict.fromkeys(along))[:2]
+    assert set(nearest) == set(held)
+    ring.discard(next(name for name in names if name not in nearest))
+    assert {s: ring.home(prefix + s) for s in KEYS[:1000]} == before
+
+
+def candidates_after(ring: BoundedHashRing[str], start: int) -> list[tuple[bytes, str]]:
+    """The ring's points from `start` on, round to the start (the last point is the END's)."""
+    points = list(zip(ring._points[:-1], ring._owners[:-1], strict=True))
+    return points[start:] + points[:start]
+
+
+def test_a_full_replica_spills_a_spread_session_along_the_ring() -> None:
+    names = [f"r{i}" for i in range(4)]
+    ring = spread_ring(names, 2)
+    prefix = affinity_key(b"system")
+    home = ring.pick(prefix + KEYS[0])
+    assert home is not None
+    # Loaded past ceil(1.25 x (in flight + 1) / 4): the session goes on along the ring, never home.
+    for _ in range(10):
+        ring.increment(home)
+    spilled = ring.pick(prefix + KEYS[0])
+    assert spilled not in (None, home)
+    assert ring.pick_avoiding(spilled, {home}, prefix + KEYS[0]) not in (home, spilled)
+
+
 # Through the router ----------------------------------------------------------------------------------
 
 
@@ -276,6 +346,26 @@ async def test_requests_sharing_a_long_prefix_meet_on_one_replica(
             assert resp.status == 200
     assert len(shared) == 1
     assert len(spread) > 1
+
+
+async def test_the_sessions_of_a_system_prompt_meet_on_its_prefix_replicas(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    server, _ = await start_fleet(start_fake, start_router, 6, "session", prefix_chars=256, prefix_replicas=2)
+    prompts = [{"role": "system", "content": f"You are assistant number {n}. " * 20} for n in range(2)]
+    served: dict[tuple[int, int], set[str]] = defaultdict(set)
+    async with aiohttp.ClientSession() as session:
+        for s in range(30):
+            messages: list[dict[str, str]] = [prompts[s % 2]]
+            for turn in range(3):
+                messages = [*messages, {"role": "user", "content": f"turn {turn} of {s}"}]
+                replica = await ask(session, server, {**CHAT, "messages": messages}, {"X-Session-Id": f"chat-{s}"})
+                served[(s % 2, s)].add(replica)
+                messages.append({"role": "assistant", "content": "ok"})
+    # Every turn of a conversation on one replica, and a system prompt's conversations on two.
+    assert all(len(replicas) == 1 for replicas in served.values())
+    for prompt in range(2):
+        assert len({r for (p, _), replicas in served.items() if p == prompt for r in replicas}) == 2
 
 
 async def test_the_replica_header_is_off_unless_asked_for(start_fake: StartFake, start_router: StartRouter) -> None:

@@ -32,6 +32,10 @@ class ModelConfig:
     # makes the key. Both: no replica above ceil(balance_factor x mean in flight).
     session_header: str = "X-Session-Id"
     prefix_chars: int = 1024
+    # routing = "session": a session's replica is one of about this many around its prompt
+    # prefix's place on the ring, so that a conversation's first turn finds its shared
+    # system prompt in a prefix cache (0: anywhere, by the session's key alone).
+    prefix_replicas: int = 0
     balance_factor: float = 1.25
     # Scale from zero: how long a request may be held waiting for a replica
     # that answers (0: a prompt 503 as before), and how many at once.
@@ -52,6 +56,7 @@ _MODEL_KEYS = {
     "routing",
     "session_header",
     "prefix_chars",
+    "prefix_replicas",
     "balance_factor",
     "cold_start_seconds",
     "max_held",
@@ -110,6 +115,12 @@ def parse_models(
         prefix_chars = check.number(
             where, f"{key}.prefix_chars", raw.get("prefix_chars", 1024), minimum=1, integer=True
         )
+        prefix_replicas = int(
+            check.number(where, f"{key}.prefix_replicas", raw.get("prefix_replicas", 0), minimum=0, integer=True)
+        )
+        if prefix_replicas and routing != "session":
+            needs = f'spreads the sessions of a prefix: it needs routing = "session", not {routing!r}'
+            raise where.error(f"{key}.prefix_replicas", needs)
         balance_factor = check.number(where, f"{key}.balance_factor", raw.get("balance_factor", 1.25), minimum=1.0)
         bounds = {
             name: float(check.number(where, f"{key}.{name}", raw[name], minimum=0.001)) if name in raw else None
@@ -138,6 +149,7 @@ def parse_models(
             routing=routing,
             session_header=session_header,
             prefix_chars=int(prefix_chars),
+            prefix_replicas=prefix_replicas,
             balance_factor=float(balance_factor),
             cold_start_seconds=float(cold_start),
             max_held=max_held,

@@ -93,6 +93,8 @@ class Routing:
 
     policy: str = "least_loaded"
     balance_factor: float = 1.25
+    # routing = "session": the replicas a prefix's sessions spread over (0: the session's key alone).
+    prefix_replicas: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,9 @@ class PolicySettings:
     # routing = "session": once aware, a key stays on its home while its engine holds, whatever
     # the bounded loads say (BoundedHashRing's docstring).
     sticky: bool = False
+    # routing = "session" with prefix_replicas: how many candidates' worth of the ring a prefix's
+    # sessions spread over, from the prefix's place (BoundedHashRing._start).
+    spread: int = 0
 
 
 # What a session or prefix policy's first pick was: the key's own replica, one
@@ -330,11 +335,14 @@ class BoundedHashRing(LeastLoaded[T]):
         "_holds",
         "_joining",
         "_layout",
+        "_name_of",
         "_outcomes",
         "_owners",
         "_per_replica",
         "_points",
+        "_salts",
         "_scale",
+        "_spread",
         "_sticky",
     )
 
@@ -349,6 +357,11 @@ class BoundedHashRing(LeastLoaded[T]):
         self._sticky = settings.sticky and settings.holds is not None
         # balance_factor / the number of candidates: capacity is ceil(_scale x (in flight + 1)).
         self._scale = 0.0
+        # prefix_replicas: a prefix's sessions spread over this many candidates (_start), each
+        # candidate ranked for a session by its name's key (the same on every router).
+        self._spread = settings.spread
+        self._salts: dict[T, int] = {}
+        self._name_of = settings.name_of
         # The ring (router.core.pool.ring): sorted points, and the member of each,
         # read here as the layout last made them. A member that is not a
         # candidate (it rests there, ejected or gone) is passed over.
@@ -367,6 +380,8 @@ class BoundedHashRing(LeastLoaded[T]):
     def add(self, item: T, load: int) -> None:
         super().add(item, load)
         self._scale = self._factor / len(self._slots)
+        if self._spread:
+            self._salts[item] = int.from_bytes(affinity_key(self._name_of(item).encode()), "big")
         self._joining[item] = None
         if not self._held:
             self.settle()
@@ -376,6 +391,7 @@ class BoundedHashRing(LeastLoaded[T]):
             return
         super().discard(item)
         self._scale = self._factor / len(self._slots) if self._slots else 0.0
+        self._salts.pop(item, None)
         # Its points rest on the ring: nothing to lay out, unless resting ones grow too many.
         self._joining.pop(item, None)
         if not self._held:
@@ -394,11 +410,49 @@ class BoundedHashRing(LeastLoaded[T]):
         self._points = layout.points
         self._owners = layout.owners
 
+    def _start(self, key: bytes) -> int:
+        """Where a key of a prompt prefix and a session (the two keys, 16 bytes) starts on the ring: the
+        point of one of the first `spread` candidates from the prefix's point, the one the session
+        ranks highest (rendezvous hashing).
+
+        The sessions of one system prompt then meet on a few replicas, whose prefix caches hold it
+        for each one's first turn, and a session keeps its one of them while that one stays: a
+        candidate joining or leaving the few moves only the sessions it wins or held.
+        (A point of the ring can only be found by walking it: each member has many points.)
+        """
+        start = bisect.bisect_left(self._points, key[:8])
+        owners, slots, salts = self._owners, self._slots, self._salts
+        left = self._spread if self._spread < len(slots) else len(slots)
+        if left < 2:
+            return start
+        session = int.from_bytes(key[8:16], "big")
+        seen: set[T] = set()
+        best = -1
+        chosen = start
+        index = start
+        last = len(owners) - 1
+        for _ in range(last + 1):
+            if index >= last:
+                # END is the first point's too: on from the start.
+                index = 0
+            owner = owners[index]
+            if owner in slots and owner not in seen:
+                seen.add(owner)
+                rank = _mixed(session ^ salts[owner])
+                if rank > best:
+                    best, chosen = rank, index
+                left -= 1
+                if not left:
+                    break
+            index += 1
+        return chosen
+
     def home(self, key: bytes) -> T | None:
         """The candidate `key` belongs to, whatever the loads."""
         if not self._slots:
             return None
-        return self._owners[self._candidate_from(bisect.bisect_left(self._points, key))]
+        start = self._start(key) if len(key) > 8 else bisect.bisect_left(self._points, key)
+        return self._owners[self._candidate_from(start)]
 
     def _candidate_from(self, index: int) -> int:
         """The ring position of the first candidate's point at or after `index` (past resting members)."""
@@ -427,7 +481,7 @@ class BoundedHashRing(LeastLoaded[T]):
                 self._outcomes[_NONE] += 1
             return super().pick()
         # (The ring ends with a point above every key, so the search never runs off its end.)
-        start = bisect.bisect_left(self._points, key)
+        start = self._start(key) if len(key) > 8 else bisect.bisect_left(self._points, key)
         home = self._owners[start]
         # capacity(), written out: this runs on every request.
         capacity = math.ceil(self._scale * (self._total + 1))
@@ -459,7 +513,8 @@ class BoundedHashRing(LeastLoaded[T]):
         """A retry's candidate: along the ring from the key's home, never one of `exclude`, `avoid` last."""
         if key is None or not self._points:
             return super().pick_avoiding(avoid, exclude)
-        start = bisect.bisect_left(self._points, cast(bytes, key))
+        point = cast(bytes, key)
+        start = self._start(point) if len(point) > 8 else bisect.bisect_left(self._points, point)
         found = self._walk(start - 1, self.capacity(), avoid, exclude)
         # Every candidate with room is excluded or avoided: least-loaded's rules decide.
         return found if found is not None else super().pick_avoiding(avoid, exclude)
@@ -495,6 +550,17 @@ class BoundedHashRing(LeastLoaded[T]):
             if not left:
                 break
         return None
+
+
+_WORD = (1 << 64) - 1
+
+
+def _mixed(value: int) -> int:
+    """A 64-bit number's bits mixed (splitmix64's finaliser): a session's rank of a candidate."""
+    value = (value + 0x9E3779B97F4A7C15) & _WORD
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _WORD
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _WORD
+    return value ^ (value >> 31)
 
 
 # The policies a model's `routing` may name. Each is built with the pool's

@@ -374,6 +374,7 @@ class ReplicaSet:
                 self.least,
                 self.holds,
                 routing.policy == "session",
+                routing.prefix_replicas,
             )
             candidates = self.candidates[replica.model] = POLICIES[routing.policy](self._rng, settings)
         batch = self._batch
