@@ -230,8 +230,8 @@ class Forwarder:
             # The replica took the request and ended the connection, or answered
             # part of it: it may have acted on it (a paid generation, a prompt
             # that crashes it), so it is never sent again, here or elsewhere.
-            # (A reused connection that the replica closed before the request
-            # went out whole is the one case the client itself tries again,
+            # (A reused connection that the replica closed before it read the
+            # request whole is the one case the client itself tries again,
             # once; a refusal of that second connect is a ConnectFailed.)
             self.ledgers.record(entry, replica, model, BROKEN)
             return Failed(UpstreamResetError(f"Replica {replica.id} failed before its answer: {exc}"), False)

@@ -31,7 +31,8 @@ class ConnectionBroken(Exception):
     replica has seen it and may have acted on it: it must not be sent again.
     Unless given, `answered` is true exactly when the head had come.
     `unsent`: the connection ended while part of the request was still
-    waiting to go out, with nothing answered: the replica never had the
+    waiting to go out, or was reset (the replica's kernel saying it dropped
+    bytes it never read), with nothing answered: the replica never had the
     whole request, so it cannot have acted on it. Only such a request may
     be sent again; one written whole and then met by a close may have been
     read, run, and crashed the replica (Go's transport retries a POST only

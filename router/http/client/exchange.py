@@ -92,12 +92,20 @@ class Exchange:
             head = self.head
             if head is not None and not head.done():
                 answered = reads != self.reads_at_send
+                # A reset with nothing answered says the replica never read the
+                # request whole: a TCP closed with received data still unread,
+                # or met by data after its close, resets to show that data was
+                # lost (RFC 1122 4.2.2.13). That is the keep-alive race as it
+                # most often ends, the replica's idle timer firing with the
+                # request already in its kernel; a close after reading it all
+                # is a FIN, and may have run it.
+                unread = sending or isinstance(exc, ConnectionResetError)
                 head.set_exception(
                     ConnectionBroken(
                         f"the replica closed the connection before answering: {exc or 'EOF'}",
                         before_head=True,
                         answered=answered,
-                        unsent=sending and not answered,
+                        unsent=unread and not answered,
                     )
                 )
         # IDLE and DONE lose nothing; CLOSED was ended (and the request failed) by this side.

@@ -58,9 +58,9 @@ class Client:
         `head_timeout` seconds of sending; or ConnectionBroken(before_head=True)
         when the connection ended or garbled before the head (`answered` if
         any of an answer had come). A kept-alive connection that the replica
-        closed before the request had gone out whole (`unsent`) is the one
-        break retried, once, on a fresh connection; one the replica had
-        already closed when it was picked is not used at all.
+        closed before the request had gone out whole, or reset with it unread
+        (`unsent`), is the one break retried, once, on a fresh connection; one
+        the replica had already closed when it was picked is not used at all.
         """
         connection = self._reuse(origin)
         if connection is not None:
@@ -73,7 +73,7 @@ class Client:
                 if not exc.unsent:
                     raise
                 # The keep-alive race: the replica closed the idle connection
-                # before the request had gone out whole. Once more, on a fresh
+                # before it had read the request whole. Once more, on a fresh
                 # connection (a refusal now is honest: nothing was sent).
         connection = await self._connect(origin)
         return await self._exchange(connection, head, body, head_timeout)

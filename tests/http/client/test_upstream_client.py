@@ -12,6 +12,7 @@ counted by reason in `Client.protocol_errors`.
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import struct
 import threading
@@ -246,6 +247,50 @@ async def test_an_idle_connection_the_replica_already_closed_is_not_used(make_cl
         go.set()
         await asyncio.to_thread(thread.join, 5)
     # One request per connection: none was written into the closed one.
+    assert received == [HEAD + b"{}", HEAD + b"{}"]
+
+
+async def test_a_reused_connection_reset_with_the_request_unread_is_sent_again_once(make_client: MakeClient) -> None:
+    """The keep-alive race as it most often ends: the replica's idle timer fires with the request
+    already in its kernel, unread, and its close resets the connection (RFC 1122 4.2.2.13).
+    The replica never read it: sent once more, on a fresh connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+    received: list[bytes] = []
+    unread = threading.Event()
+
+    def replica() -> None:
+        with listener:
+            for n in range(2):
+                conn, _ = listener.accept()
+                with conn:
+                    conn.settimeout(5)
+                    data = b""
+                    for _ in range(100):
+                        if data.endswith(b"{}"):
+                            break
+                        data += conn.recv(65536)
+                    received.append(data)
+                    conn.sendall(OK)
+                    if n == 0:
+                        # The next request arrives; the replica closes without reading it.
+                        readable, _, _ = select.select([conn], [], [], 5)
+                        if readable:
+                            unread.set()
+
+    thread = threading.Thread(target=replica)
+    thread.start()
+    origin = Origin.parse(f"http://127.0.0.1:{listener.getsockname()[1]}")
+    client = make_client()
+    try:
+        for _ in range(2):
+            resp = await asyncio.wait_for(client.request(origin, HEAD, b"{}"), 5)
+            assert await resp.read() == b"hello"
+            resp.release()
+    finally:
+        await asyncio.to_thread(thread.join, 5)
+    assert unread.is_set()
+    # Read once on each connection: the one the reset dropped was never read.
     assert received == [HEAD + b"{}", HEAD + b"{}"]
 
 
