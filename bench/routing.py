@@ -15,6 +15,8 @@ each router in turn:
 - `engine`: least-loaded with engine metrics on (read every 50 ms, as the
   Gateway API Inference Extension's endpoint picker reads them), and
   `engine-session`, `engine-prefix`: session and prefix routing with them;
+  `engine-spread[N]`: engine-aware session routing with `prefix_replicas = N`
+  (2 unless named: each system prompt's sessions over its N replicas);
 - `sglang-cache_aware`: SGLang's router, its default policy (cache_aware);
 - `vllm-cache_aware`: vLLM's router (vllm-router), its cache-aware default;
 - `vllm-power_of_two`: vLLM's router's load policy: two replicas drawn at
