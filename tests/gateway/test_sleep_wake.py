@@ -229,3 +229,24 @@ async def test_a_replica_whose_wake_failed_stays_asleep_past_its_ejection(
     assert fake.sleep.refused == 0
     assert (await states(server))["r0"] == "ready"
 
+
+async def test_a_held_requests_probe_that_finds_the_engine_asleep_wakes_it(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    # Loading at first (503 without the marker): the request is held, and its probes find it loading.
+    fake = await start_fake("m", behaviour=Behaviour(fail_status=503), sleep=SleepMode())
+    server = await start_router([vllm("r0", fake)], models={"m": {"cold_start_seconds": 10}})
+    asked = asyncio.ensure_future(ask(server))
+    await wait_for(lambda: held(server) == 1)
+    # Loaded, and put to sleep behind the router's back: the next probe meets a 503 "sleeping".
+    assert fake.sleep is not None
+    fake.sleep.level, fake.sleep.asleep = 1, {"weights", "kv_cache"}
+    fake.sleep._awake.clear()
+    fake.behaviour.fail_status = None
+    answer = await asyncio.wait_for(asked, 8)
+    assert answer.http_response.status_code == 200
+    assert fake.sleep.calls == ["wake_up"]
+    replica = server.pool.get("r0")
+    assert replica is not None
+    assert (replica.failures_in_row, replica.ejections) == (0, 0)
+    assert "status" not in replica.errors
