@@ -11,6 +11,7 @@ from router.tools.fake import Behaviour, SleepMode
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.control.test_operations import admin, states
 from tests.support.clients import CHAT, get_json, post, run_ctl, samples, scrape
+from tests.support.refusing_router import refusing_router
 from tests.support.waiting import wait_for
 
 STATE = "/api/v1/replicas/r0/state"
@@ -211,3 +212,22 @@ async def test_the_usage_map_has_asleep_replicas_in_a_map_of_their_own(
         # Watched as any replica: never unknown for being asleep.
         assert set(usage["watching_since"]) == {"r0", "r1"}
         await admin(server, "POST", STATE, {"state": "ready"})
+
+
+async def test_ctl_sleep_across_routers_wakes_it_again_when_a_router_refuses_to_be_told_it_sleeps(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    # The first router slept the engine; the second refused the news. Neither may be left fencing
+    # (or believing asleep) a replica the other still thinks ready: it is woken and ready at both.
+    fake = await start_fake("m", sleep=SleepMode())
+    first = await start_router([{**replica_entry("r0", fake), "engine": "vllm"}])
+    async with refusing_router("r0") as second:
+        code, _ = await asyncio.to_thread(
+            run_ctl, "sleep", "r0", "--server", first.admin_url, "--server", second.admin_url
+        )
+    assert code == 1
+    assert fake.sleep is not None
+    assert fake.sleep.calls == ["sleep 1", "wake_up"]
+    assert not fake.sleep.sleeping
+    assert (await states(first))["r0"] == "ready"
+    assert second.states == ["draining", "asleep", "ready"]
