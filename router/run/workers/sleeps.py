@@ -17,7 +17,7 @@ from urllib.parse import quote
 import orjson
 
 from router.control.sleeping import SLEEP_CALL_SECONDS, SleepRefused
-from router.core.pool.sleep import EngineCall, EngineCallFailed, put_to_sleep, sleep_api, wake_up
+from router.core.pool.sleep import EngineCall, EngineCallFailed, SleepApi, put_to_sleep, sleep_api, wake_up
 from router.core.usage.snapshots import ReplicaUsage
 
 if TYPE_CHECKING:
@@ -32,6 +32,9 @@ class SupervisedSleeps:
     def __init__(self, call: EngineCall, wake_timeout: float) -> None:
         self._call = call
         self._wake_timeout = wake_timeout
+        # Replicas being put to sleep now: a second sleep is refused, as a single process refuses it,
+        # rather than a second drain and engine call; and ready is refused until it ends.
+        self.under_way: set[str] = set()
 
     @staticmethod
     async def _usage(fleet: SupervisedFleet, replica_id: str) -> ReplicaUsage:
@@ -55,22 +58,34 @@ class SupervisedSleeps:
             )
         if usage.state in ("ejected", "waking"):
             raise SleepRefused(409, "cannot_sleep", f"Replica {replica_id!r} is {usage.state}; it cannot sleep now.")
+        # No await between this check and the claim: two sleeps cannot both pass it.
+        if replica_id in self.under_way:
+            raise SleepRefused(409, "cannot_sleep", f"Replica {replica_id!r} is being put to sleep now.")
+        self.under_way.add(replica_id)
+        try:
+            return await self._sleep(fleet, replica_id, level, api if call_engine else None, wait)
+        finally:
+            self.under_way.discard(replica_id)
+
+    async def _sleep(
+        self, fleet: SupervisedFleet, replica_id: str, level: int, api: SleepApi | None, wait: float
+    ) -> dict[str, Any]:
         was_draining = replica_id in fleet.draining
-        await fleet.set_draining(replica_id, True)
+        await fleet.set_draining(replica_id, True, by_sleep=True)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         while (usage := await self._usage(fleet, replica_id)).state != "drained":
             if loop.time() >= deadline:
-                await fleet.set_draining(replica_id, was_draining)
+                await fleet.set_draining(replica_id, was_draining, by_sleep=True)
                 raise SleepRefused(
                     409, "still_busy", f"Replica {replica_id!r} still had {usage.in_flight} in flight after {wait:g} s."
                 )
             await asyncio.sleep(_POLL_SECONDS)
-        if call_engine and api is not None:
+        if api is not None:
             try:
                 await put_to_sleep(self._call, api, usage.url, level, SLEEP_CALL_SECONDS)
             except EngineCallFailed as exc:
-                await fleet.set_draining(replica_id, was_draining)
+                await fleet.set_draining(replica_id, was_draining, by_sleep=True)
                 raise SleepRefused(
                     502, "engine_call_failed", f"Replica {replica_id!r}'s engine did not sleep: {exc}"
                 ) from exc
