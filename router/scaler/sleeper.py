@@ -9,8 +9,9 @@ puts it to sleep (its engine's call) and the others are told
 (`"call_engine": false`). A router that fails in either phase, the telling
 included, puts the replica back to ready everywhere (woken, if its engine
 slept): no sleep is ever taken while a router may still send it a request,
-and no router is left fencing a replica the others think ready. The model stays active for KEDA (its replicas are
-quiet, not gone) until idleAfter scales it to zero.
+and no router is left fencing a replica the others think ready. The model
+stays active for KEDA (its replicas are quiet, not gone) until idleAfter
+scales it to zero.
 """
 
 from __future__ import annotations
@@ -95,19 +96,19 @@ class Sleeper:
                 await self._post(server, path, told)
         # ValueError: an answer that is no JSON (orjson's error is one); it too is rolled back.
         except _FAILURES as exc:
-            await self._back_to_ready(servers, path)
+            await self._back_to_ready(servers, replica_id, path)
             if isinstance(exc, SleepFailed):
                 raise
             raise SleepFailed(f"{exc or type(exc).__name__}") from exc
 
-    async def _back_to_ready(self, servers: list[str], path: str) -> None:
+    async def _back_to_ready(self, servers: list[str], replica_id: str, path: str) -> None:
         """Ready again at every router. The first one first: if it slept the engine, its wake is the
         one engine call; the others then find it awake (/is_sleeping) and make none."""
         for server in servers:
             try:
                 await self._post(server, path, {"state": "ready"})
             except _FAILURES:
-                log.warning("%s: %s could not be put back to ready", server, path)
+                log.warning("%s: %s could not be put back to ready", server, replica_id)
 
     async def _post(self, server: str, path: str, body: dict[str, Any]) -> Any:
         async with (
