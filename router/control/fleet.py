@@ -61,6 +61,16 @@ def diff_json(diff: SetDiff) -> dict[str, Any]:
     }
 
 
+def sleep_under_way(replica_id: str) -> SleepRefused:
+    """Ready asked of a replica being put to sleep: it would take requests while its engine goes to sleep."""
+    return SleepRefused(
+        409,
+        "sleep_under_way",
+        f"Replica {replica_id!r} is being put to sleep now (draining, or its engine's sleep call under way); "
+        "it cannot be made ready until that ends. Wake it once it is asleep, or retry once the sleep failed.",
+    )
+
+
 class LocalFleet:
     """The pool of this process."""
 
@@ -94,6 +104,8 @@ class LocalFleet:
         return diff_json(self.pool.set_replicas(configs))
 
     async def set_draining(self, replica_id: str, draining: bool) -> dict[str, Any] | None:
+        if not draining and self.sleeper is not None and self.sleeper.putting_to_sleep(replica_id):
+            raise sleep_under_way(replica_id)
         asleep = self.pool.get(replica_id)
         if not draining and asleep is not None and asleep.asleep is not None:
             # Ready again, from asleep: its engine is woken first.

@@ -12,7 +12,9 @@ wakes it.
 Refusals name the problem: 404 no such replica, 409 it cannot sleep now (its
 engine has no sleep API the router knows, it is ejected, removed, waking,
 already being put to sleep, or still busy at the end of the wait), 502 its
-engine's call failed (the replica is then as it was before).
+engine's call failed (the replica is then as it was before). `{"state": "ready"}`
+while a sleep is under way is refused 409 `sleep_under_way`: made ready then, the
+replica would take requests while its engine goes to sleep.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class Sleeper:
         self._wake_timeout = wake_timeout
         # Replicas being put to sleep now: a second call for one is refused, not run twice.
         self._sleeping: set[str] = set()
+
+    def putting_to_sleep(self, replica_id: str) -> bool:
+        """Whether a sleep of the replica is under way here: draining it, or its engine's sleep call."""
+        return replica_id in self._sleeping
 
     def _replica(self, replica_id: str) -> Replica:
         replica = self._pool.get(replica_id)

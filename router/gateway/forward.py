@@ -300,7 +300,7 @@ class Forwarder:
         loading = probe and status == 503 and not asleep
         outcome = ASLEEP if asleep else REFUSED
         self.ledgers.record(entry, replica, model, outcome, status=status, ttfb=ttfb, probe=loading)
-        return Failed(error, retryable=True, answer=answer, replica=replica if loading else None)
+        return Failed(error, retryable=True, answer=answer, replica=replica if loading else None, asleep=asleep)
 
     async def _stream(
         self,

@@ -95,6 +95,14 @@ class HeldRequests:
                     failed = await self.forwarder.attempt(
                         call, replica, model, extra=[(b"X-Router-Held-Seconds", b"%.3f" % held)], probe=True
                     )
+                    if failed is not None and failed.asleep:
+                        # Asleep, not loading: a wake (one per replica) is what it waits for, and it
+                        # is no failure of the replica's; this request stays first in line for it.
+                        pool.tallies.hold_probed(model, "loading")
+                        self.wanted(model)
+                        hold.still_loading()
+                        held = None
+                        continue
                     if failed is not None and failed.retryable and failed.loading:
                         # Still loading: the next try after a pause, this request first in line.
                         pool.tallies.hold_probed(model, "refused" if failed.connect_failure else "loading")

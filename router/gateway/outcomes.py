@@ -78,6 +78,8 @@ class Failed:
     answer: Reply | None = None
     # The replica of a probe that found it loading, which the caller counts (Ledgers.count_tried).
     replica: Replica | None = None
+    # Its answer was a 503 "sleeping": the replica is asleep now (sleepers.found_asleep), to be woken.
+    asleep: bool = False
 
     @property
     def connect_failure(self) -> bool:

@@ -11,7 +11,9 @@ and queued requests in their order. While requests keep arriving faster than
 the replicas being woken could take them (more waiting than `per_wake` for
 each), another is woken. A wake that fails or takes longer than
 `wake_timeout_seconds` ejects that replica and the next is tried; with none
-left to wake, `wake_url` is told as for a cold model.
+left to wake, `wake_url` is told as for a cold model. The replica whose wake
+failed stays asleep (its engine sleeps still: it is never handed a request)
+and is woken again, by a request that needs it, once its ejection is over.
 
 An engine that answers a request 503 "sleeping" (router.core.pool.sleep,
 says_sleeping) is marked asleep here, not counted as a failure of its.
@@ -58,9 +60,19 @@ class Sleepers:
             if waiting <= waking * self.per_wake:
                 return
         for replica in replicas:
-            if replica.asleep is not None and not self.wakes.under_way(replica) and not replica.removed:
+            if self._wakeable(replica):
                 self._wake(replica)
                 return
+        if not waking and self.waker is not None:
+            # Every sleeper's wake failed a moment ago (or none is left): the control plane's turn.
+            self.waker.held(model)
+
+    def _wakeable(self, replica: Replica) -> bool:
+        """Asleep and not being woken; one whose wake failed waits out its ejection before it is tried again."""
+        if replica.asleep is None or replica.removed or self.wakes.under_way(replica):
+            return False
+        until = replica.ejected_until
+        return until is None or until <= self.pool.clock.now()
 
     def _wake(self, replica: Replica) -> None:
         task = self.wakes.wake(replica, self.wake_timeout)
@@ -72,24 +84,22 @@ class Sleepers:
         error = task.exception()
         if error is None:
             return
-        # Failed or too slow: out of rotation for an ejection's time, and the next one tried.
+        # Failed or too slow: its engine still sleeps, so it stays asleep (Wakes put it back), never ready,
+        # until a wake succeeds. The ejection counts the failure and keeps it from being woken again
+        # for an ejection's time (doubling in a row); the next sleeper is tried meanwhile.
         log.warning("replica %s (%s) did not wake: %s", replica.id, replica.model, error)
         if not isinstance(error, EngineCallFailed):
             log.error("waking replica %s failed unexpectedly", replica.id, exc_info=error)
         pool = self.pool
-        if not replica.removed:
-            pool.set_sleep(replica, None)
+        if not replica.removed and replica.ejected_until is None:
             ejections = pool.ejections
             policy = ejections.policy
             ejections.eject(replica, min(policy.base_seconds * 2**replica.ejections_in_row, policy.max_seconds))
         model = replica.model
         if pool.cold_start.held(model) + pool.queued().get(model, 0) == 0:
             return
-        if any(r.asleep is not None and not self.wakes.under_way(r) for r in pool.replicas_of(model)):
-            self.wanted(model)
-        elif self.waker is not None:
-            # Nothing left asleep to wake: the control plane's turn, as for a cold model.
-            self.waker.held(model)
+        # wanted() wakes the next sleeper, or with none left tells wake_url, as for a cold model.
+        self.wanted(model)
 
     def found_asleep(self, replica: Replica, body: bytes) -> bool:
         """Whether its 503 `body` says it sleeps; if so it is asleep from now (its level not known: 1)."""

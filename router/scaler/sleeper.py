@@ -6,10 +6,12 @@ sleep is two-phase over the routers' admin APIs: each router drains the
 replica (POST .../state {"state": "draining"}) and the scaler waits until
 every one reports it drained (nothing in flight); then the first router
 puts it to sleep (its engine's call) and the others are told
-(`"call_engine": false`). A router that fails in either phase puts the
-replica back to ready everywhere: no sleep is ever taken while a router may
-still send it a request. The model stays active for KEDA (its replicas are
-quiet, not gone) until idleAfter scales it to zero.
+(`"call_engine": false`). A router that fails in either phase, the telling
+included, puts the replica back to ready everywhere (woken, if its engine
+slept): no sleep is ever taken while a router may still send it a request,
+and no router is left fencing a replica the others think ready. The model
+stays active for KEDA (its replicas are quiet, not gone) until idleAfter
+scales it to zero.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ CALL_SECONDS = 150.0
 
 class SleepFailed(Exception):
     """A phase of a sleep did not go through; the message names the router and what it said."""
+
+
+_FAILURES = (SleepFailed, aiohttp.ClientError, OSError, TimeoutError, ValueError)
 
 
 class Sleeper:
@@ -74,6 +79,7 @@ class Sleeper:
 
     async def sleep(self, replica_id: str, servers: list[str], level: int = 1) -> None:
         path = f"/api/v1/replicas/{quote(replica_id, safe='')}/state"
+        told = {"state": "asleep", "level": level, "call_engine": False, "wait_seconds": 0}
         try:
             for server in servers:
                 await self._post(server, path, {"state": "draining"})
@@ -84,19 +90,25 @@ class Sleeper:
                         raise SleepFailed(f"{server} did not drain {replica_id} within {DRAIN_SECONDS:g} s")
                     await asyncio.sleep(_POLL_SECONDS)
             await self._post(servers[0], path, {"state": "asleep", "level": level, "wait_seconds": 0})
+            # A router that is not told leaves the sleep half done: asleep at some, fenced at others,
+            # and none of those would wake it for a request. It is undone below, as a failed fence is.
+            for server in servers[1:]:
+                await self._post(server, path, told)
         # ValueError: an answer that is no JSON (orjson's error is one); it too is rolled back.
-        except (SleepFailed, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-            for server in servers:
-                try:
-                    await self._post(server, path, {"state": "ready"})
-                except (SleepFailed, aiohttp.ClientError, OSError, TimeoutError, ValueError):
-                    log.warning("%s: %s could not be put back to ready", server, replica_id)
+        except _FAILURES as exc:
+            await self._back_to_ready(servers, replica_id, path)
             if isinstance(exc, SleepFailed):
                 raise
             raise SleepFailed(f"{exc or type(exc).__name__}") from exc
-        told = {"state": "asleep", "level": level, "call_engine": False, "wait_seconds": 0}
-        for server in servers[1:]:
-            await self._post(server, path, told)
+
+    async def _back_to_ready(self, servers: list[str], replica_id: str, path: str) -> None:
+        """Ready again at every router. The first one first: if it slept the engine, its wake is the
+        one engine call; the others then find it awake (/is_sleeping) and make none."""
+        for server in servers:
+            try:
+                await self._post(server, path, {"state": "ready"})
+            except _FAILURES:
+                log.warning("%s: %s could not be put back to ready", server, replica_id)
 
     async def _post(self, server: str, path: str, body: dict[str, Any]) -> Any:
         async with (

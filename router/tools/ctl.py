@@ -421,8 +421,8 @@ def cmd_sleep(args: argparse.Namespace) -> int:
 
     Phase one drains it in every router and waits until each has nothing in
     flight to it; phase two has the first router call the engine and tells
-    the others that it sleeps. A failure in phase one or two puts it back
-    to ready everywhere.
+    the others that it sleeps. A failure in phase one or two, the telling
+    included, puts it back to ready everywhere (woken, if its engine slept).
     """
     wait = args.timeout_wait
     # A sleep answers once drained and once the engine slept: longer than a read.
@@ -442,14 +442,17 @@ def cmd_sleep(args: argparse.Namespace) -> int:
                         )
                     time.sleep(0.05)
             answer = clients[0].call("POST", path, {"state": "asleep", "level": args.level, "wait_seconds": 0})
+            # A router not told leaves the sleep half done (asleep at some, fenced at others): undone too.
+            told = {"state": "asleep", "level": args.level, "call_engine": False, "wait_seconds": 0}
+            for client in clients[1:]:
+                client.call("POST", path, told)
         except CtlError:
+            # The first router first: if it slept the engine, its wake is the one engine call,
+            # and the others find the engine awake and make none.
             for client in clients:
                 with contextlib.suppress(CtlError):
                     client.call("POST", path, {"state": "ready"})
             raise
-        told = {"state": "asleep", "level": args.level, "call_engine": False, "wait_seconds": 0}
-        for client in clients[1:]:
-            client.call("POST", path, told)
     else:
         answer = clients[0].call("POST", path, {"state": "asleep", "level": args.level, "wait_seconds": wait})
     _emit(args, answer, f"{answer['id']}: {answer['state']} (level {answer['level']})")

@@ -11,6 +11,7 @@ from router.tools.fake import Behaviour, SleepMode
 from tests.conftest import StartFake, StartRouter, replica_entry
 from tests.control.test_operations import admin, states
 from tests.support.clients import CHAT, get_json, post, run_ctl, samples, scrape
+from tests.support.refusing_router import refusing_router
 from tests.support.waiting import wait_for
 
 STATE = "/api/v1/replicas/r0/state"
@@ -211,3 +212,49 @@ async def test_the_usage_map_has_asleep_replicas_in_a_map_of_their_own(
         # Watched as any replica: never unknown for being asleep.
         assert set(usage["watching_since"]) == {"r0", "r1"}
         await admin(server, "POST", STATE, {"state": "ready"})
+
+
+async def test_ctl_sleep_across_routers_wakes_it_again_when_a_router_refuses_to_be_told_it_sleeps(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    # The first router slept the engine; the second refused the news. Neither may be left fencing
+    # (or believing asleep) a replica the other still thinks ready: it is woken and ready at both.
+    fake = await start_fake("m", sleep=SleepMode())
+    first = await start_router([{**replica_entry("r0", fake), "engine": "vllm"}])
+    async with refusing_router("r0") as second:
+        code, _ = await asyncio.to_thread(
+            run_ctl, "sleep", "r0", "--server", first.admin_url, "--server", second.admin_url
+        )
+    assert code == 1
+    assert fake.sleep is not None
+    assert fake.sleep.calls == ["sleep 1", "wake_up"]
+    assert not fake.sleep.sleeping
+    assert (await states(first))["r0"] == "ready"
+    assert second.states == ["draining", "asleep", "ready"]
+
+
+async def test_ready_while_a_sleep_is_under_way_is_refused(start_fake: StartFake, start_router: StartRouter) -> None:
+    fake = await start_fake("m", sleep=SleepMode(sleep_seconds=0.5))
+    stalled = await start_fake("m", behaviour=Behaviour(stall=True), sleep=SleepMode())
+    server = await start_router(
+        [{**replica_entry("r0", fake), "engine": "vllm"}, {**replica_entry("r1", stalled), "engine": "vllm"}]
+    )
+    # Calling the engine: made ready now, it would take requests while its engine goes to sleep.
+    slept = asyncio.ensure_future(admin(server, "POST", STATE, {"state": "asleep"}))
+    assert fake.sleep is not None
+    await wait_for(lambda: fake.sleep is not None and fake.sleep.calls == ["sleep 1"])
+    status, answer = await admin(server, "POST", STATE, {"state": "ready"})
+    assert (status, answer["error"]["code"]) == (409, "sleep_under_way")
+    assert "r0" in answer["error"]["message"]
+    assert (await slept)[1]["state"] == "asleep"
+    # Draining: a request still in flight, the sleep waiting for it.
+    asked = asyncio.ensure_future(post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT)))
+    await wait_for(lambda: len(stalled.seen) == 1)
+    r1 = "/api/v1/replicas/r1/state"
+    slept = asyncio.ensure_future(admin(server, "POST", r1, {"state": "asleep", "wait_seconds": 0.5}))
+    await wait_for(lambda: server.pool.get("r1") is not None and server.pool.get("r1").draining)  # type: ignore[union-attr]
+    status, answer = await admin(server, "POST", r1, {"state": "ready"})
+    assert (status, answer["error"]["code"]) == (409, "sleep_under_way")
+    assert (await slept)[1]["error"]["code"] == "still_busy"
+    assert (await states(server))["r1"] == "ready"
+    asked.cancel()

@@ -7,6 +7,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
@@ -179,5 +180,70 @@ async def test_a_worker_that_restarts_loads_the_replica_asleep(start_fake: Start
         await until(merged_asleep, timeout=15, what="the restarted worker did not load r0 asleep")
         serve.signal(signal.SIGTERM)
         assert serve.process.wait(timeout=30) == 0
+    finally:
+        serve.output()
+
+
+async def post_state(serve: Serve, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(serve.admin_url + "/api/v1/replicas/r0/state", json=body) as resp,
+    ):
+        return resp.status, await resp.json()
+
+
+async def test_with_workers_a_second_sleep_or_a_ready_while_one_is_under_way_is_refused(
+    start_fake: StartFake, tmp_path: Path
+) -> None:
+    fake = await start_fake("m", sleep=SleepMode(sleep_seconds=1.0))
+    assert fake.sleep is not None
+    serve = Serve(tmp_path / "router.toml")
+    serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
+    await serve.start("--workers", "2")
+    try:
+        slept = asyncio.ensure_future(post_state(serve, {"state": "asleep"}))
+        await wait_for(lambda: fake.sleep is not None and fake.sleep.calls == ["sleep 1"])
+        # As the single-process router answers: no second engine call, no ready racing the sleep.
+        status, again = await post_state(serve, {"state": "asleep"})
+        assert (status, again["error"]["code"]) == (409, "cannot_sleep")
+        status, ready = await post_state(serve, {"state": "ready"})
+        assert (status, ready["error"]["code"]) == (409, "sleep_under_way")
+        status, answer = await asyncio.wait_for(slept, 20)
+        assert (status, answer["state"]) == (200, "asleep")
+        assert fake.sleep.calls == ["sleep 1"]
+        assert await state_of(serve, "r0") == "asleep"
+    finally:
+        serve.output()
+
+
+async def test_with_workers_a_worker_that_is_not_told_it_sleeps_has_the_sleep_undone(
+    start_fake: StartFake, tmp_path: Path
+) -> None:
+    # A worker stopped while the engine's sleep call runs does not take the news (the supervisor's
+    # call to it times out): the engine is woken again and every worker has the replica ready.
+    fake = await start_fake("m", sleep=SleepMode(sleep_seconds=1.0))
+    assert fake.sleep is not None
+    serve = Serve(tmp_path / "router.toml")
+    serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
+    await serve.start("--workers", "2")
+    assert serve.process is not None
+    stopped = children(serve.process.pid)[0]
+    try:
+        slept = asyncio.ensure_future(post_state(serve, {"state": "asleep"}))
+        await wait_for(lambda: fake.sleep is not None and fake.sleep.calls == ["sleep 1"])
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            await wait_for(lambda: fake.sleep is not None and len(fake.sleep.calls) == 2, timeout=20)
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        status, answer = await asyncio.wait_for(slept, 20)
+        assert (status, answer["error"]["code"]) == (503, "workers_unavailable")
+        assert "not put to sleep" in answer["error"]["message"]
+        assert fake.sleep.calls == ["sleep 1", "wake_up"]
+        assert not fake.sleep.sleeping
+        await wait_for_state(serve, "r0", ("ready",))
+        async with client(serve) as sdk:
+            served = await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert served.choices[0].message.content
     finally:
         serve.output()

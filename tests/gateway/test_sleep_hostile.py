@@ -70,7 +70,10 @@ async def test_a_silent_is_sleeping_ends_the_wake_at_wake_timeout_and_ejects(
     code, _, body = await post(server.client_url + "/v1/chat/completions", orjson.dumps(CHAT))
     assert code == 503
     assert orjson.loads(body)["error"]["code"] == "model_cold"
-    assert (await states(server))["r0"] == "ejected"
+    # Not known to be awake: asleep still, its failed wake counted as an ejection.
+    assert (await states(server))["r0"] == "asleep"
+    replica = server.pool.get("r0")
+    assert replica is not None and replica.ejections == 1
 
 
 async def test_a_503_whose_body_only_mentions_sleeping_is_not_asleep(

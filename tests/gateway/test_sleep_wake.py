@@ -124,7 +124,7 @@ async def test_a_growing_queue_wakes_another(start_fake: StartFake, start_router
 
 
 @pytest.mark.parametrize("hostile", ["fails", "garbage", "hangs"])
-async def test_a_wake_that_fails_ejects_the_replica_and_the_next_is_woken(
+async def test_a_wake_that_fails_leaves_the_replica_asleep_and_the_next_is_woken(
     start_fake: StartFake, start_router: StartRouter, hostile: str
 ) -> None:
     bad = await start_fake(
@@ -139,7 +139,11 @@ async def test_a_wake_that_fails_ejects_the_replica_and_the_next_is_woken(
     answer = await ask(server)
     assert answer.http_response.status_code == 200
     assert len(good.seen) == 1
-    assert (await states(server)) == {"r0": "ejected", "r1": "ready"}
+    # Its engine sleeps still: asleep, not ready, the failure counted as an ejection.
+    assert (await states(server)) == {"r0": "asleep", "r1": "ready"}
+    replica = server.pool.get("r0")
+    assert replica is not None
+    assert replica.ejections == 1
 
 
 async def test_with_no_replica_left_to_wake_wake_url_is_told(
@@ -185,3 +189,64 @@ async def test_a_503_without_the_marker_is_a_failure_as_any(start_fake: StartFak
     assert replica is not None
     assert replica.errors == {"status": 1}
     assert replica.asleep is None
+
+
+async def test_a_replica_whose_wake_failed_stays_asleep_past_its_ejection(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    # Its engine still sleeps: the health checks that end its ejection must not make it ready.
+    fake = await start_fake("m", sleep=SleepMode(wake_status=500))
+    server = await start_router(
+        [vllm("r0", fake)],
+        wake_timeout_seconds=0.5,
+        ejection_base_seconds=0.2,
+        health_check_interval_seconds=0.05,
+        models={"m": {"cold_start_seconds": 0.5}},
+    )
+    await put_to_sleep(server, "r0")
+    assert server.fleet is not None and server.fleet.sleeper is not None
+    results = server.fleet.sleeper.wakes.results
+    asked = asyncio.ensure_future(ask(server))
+    try:
+        await wait_for(lambda: results.get(("wake", "failed")) == 1)
+        # What an operator sees: asleep still, the failed wake counted as an ejection of its.
+        assert (await states(server))["r0"] == "asleep"
+    finally:
+        with pytest.raises(openai.APIStatusError) as raised:
+            await asked
+    replica = server.pool.get("r0")
+    assert replica is not None
+    assert replica.ejections == 1
+    assert raised.value.status_code == 503
+    await wait_for(lambda: replica.ejected_until is None or replica.ejected_until < server.pool.clock.now(), timeout=5)
+    await asyncio.sleep(0.2)
+    assert (await states(server))["r0"] == "asleep"
+    # Once its engine can wake, the next request wakes it, and nothing met its engine asleep.
+    assert fake.sleep is not None
+    fake.sleep.wake_status = None
+    answer = await ask(server)
+    assert answer.http_response.status_code == 200
+    assert fake.sleep.refused == 0
+    assert (await states(server))["r0"] == "ready"
+
+
+async def test_a_held_requests_probe_that_finds_the_engine_asleep_wakes_it(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    # Loading at first (503 without the marker): the request is held, and its probes find it loading.
+    fake = await start_fake("m", behaviour=Behaviour(fail_status=503), sleep=SleepMode())
+    server = await start_router([vllm("r0", fake)], models={"m": {"cold_start_seconds": 10}})
+    asked = asyncio.ensure_future(ask(server))
+    await wait_for(lambda: held(server) == 1)
+    # Loaded, and put to sleep behind the router's back: the next probe meets a 503 "sleeping".
+    assert fake.sleep is not None
+    fake.sleep.level, fake.sleep.asleep = 1, {"weights", "kv_cache"}
+    fake.sleep._awake.clear()
+    fake.behaviour.fail_status = None
+    answer = await asyncio.wait_for(asked, 8)
+    assert answer.http_response.status_code == 200
+    assert fake.sleep.calls == ["wake_up"]
+    replica = server.pool.get("r0")
+    assert replica is not None
+    assert (replica.failures_in_row, replica.ejections) == (0, 0)
+    assert "status" not in replica.errors

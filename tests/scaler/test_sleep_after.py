@@ -11,7 +11,8 @@ from aiohttp import web
 from router.scaler.sleeper import Sleeper, SleepFailed
 from router.scaler.view import BadMetadata, parse_metadata
 from router.tools.fake import SleepMode
-from tests.conftest import StartFake
+from tests.conftest import StartFake, StartRouter
+from tests.support.refusing_router import refusing_router
 from tests.support.scaler import Keda, Routers, StartScaler, is_active, ref
 from tests.support.waiting import until
 
@@ -81,3 +82,18 @@ async def test_a_router_answering_no_json_is_rolled_back_like_any_failed_sleep()
     finally:
         await runner.cleanup()
     assert [body["state"] for body in posted] == ["draining", "ready"]
+
+
+async def test_a_router_refusing_to_be_told_it_sleeps_has_the_sleep_undone_at_every_router(
+    start_fake: StartFake, start_router: StartRouter
+) -> None:
+    fake = await start_fake("m", sleep=SleepMode())
+    first = await start_router([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
+    async with refusing_router("r0") as second, aiohttp.ClientSession() as session:
+        with pytest.raises(SleepFailed, match="asleep answered 503"):
+            await Sleeper(session, "").sleep("r0", [first.admin_url, second.admin_url])
+    assert fake.sleep is not None
+    assert fake.sleep.calls == ["sleep 1", "wake_up"]
+    assert not fake.sleep.sleeping
+    assert (await states(first.admin_url))["r0"] == "ready"
+    assert second.states == ["draining", "asleep", "ready"]

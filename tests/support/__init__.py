@@ -13,6 +13,7 @@ streams.py       hypothesis strategies for request streams
 differential.py  the differential HTTP/1.1 checks: a live server's answers against h11_reference.py's
 h11_reference.py what h11 (with a lenient reading) makes of a request stream
 scaler.py        the scaler's tests' routers, canned admin APIs and a gRPC client as KEDA's
+refusing_router.py a router's admin API that fences a replica but refuses to be told it sleeps
 keda_standin.py  KEDA's stand-in, run as a process (python -m tests.support.keda_standin)
 manifests.py     the rendered deploy/ manifests
 receiver.py      deploy/scale-from-zero/wake_receiver.py as a test's process

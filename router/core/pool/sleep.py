@@ -274,4 +274,7 @@ class Wakes:
             if release is not None:
                 release()
         self._pool.set_sleep(replica, None)
+        if replica.ejected_until is not None:
+            # Ejected by an earlier wake that failed: awake now, so in rotation at once.
+            self._pool.ejections.readmit(replica, "woken")
         self.count("wake", "ok")

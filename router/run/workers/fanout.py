@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import orjson
 
-from router.control.fleet import FleetUnavailable
+from router.control.fleet import FleetUnavailable, sleep_under_way
 from router.core.config.settings import ReplicaConfig
 from router.core.usage.merging import merged_state
 from router.core.usage.snapshots import UsageSnapshot
@@ -113,7 +113,10 @@ class SupervisedFleet:
         )
         return diff
 
-    async def set_draining(self, replica_id: str, draining: bool) -> dict[str, Any] | None:
+    async def set_draining(self, replica_id: str, draining: bool, *, by_sleep: bool = False) -> dict[str, Any] | None:
+        """`by_sleep`: the fence of a sleep under way, or its undoing; any other ready waits for it to end."""
+        if not draining and not by_sleep and replica_id in self.sleeps.under_way:
+            raise sleep_under_way(replica_id)
         if not draining:
             asleep = next((r for r in (await self.snapshot()).replicas if r.id == replica_id), None)
             if asleep is not None and asleep.state in ("asleep", "waking"):

@@ -15,6 +15,7 @@ from types import MappingProxyType
 
 import orjson
 import uvloop
+from prometheus_client import CollectorRegistry
 
 from router.core.config.settings import Config, load_config
 from router.core.errors import ConfigError
@@ -77,13 +78,28 @@ def worker_main(argv: Sequence[str]) -> int:
     return 0
 
 
-async def _run_worker(config: Config, runtime: Path, index: int, config_path: str) -> None:
+async def start_worker(
+    config: Config, runtime: Path, index: int, *, registry: CollectorRegistry | None = None
+) -> RouterServer:
+    """The worker's router, started: its admin socket, the supervisor's state, then the shared client port."""
     paths = Paths(runtime, index)
-    server = RouterServer(config, worker_socket=str(paths.socket))
-    await server.start(before_clients=lambda: load_state(server, paths.state))
-    if server.fleet is not None and server.fleet.sleeper is not None:
-        # One wake call per replica across the workers.
-        server.fleet.sleeper.wakes.claims = WakeClaims(runtime)
+    server = RouterServer(config, registry=registry, worker_socket=str(paths.socket))
+
+    def before_clients() -> None:
+        # One wake call per replica across the workers, from the very first request: the claims are
+        # in place before the client port opens (a request that came first would wake on its own,
+        # beside another worker's wake of the same replica), and before the state file's sleepers load.
+        if server.fleet is not None and server.fleet.sleeper is not None:
+            server.fleet.sleeper.wakes.claims = WakeClaims(runtime)
+        load_state(server, paths.state)
+
+    await server.start(before_clients=before_clients)
+    return server
+
+
+async def _run_worker(config: Config, runtime: Path, index: int, config_path: str) -> None:
+    server = await start_worker(config, runtime, index)
+    paths = Paths(runtime, index)
     freeze_start_up()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
