@@ -53,6 +53,7 @@ class Balancer:
                         ready = False
                     if not ready:
                         loop.call_later(self.lag, self.ready.__setitem__, backend.client_url, False)
+                # A balancer's probe period, as a Service's endpoints are probed: real time.
                 await asyncio.sleep(self.period)
 
     async def client(self, session: aiohttp.ClientSession, body: Mapping[str, Any], stop: asyncio.Event) -> None:

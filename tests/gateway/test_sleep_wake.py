@@ -219,6 +219,7 @@ async def test_a_replica_whose_wake_failed_stays_asleep_past_its_ejection(
     assert replica.ejections == 1
     assert raised.value.status_code == 503
     await wait_for(lambda: replica.ejected_until is None or replica.ejected_until < server.pool.clock.now(), timeout=5)
+    # Real time: the health checks' next rounds, which must not re-admit it while its engine sleeps.
     await asyncio.sleep(0.2)
     assert (await states(server))["r0"] == "asleep"
     # Once its engine can wake, the next request wakes it, and nothing met its engine asleep.

@@ -43,6 +43,7 @@ async def scraped(server: RouterServer, name: str, ready: Callable[[Samples], bo
         found = samples(await scrape(server), name)
         if ready(found):
             return found
+        # A poll of /metrics, which the tallies reach at the usage tick (real time).
         await asyncio.sleep(0.02)
     raise AssertionError(f"{name} never got there: {found}")
 

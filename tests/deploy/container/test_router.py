@@ -261,6 +261,7 @@ async def test_a_rolling_update_drops_nothing_for_a_client_pool(
     async with aiohttp.ClientSession() as session:
         probing = asyncio.create_task(balancer.probe(stop))
         pool = [asyncio.create_task(balancer.client(session, chat("llama", max_tokens=8), stop)) for _ in range(6)]
+        # Real time: traffic through both routers before one is replaced, and after.
         await asyncio.sleep(2.0)
         before = balancer.sent_to[a.url("http")]
         await asyncio.to_thread(fleet.podman, "stop", "--time", str(int(a.grace)), a.name, timeout=120)
