@@ -278,8 +278,12 @@ async def test_a_stored_response_read_again_is_not_counted_a_second_time(
             assert (await resp.json())["usage"]["output_tokens"] == 3
     await wait_for(lambda: len(access_log_lines(tmp_path / "access.log")) == 2)
     # Both requests have ended: the tallies they wrote are whole.
-    assert server.pool.tallies.tokens == {("m", "a"): [4, 0, 3]}
-    assert server.pool.tallies.usage_unknown == {}
+    assert server.pool.tallies.token_counts() == {
+        ("m", "a", "prompt"): 4,
+        ("m", "a", "cached"): 0,
+        ("m", "a", "completion"): 3,
+    }
+    assert server.pool.tallies.unknown_counts() == {}
     made_line, read_line = access_log_lines(tmp_path / "access.log")
     assert (made_line["prompt_tokens"], made_line["completion_tokens"]) == (4, 3)
     assert (read_line["prompt_tokens"], read_line["completion_tokens"]) == (None, None)
