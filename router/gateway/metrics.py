@@ -136,13 +136,6 @@ class DataPathMetrics:
         self.observe_duration = self.duration.observe
         self.observe_first_byte = self.first_byte.observe
 
-    def observe_stream(self, model: str, first_token: float, per_output_token: float | None) -> None:
-        """A stream's two observations in one call (a call costs as much as an observation in the pure
-        build): its time to first token, and its time per output token when its answer said its tokens."""
-        self.first_token.observe(model, first_token)
-        if per_output_token is not None:
-            self.per_output_token.observe(model, per_output_token)
-
     def observe_held(self, model: str, seconds: float) -> None:
         self.held.labels(model).observe(seconds)
 

@@ -215,7 +215,10 @@ class Ledgers:
                 tokens = read_stream(before_last, last, first)
                 if tokens is not None:
                     replica.volunteers_usage = True
-        per_token: float | None = None
+        if first is not None:
+            # Each histogram's own method, called from here: in the pure build a call costs as much
+            # as an observation, and a stream that says no tokens makes only this one.
+            self.metrics.first_token.observe(model, first_at - call.started)
         if tokens is None:
             self.pool.tallies.count_unknown_usage(model, call.caller.tenant)
         else:
@@ -230,9 +233,7 @@ class Ledgers:
                 entry.cached_tokens = cached
             if first is not None and completion > 1:
                 # The clock read only when it is used (the search since the last chunk is microseconds).
-                per_token = (time.perf_counter() - first_at) / (completion - 1)
-        if first is not None:
-            self.metrics.observe_stream(model, first_at - call.started, per_token)
+                self.metrics.per_output_token.observe(model, (time.perf_counter() - first_at) / (completion - 1))
 
     def count_tried(self, entry: Entry | None, probes: list[Failed], model: str) -> None:
         """Probes of `model` that were not a held request's after all: attempts and upstream errors, as any."""
