@@ -39,7 +39,7 @@ from router.gateway.codings import StreamDecoder, decoded
 from router.gateway.metrics import DataPathMetrics
 from router.gateway.outcomes import ANSWERED, ASLEEP, BROKEN, CUT_OFF, REFUSED, SILENT, UNREACHABLE, Failed, Ledgers
 from router.gateway.sleepers import Sleepers
-from router.gateway.tokens import read_stream, whole_answer_tokens
+from router.gateway.tokens import whole_answer_tokens
 from router.http.client import Client, ConnectFailed, ConnectionBroken, HeadTimeout, Response, UpstreamIdle
 from router.http.headers import RESPONSE_HEADERS
 from router.http.messages import Reply
@@ -401,15 +401,7 @@ class Forwarder:
                 remembering.end()
             writer.end()
             if counting and resp.status < 300:
-                # Here, not in a function of its own: in the pure build a call costs as much as a search.
-                ended = time.perf_counter()
-                self.ledgers.tokens(
-                    call,
-                    replica.model,
-                    read_stream(before_last, last, first),
-                    first_chunk=None if first is None else first_at,
-                    last_chunk=ended,
-                )
+                self.ledgers.stream_ended(call, replica, before_last, last, first, first_at)
         except WriteStalled:
             if entry is not None:
                 entry.outcome = "stalled"

@@ -17,6 +17,7 @@ in the end, as an attempt after all (`count_tried`).
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 from typing import Final
 
@@ -27,7 +28,7 @@ from router.gateway.access_log import Entry
 from router.gateway.answers import error_response
 from router.gateway.call import Call
 from router.gateway.metrics import DataPathMetrics
-from router.gateway.tokens import Tokens
+from router.gateway.tokens import UNASKED_SAMPLE, USAGE_ON_ASK_PATHS, Tokens, read_stream
 from router.http.messages import Reply
 
 # These answers say the replica is unwell. A 500 is left out on purpose:
@@ -175,36 +176,64 @@ class Ledgers:
             pool.count_failure(replica, "timeout" if outcome is SILENT else "reset")
             pool.record_failure(replica)
 
-    def tokens(
-        self,
-        call: Call,
-        model: str,
-        tokens: Tokens | None,
-        *,
-        first_chunk: float | None = None,
-        last_chunk: float = 0.0,
-    ) -> None:
-        """What an answer of `model` to `call` said it took, to the tallies, the access log and the
-        stream histograms: `first_chunk` and `last_chunk` (time.perf_counter()) of a stream."""
-        tallies = self.pool.tallies
-        entry = call.entry
-        per_token: float | None = None
+    def tokens(self, call: Call, model: str, tokens: Tokens | None) -> None:
+        """What an answer of `model` to `call` said it took (None: nothing readable), to the tallies
+        and the access log; a whole stream's is stream_ended()'s."""
         if tokens is None:
-            tallies.count_unknown_usage(model, call.caller.tenant)
+            self.pool.tallies.count_unknown_usage(model, call.caller.tenant)
+            return
+        prompt, completion, cached = tokens
+        call.usage = tokens
+        self.pool.tallies.count_tokens(model, call.caller.tenant, prompt, cached, completion)
+        if call.charge is not None:
+            call.charge.settle(prompt, completion)
+        if (entry := call.entry) is not None:
+            entry.prompt_tokens = prompt
+            entry.completion_tokens = completion
+            entry.cached_tokens = cached
+
+    def stream_ended(  # noqa: PLR0917 (positional from the stream's end, once per counted stream)
+        self, call: Call, replica: Replica, before_last: bytes, last: bytes, first: bytes | None, first_at: float
+    ) -> None:
+        """A counted stream passed whole (2xx): its usage read from its last two reads when it may carry
+        one, to the tallies, the access log and the stream histograms (`first_at`: time.perf_counter()
+        of its `first` read).
+
+        tokens()'s counting is repeated here, not called: this runs at the end of every counted
+        stream, where each Python call costs as much as the search.
+        """
+        model = replica.model
+        tokens: Tokens | None = None
+        if replica.volunteers_usage or "stream_options" in call.parsed or call.request.path not in USAGE_ON_ASK_PATHS:
+            tokens = read_stream(before_last, last, first)
+        else:
+            # Not asked for: engines send it only when told to (router.gateway.tokens), so the
+            # search would mostly find nothing, and it is most of what counting costs a stream.
+            skips = replica.unasked_skips
+            replica.unasked_skips = skips + 1 if skips < UNASKED_SAMPLE - 1 else 0
+            if skips == 0:
+                tokens = read_stream(before_last, last, first)
+                if tokens is not None:
+                    replica.volunteers_usage = True
+        if first is not None:
+            # Each histogram's own method, called from here: in the pure build a call costs as much
+            # as an observation, and a stream that says no tokens makes only this one.
+            self.metrics.first_token.observe(model, first_at - call.started)
+        if tokens is None:
+            self.pool.tallies.count_unknown_usage(model, call.caller.tenant)
         else:
             prompt, completion, cached = tokens
             call.usage = tokens
-            tallies.count_tokens(model, call.caller.tenant, prompt, cached, completion)
+            self.pool.tallies.count_tokens(model, call.caller.tenant, prompt, cached, completion)
             if call.charge is not None:
                 call.charge.settle(prompt, completion)
-            if entry is not None:
+            if (entry := call.entry) is not None:
                 entry.prompt_tokens = prompt
                 entry.completion_tokens = completion
                 entry.cached_tokens = cached
-            if first_chunk is not None and completion > 1:
-                per_token = (last_chunk - first_chunk) / (completion - 1)
-        if first_chunk is not None:
-            self.metrics.observe_stream(model, first_chunk - call.started, per_token)
+            if first is not None and completion > 1:
+                # The clock read only when it is used (the search since the last chunk is microseconds).
+                self.metrics.per_output_token.observe(model, (time.perf_counter() - first_at) / (completion - 1))
 
     def count_tried(self, entry: Entry | None, probes: list[Failed], model: str) -> None:
         """Probes of `model` that were not a held request's after all: attempts and upstream errors, as any."""

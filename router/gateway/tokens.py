@@ -40,6 +40,13 @@ _MAX_COUNT: Final = 1 << 53
 # of a whole answer.
 TAIL_WINDOW: Final = 512
 WHOLE_WINDOW: Final = 65536
+# OpenAI's streams, which carry usage only when the client asks (`stream_options`) or the
+# engine is told to send it anyway (vLLM's and SGLang's `should_include_usage`). Anthropic's
+# and the Responses API's always carry it.
+USAGE_ON_ASK_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions"})
+# A replica not seen to volunteer usage has one unasked stream in this many searched for it:
+# the rest are unknown without a search, and one that starts volunteering is seen within as many.
+UNASKED_SAMPLE: Final = 64
 
 
 # What one answer says it took: (prompt, completion, cached), cached None when it says

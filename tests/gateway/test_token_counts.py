@@ -126,6 +126,40 @@ async def test_a_stream_that_did_not_ask_for_usage_is_unknown_and_gets_no_usage_
     assert (line["prompt_tokens"], line["completion_tokens"], line["cached_tokens"]) == (None, None, None)
 
 
+async def test_a_replica_that_volunteers_usage_has_its_unasked_streams_counted(
+    start_fake: StartFake, start_router: StartRouter, tmp_path: Path
+) -> None:
+    _, server = await router_with(start_fake, start_router, tmp_path, tokens=3, force_include_usage=True)
+    for _ in range(3):
+        body = await send(server, chat(stream=True))
+        # The engine's usage chunk, as it sent it: the router neither asked for it nor removes it.
+        assert b'"usage":{"prompt_tokens":4,"completion_tokens":3' in body
+    found = await scraped(server, "router_tokens_total", lambda s: s.get(label("a", "completion")) == 9)
+    assert found[label("a", "prompt")] == 12
+    assert samples(await scrape(server), "router_tokens_unknown_requests_total") == {}
+
+
+async def test_a_replica_not_seen_to_volunteer_usage_has_one_unasked_stream_in_64_searched(
+    start_fake: StartFake, start_router: StartRouter, tmp_path: Path
+) -> None:
+    fake, server = await router_with(start_fake, start_router, tmp_path, tokens=3)
+    # The first unasked stream is searched and has nothing: unknown.
+    await send(server, chat(stream=True))
+    # Its engine starts volunteering usage: the next 63 unasked streams are not searched, so they
+    # stay unknown although they carry it; the 64th after the first is searched and finds it, and
+    # from then on every unasked stream of the replica is read.
+    fake.behaviour.force_include_usage = True
+    for _ in range(63):
+        assert b'"usage":{' in await send(server, chat(stream=True))
+    await send(server, chat(stream=True))
+    await send(server, chat(stream=True))
+    # A stream that asks is read whatever the replica was seen to do.
+    await send(server, chat(stream=True, usage=True))
+    found = await scraped(server, "router_tokens_total", lambda s: s.get(label("a", "completion")) == 9)
+    assert found[label("a", "completion")] == 9
+    assert samples(await scrape(server), "router_tokens_unknown_requests_total") == {unknown("a"): 64}
+
+
 USAGE = (
     b'data: {"id":"c","object":"chat.completion.chunk","choices":[],'
     b'"usage":{"prompt_tokens":7,"completion_tokens":2,"total_tokens":9}}\n\n'
@@ -245,8 +279,12 @@ async def test_a_stored_response_read_again_is_not_counted_a_second_time(
             assert (await resp.json())["usage"]["output_tokens"] == 3
     await wait_for(lambda: len(access_log_lines(tmp_path / "access.log")) == 2)
     # Both requests have ended: the tallies they wrote are whole.
-    assert server.pool.tallies.tokens == {("m", "a"): [4, 0, 3]}
-    assert server.pool.tallies.usage_unknown == {}
+    assert server.pool.tallies.token_counts() == {
+        ("m", "a", "prompt"): 4,
+        ("m", "a", "cached"): 0,
+        ("m", "a", "completion"): 3,
+    }
+    assert server.pool.tallies.unknown_counts() == {}
     made_line, read_line = access_log_lines(tmp_path / "access.log")
     assert (made_line["prompt_tokens"], made_line["completion_tokens"]) == (4, 3)
     assert (read_line["prompt_tokens"], read_line["completion_tokens"]) == (None, None)

@@ -170,5 +170,5 @@ def test_tenants_past_the_bound_are_tallied_together_and_the_first_keep_their_ow
     assert counts["m", "t0", "prompt"] == 15
     assert counts["m", "t0", "cached"] == 2
     assert counts["m", OTHER_TENANTS, "prompt"] == 50
-    assert tallies.usage_unknown == {("m", OTHER_TENANTS): 1}
+    assert tallies.unknown_counts() == {("m", OTHER_TENANTS): 1}
     assert len({tenant for _, tenant, _ in counts}) == MAX_TOKEN_TENANTS + 1

@@ -73,6 +73,8 @@ class Replica:
         "serves_model",
         "asleep",
         "waking",
+        "volunteers_usage",
+        "unasked_skips",
     )
 
     def __init__(self, config: ReplicaConfig, added_at: float) -> None:
@@ -111,6 +113,11 @@ class Replica:
         # The level its engine was put to sleep at (None: awake), and whether a wake is under way.
         self.asleep: int | None = None
         self.waking = False
+        # With count_tokens: whether its engine was seen to send a stream's usage unasked (vLLM's
+        # --enable-force-include-usage), and its unasked streams since the last one searched for
+        # it (router.gateway.tokens, UNASKED_SAMPLE). Never unlearned: a search costs, a miss loses a count.
+        self.volunteers_usage = False
+        self.unasked_skips = 0
 
     @property
     def state(self) -> ReplicaState:

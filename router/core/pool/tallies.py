@@ -75,10 +75,8 @@ class Tallies:
         "overloaded",
         "retries",
         "stalled",
-        "token_tenants",
-        "tokens",
+        "token_rows",
         "unserved",
-        "usage_unknown",
     )
 
     def __init__(self, max_unserved_names: int = MAX_UNSERVED_NAMES) -> None:
@@ -99,12 +97,11 @@ class Tallies:
         self.retries: dict[str, int] = {}
         self.fallbacks: dict[tuple[str, str], int] = {}
         self.unserved: dict[str, int] = {}
-        # Tokens the answers said they took, by (model, tenant): [prompt, cached, completion]
-        # (TOKEN_KINDS), added to in place: one lookup per answer.
-        self.tokens: dict[tuple[str, str], list[int]] = {}
-        # Answers that said nothing of their tokens (or nothing readable), by (model, tenant): unknown, not 0.
-        self.usage_unknown: dict[tuple[str, str], int] = {}
-        self.token_tenants: set[str] = set()
+        # By tenant, then model, one row added to in place (the end of a counted stream finds it in
+        # two lookups of names, no key made): the tokens the answers said they took (prompt, cached,
+        # completion: TOKEN_KINDS), the answers that said nothing readable of them (unknown, not 0),
+        # and the answers that said them (whether the row has token series at all).
+        self.token_rows: dict[str, dict[str, list[int]]] = {}
 
     def retried(self, model: str) -> None:
         self.retries[model] = self.retries.get(model, 0) + 1
@@ -127,37 +124,58 @@ class Tallies:
         key = (model, outcome)
         self.hold_probes[key] = self.hold_probes.get(key, 0) + 1
 
-    def _tenant_key(self, model: str, tenant: str) -> tuple[str, str]:
-        tenants = self.token_tenants
-        if tenant not in tenants:
-            if len(tenants) >= MAX_TOKEN_TENANTS:
+    def _token_row(self, model: str, tenant: str) -> list[int]:
+        """`model`'s row of `tenant`'s, made when first counted; past MAX_TOKEN_TENANTS tenants, OTHER_TENANTS'."""
+        rows = self.token_rows
+        by_model = rows.get(tenant)
+        if by_model is None:
+            if len(rows) - (OTHER_TENANTS in rows) >= MAX_TOKEN_TENANTS:
                 tenant = OTHER_TENANTS
-            else:
-                tenants.add(tenant)
-        return (model, tenant)
+            by_model = rows.get(tenant)
+            if by_model is None:
+                by_model = rows[tenant] = {}
+        row = by_model.get(model)
+        if row is None:
+            row = by_model[model] = [0, 0, 0, 0, 0]
+        return row
 
     def count_tokens(self, model: str, tenant: str, prompt: int, cached: int | None, completion: int) -> None:
         """An answer of `model` for `tenant` said it took these tokens (`cached` None: it did not say)."""
-        key = (model, tenant) if tenant in self.token_tenants else self._tenant_key(model, tenant)
-        counts = self.tokens.get(key)
-        if counts is None:
-            counts = self.tokens[key] = [0, 0, 0]
-        counts[0] += prompt
+        by_model = self.token_rows.get(tenant)
+        row = None if by_model is None else by_model.get(model)
+        if row is None:
+            row = self._token_row(model, tenant)
+        row[0] += prompt
         if cached is not None:
-            counts[1] += cached
-        counts[2] += completion
+            row[1] += cached
+        row[2] += completion
+        row[4] += 1
 
     def count_unknown_usage(self, model: str, tenant: str) -> None:
         """An answer of `model` for `tenant` said nothing readable of its tokens."""
-        key = (model, tenant) if tenant in self.token_tenants else self._tenant_key(model, tenant)
-        self.usage_unknown[key] = self.usage_unknown.get(key, 0) + 1
+        by_model = self.token_rows.get(tenant)
+        row = None if by_model is None else by_model.get(model)
+        if row is None:
+            row = self._token_row(model, tenant)
+        row[3] += 1
 
     def token_counts(self) -> dict[tuple[str, str, str], int]:
-        """The tokens by (model, tenant, kind), as the snapshot keeps them."""
+        """The tokens by (model, tenant, kind), as the snapshot keeps them: of rows with an answer that said them."""
         return {
             (model, tenant, kind): n
-            for (model, tenant), counts in self.tokens.items()
-            for kind, n in zip(TOKEN_KINDS, counts, strict=True)
+            for tenant, by_model in self.token_rows.items()
+            for model, row in by_model.items()
+            if row[4]
+            for kind, n in zip(TOKEN_KINDS, row, strict=False)
+        }
+
+    def unknown_counts(self) -> dict[tuple[str, str], int]:
+        """Answers that said nothing readable of their tokens, by (model, tenant)."""
+        return {
+            (model, tenant): row[3]
+            for tenant, by_model in self.token_rows.items()
+            for model, row in by_model.items()
+            if row[3]
         }
 
     def unserved_request(self, model: str) -> None:

@@ -499,7 +499,7 @@ class Snapshotter:
                 }
             ),
             tokens=MappingProxyType(tallies.token_counts()),
-            usage_unknown=MappingProxyType(dict(tallies.usage_unknown)),
+            usage_unknown=MappingProxyType(tallies.unknown_counts()),
             demand=MappingProxyType(demand),
             queued=MappingProxyType(pool.queued()),
             queues=MappingProxyType(

@@ -133,7 +133,9 @@ class Inference:
             int(time.time()),
             model,
             n,
-            usage=usage(prompt, n) if (obj.get("stream_options") or {}).get("include_usage") else None,
+            usage=usage(prompt, n)
+            if replica.behaviour.force_include_usage or (obj.get("stream_options") or {}).get("include_usage")
+            else None,
             finish="length" if replica.cut_short(obj, n) else "stop",
         )
         try:

@@ -45,6 +45,9 @@ class Behaviour:
     prefix_cache_blocks: int = 0
     cache_block_chars: int = 64
     prefill_seconds_per_token: float = 0.0
+    # Send a stream's usage chunk whether its client asked or not: vLLM's
+    # --enable-force-include-usage, SGLang's --stream-response-default-include-usage.
+    force_include_usage: bool = False
 
 
 @dataclass
