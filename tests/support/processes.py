@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -73,6 +74,8 @@ def said(process: subprocess.Popen[bytes], pattern: re.Pattern[str], seen: list[
 
 
 # `router serve`'s line once both its ports listen (router/run/app.py), at info whatever --log-level says.
+# How long a router stopped at the end of a test may take to finish its shutdown before it is killed.
+STOP_SECONDS = 5.0
 LISTENING = re.compile(r"router listening on (http://\S+) \(clients[^)]*\) and (http://\S+) \(admin\)")
 
 
@@ -161,10 +164,18 @@ class Serve:
         await wait_for(lambda: any(text in line for line in self._lines), timeout=timeout)
 
     def output(self) -> str:
-        """Everything the process printed; kills it first if it still runs."""
+        """Everything the process printed; stops it first if it still runs.
+
+        Stopped as a person at a terminal would (SIGINT: no wait for a load balancer), so that
+        it exits through its own shutdown and its coverage data is written (a killed process
+        writes none: the supervisor's code would never count as run); killed if it hangs."""
         assert self.process is not None
         if self.process.poll() is None:
-            self.process.kill()
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
         self.process.wait(timeout=10)
         if self._reader is not None:
             self._reader.join(timeout=10)
