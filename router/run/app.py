@@ -16,7 +16,7 @@ import gc
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -42,6 +42,7 @@ from router.control.sources import (
     sources_ready,
 )
 from router.core.clock import Clock, LoopClock
+from router.core.config.models import ModelConfig
 from router.core.config.settings import Config, load_config
 from router.core.config.tenants import Queueing, unit_weight
 from router.core.errors import CannotListen, ConfigError
@@ -94,6 +95,11 @@ class Listening:
         return http_url(self.admin_address)
 
 
+def _routing(models: Mapping[str, ModelConfig]) -> dict[str, Routing]:
+    """Each model's picking policy, as its [models] table configures it."""
+    return {n: Routing(m.routing, m.balance_factor, m.prefix_replicas, m.prefix_placement) for n, m in models.items()}
+
+
 class RouterServer(Listening):
     """One router: its pool, the proxy on the client port, the admin API, the tick and its exporters.
 
@@ -135,7 +141,7 @@ class RouterServer(Listening):
                 config.ejection_failures, config.ejection_base_seconds, config.ejection_max_seconds
             ),
             limits=Limits(config.max_in_flight_per_replica, config.max_in_flight),
-            routing={n: Routing(m.routing, m.balance_factor, m.prefix_replicas) for n, m in config.models.items()},
+            routing=_routing(config.models),
             queueing=Queueing(
                 config.priority_classes,
                 config.max_queued_per_tenant,

@@ -241,15 +241,25 @@ def test_affinity_settings_are_checked(key: str, value: object, problem: str) ->
         parse_config({"models": {"m": {"routing": "session", key: value}}}, "<test>", environ={})
 
 
-def test_prefix_replicas_need_session_routing() -> None:
-    needs = r'models\."m"\.prefix_replicas: spreads the sessions of a prefix: '
-    needs += r'it needs routing = "session", not \'prefix\''
+def test_prefix_replicas_need_session_or_prefix_routing() -> None:
+    needs = r'models\."m"\.prefix_replicas: spreads a prefix over replicas: '
+    needs += r'it needs routing = "session" or "prefix", not \'least_loaded\''
     with pytest.raises(ConfigError, match=needs):
-        parse_config({"models": {"m": {"routing": "prefix", "prefix_replicas": 2}}}, "<test>", environ={})
-    with pytest.raises(ConfigError, match="not 'least_loaded'"):
         parse_config({"models": {"m": {"prefix_replicas": 2}}}, "<test>", environ={})
-    model = parse_config({"models": {"m": {"routing": "session", "prefix_replicas": 2}}}, "<test>", environ={})
-    assert model.models["m"].prefix_replicas == 2
+    for routing in ("session", "prefix"):
+        model = parse_config({"models": {"m": {"routing": routing, "prefix_replicas": 2}}}, "<test>", environ={})
+        assert model.models["m"].prefix_replicas == 2
+
+
+def test_prefix_placement_is_ring_or_learned_and_needs_prefix_routing() -> None:
+    with pytest.raises(ConfigError, match=r'models\."m"\.prefix_placement: \'hash\' is not "ring" or "learned"'):
+        parse_config({"models": {"m": {"routing": "prefix", "prefix_placement": "hash"}}}, "<test>", environ={})
+    needs = r'models\."m"\.prefix_placement: places a prompt prefix: it needs routing = "prefix", not \'session\''
+    with pytest.raises(ConfigError, match=needs):
+        parse_config({"models": {"m": {"routing": "session", "prefix_placement": "learned"}}}, "<test>", environ={})
+    model = parse_config({"models": {"m": {"routing": "prefix", "prefix_placement": "learned"}}}, "<test>", environ={})
+    assert model.models["m"].prefix_placement == "learned"
+    assert parse_config({"models": {"m": {}}}, "<test>", environ={}).models["m"].prefix_placement == "ring"
 
 
 def test_affinity_settings_are_read() -> None:

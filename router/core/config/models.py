@@ -34,8 +34,13 @@ class ModelConfig:
     prefix_chars: int = 1024
     # routing = "session": a session's replica is one of about this many around its prompt
     # prefix's place on the ring, so that a conversation's first turn finds its shared
-    # system prompt in a prefix cache (0: anywhere, by the session's key alone).
+    # system prompt in a prefix cache (0: anywhere, by the session's key alone). "prefix": a
+    # prefix's requests share this many replicas (the least loaded of them for each request).
     prefix_replicas: int = 0
+    # routing = "prefix": where a prefix's replicas are: "ring" (its place on the hash ring, the
+    # same on every router) or "learned" (the least loaded when it was first sent, and where it
+    # spilled since: its prompt cached on as few replicas as its load needs).
+    prefix_placement: str = "ring"
     balance_factor: float = 1.25
     # Scale from zero: how long a request may be held waiting for a replica
     # that answers (0: a prompt 503 as before), and how many at once.
@@ -57,6 +62,7 @@ _MODEL_KEYS = {
     "session_header",
     "prefix_chars",
     "prefix_replicas",
+    "prefix_placement",
     "balance_factor",
     "cold_start_seconds",
     "max_held",
@@ -118,9 +124,15 @@ def parse_models(
         prefix_replicas = int(
             check.number(where, f"{key}.prefix_replicas", raw.get("prefix_replicas", 0), minimum=0, integer=True)
         )
-        if prefix_replicas and routing != "session":
-            needs = f'spreads the sessions of a prefix: it needs routing = "session", not {routing!r}'
+        if prefix_replicas and routing not in ("session", "prefix"):
+            needs = f'spreads a prefix over replicas: it needs routing = "session" or "prefix", not {routing!r}'
             raise where.error(f"{key}.prefix_replicas", needs)
+        placement = check.string(where, f"{key}.prefix_placement", raw.get("prefix_placement", "ring"))
+        if placement not in ("ring", "learned"):
+            raise where.error(f"{key}.prefix_placement", f'{placement!r} is not "ring" or "learned"')
+        if placement != "ring" and routing != "prefix":
+            needs = f'places a prompt prefix: it needs routing = "prefix", not {routing!r}'
+            raise where.error(f"{key}.prefix_placement", needs)
         balance_factor = check.number(where, f"{key}.balance_factor", raw.get("balance_factor", 1.25), minimum=1.0)
         bounds = {
             name: float(check.number(where, f"{key}.{name}", raw[name], minimum=0.001)) if name in raw else None
@@ -150,6 +162,7 @@ def parse_models(
             session_header=session_header,
             prefix_chars=int(prefix_chars),
             prefix_replicas=prefix_replicas,
+            prefix_placement=placement,
             balance_factor=float(balance_factor),
             cold_start_seconds=float(cold_start),
             max_held=max_held,

@@ -24,9 +24,10 @@ import math
 import random
 from collections.abc import Callable, Container, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 from router.core.pool import ring
+from router.core.pool.policy import Policy
 from router.core.pool.ring import POINTS_PER_MEMBER, Layout
 
 # A request's key as a point of the ring (router.core.pool.ring), found here beside the policies that read it.
@@ -35,66 +36,16 @@ affinity_key = ring.affinity_key
 T = TypeVar("T", bound=Hashable)
 
 
-class Policy(Protocol[T]):
-    """How one model's replica is chosen. The pool keeps it told of every candidate and load."""
-
-    def __len__(self) -> int: ...
-
-    # A reading of one of the model's engines has come: picks weigh the engines' loads.
-    aware: bool
-
-    def __contains__(self, item: object) -> bool: ...
-
-    def __iter__(self) -> Iterator[T]: ...
-
-    def add(self, item: T, load: int) -> None: ...
-
-    def discard(self, item: T) -> None: ...
-
-    def increment(self, item: T) -> None: ...
-
-    def decrement(self, item: T) -> bool:
-        """One request less on `item`; False when it is not a candidate (nothing counted)."""
-        ...
-
-    @property
-    def lowest_load(self) -> int | None:
-        """In flight on the least loaded candidate; None with no candidate."""
-        ...
-
-    @property
-    def total_in_flight(self) -> int:
-        """Requests in flight over every candidate."""
-        ...
-
-    # Requests sent to its candidates so far.
-    picks: int
-
-    def pick(self, key: Hashable | None = None) -> T | None:
-        """The candidate for a first attempt; `key` is the request's (session, prefix) or None."""
-        ...
-
-    def pick_avoiding(self, avoid: T | None, exclude: Container[T], key: Hashable | None = None) -> T | None:
-        """A retry's candidate: never one of `exclude`, and `avoid` only if nothing else is left."""
-        ...
-
-    def hold(self) -> None:
-        """A batch of add() and discard() follows: lay out what depends on the whole set once, at settle()."""
-        ...
-
-    def settle(self) -> None:
-        """The batch is over (no pick() may come between hold() and this)."""
-        ...
-
-
 @dataclass(frozen=True, slots=True)
 class Routing:
     """A model's policy as configured: its name in POLICIES, and the bound of the hashing ones."""
 
     policy: str = "least_loaded"
     balance_factor: float = 1.25
-    # routing = "session": the replicas a prefix's sessions spread over (0: the session's key alone).
+    # The replicas a prefix spreads over (0: the key alone; BoundedHashRing).
     prefix_replicas: int = 0
+    # routing = "prefix": "ring" (a prefix's place on the ring) or "learned" (where it was first sent).
+    prefix_placement: str = "ring"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +75,12 @@ class PolicySettings:
     # routing = "session": once aware, a key stays on its home while its engine holds, whatever
     # the bounded loads say (BoundedHashRing's docstring).
     sticky: bool = False
-    # routing = "session" with prefix_replicas: how many candidates' worth of the ring a prefix's
-    # sessions spread over, from the prefix's place (BoundedHashRing._start).
+    # prefix_replicas: how many candidates' worth of the ring a prefix spreads over, from its
+    # place: a session's one of them (routing = "session", BoundedHashRing._start), or the
+    # least loaded of them for each request (routing = "prefix", BoundedHashRing._nearest_from).
     spread: int = 0
+    # routing = "prefix": the key is a prompt prefix's, shared by every client that sends it.
+    by_prefix: bool = False
 
 
 # What a session or prefix policy's first pick was: the key's own replica, one
@@ -327,6 +281,10 @@ class BoundedHashRing(LeastLoaded[T]):
     a request there waits, and the bound and the saturation decide, as
     before. A prefix key is not so: many clients share it (a popular
     system prompt), and only the bound keeps its home from taking them all.
+    With `spread` (prefix_replicas), a prefix key's requests share the
+    first `spread` candidates along the ring from its point, each to the
+    least loaded of them (_nearest_from), and spill on from there only when
+    all of them are full.
     """
 
     __slots__ = (
@@ -335,6 +293,7 @@ class BoundedHashRing(LeastLoaded[T]):
         "_holds",
         "_joining",
         "_layout",
+        "_nearest",
         "_name_of",
         "_outcomes",
         "_owners",
@@ -357,9 +316,11 @@ class BoundedHashRing(LeastLoaded[T]):
         self._sticky = settings.sticky and settings.holds is not None
         # balance_factor / the number of candidates: capacity is ceil(_scale x (in flight + 1)).
         self._scale = 0.0
-        # prefix_replicas: a prefix's sessions spread over this many candidates (_start), each
-        # candidate ranked for a session by its name's key (the same on every router).
-        self._spread = settings.spread
+        # prefix_replicas, routing = "session": a prefix's sessions spread over this many candidates
+        # (_start), each candidate ranked for a session by its name's key (the same on every router).
+        self._spread = 0 if settings.by_prefix else settings.spread
+        # prefix_replicas, routing = "prefix": each request to the least loaded of its prefix's nearest.
+        self._nearest = settings.spread if settings.by_prefix else 0
         self._salts: dict[T, int] = {}
         self._name_of = settings.name_of
         # The ring (router.core.pool.ring): sorted points, and the member of each,
@@ -438,9 +399,43 @@ class BoundedHashRing(LeastLoaded[T]):
             owner = owners[index]
             if owner in slots and owner not in seen:
                 seen.add(owner)
-                rank = _mixed(session ^ salts[owner])
+                rank = ring.mixed(session ^ salts[owner])
                 if rank > best:
                     best, chosen = rank, index
+                left -= 1
+                if not left:
+                    break
+            index += 1
+        return chosen
+
+    def _nearest_from(self, start: int, capacity: int) -> int:
+        """The ring position of the least loaded of the `_nearest` candidates from `start` (their
+        engines' view once read, else their requests in flight), the nearest among equals; `start`
+        itself when none of them has room, so that the spill walks on from there.
+
+        A prefix's requests then share the few replicas whose caches hold it, in proportion to what
+        each can take: a popular system prompt is served by all of them, where one home took it
+        to the bound and spilled the rest to replicas that had never seen it.
+        """
+        owners, slots = self._owners, self._slots
+        judge = self._judge if self.aware else None
+        left = self._nearest if self._nearest < len(slots) else len(slots)
+        seen: set[T] = set()
+        best = math.inf
+        chosen = start
+        index = start
+        last = len(owners) - 1
+        for _ in range(last + 1):
+            if index >= last:
+                index = 0
+            owner = owners[index]
+            slot = slots.get(owner)
+            if slot is not None and owner not in seen:
+                seen.add(owner)
+                if slot[0] < capacity:
+                    score = judge(owner) if judge is not None else float(slot[0])
+                    if score < best:
+                        best, chosen = score, index
                 left -= 1
                 if not left:
                     break
@@ -491,6 +486,10 @@ class BoundedHashRing(LeastLoaded[T]):
         if slot is None:
             # A resting member's point: the key's home is the next candidate along.
             start = self._candidate_from(start)
+            home = self._owners[start]
+            slot = self._slots[home]
+        if self._nearest > 1:
+            start = self._nearest_from(start, capacity)
             home = self._owners[start]
             slot = self._slots[home]
         judge = self._judge if self.aware else None
@@ -550,17 +549,6 @@ class BoundedHashRing(LeastLoaded[T]):
             if not left:
                 break
         return None
-
-
-_WORD = (1 << 64) - 1
-
-
-def _mixed(value: int) -> int:
-    """A 64-bit number's bits mixed (splitmix64's finaliser): a session's rank of a candidate."""
-    value = (value + 0x9E3779B97F4A7C15) & _WORD
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _WORD
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _WORD
-    return value ^ (value >> 31)
 
 
 # The policies a model's `routing` may name. Each is built with the pool's

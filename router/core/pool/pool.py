@@ -33,8 +33,9 @@ from router.core.pool.coldstart import ColdStart
 from router.core.pool.ejection import EjectionPolicy, Ejections
 from router.core.pool.fairness import Lines
 from router.core.pool.loads import LARGE_PROMPT_TOKENS, EngineView
-from router.core.pool.picking import Policy, Routing
+from router.core.pool.picking import Routing
 from router.core.pool.pinned import PinnedLines
+from router.core.pool.policy import Policy
 from router.core.pool.queues import Queues
 from router.core.pool.replicas import Replica, ReplicaSet, ReplicaState, SetDiff
 from router.core.pool.saturation import EngineLoads

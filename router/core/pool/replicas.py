@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.core.config.settings import ReplicaConfig
+from router.core.pool.learned import LearnedPrefixes
 from router.core.pool.loads import EngineLoad, Prefills
-from router.core.pool.picking import POLICIES, Policy, PolicySettings, Routing
+from router.core.pool.picking import POLICIES, PolicySettings, Routing
+from router.core.pool.policy import Policy
 
 
 class ReplicaState(enum.Enum):
@@ -382,8 +384,11 @@ class ReplicaSet:
                 self.holds,
                 routing.policy == "session",
                 routing.prefix_replicas,
+                routing.policy == "prefix",
             )
-            candidates = self.candidates[replica.model] = POLICIES[routing.policy](self._rng, settings)
+            # prefix_placement = "learned": a prefix's replicas learned, not hashed (router.core.pool.learned).
+            policy = LearnedPrefixes if routing.prefix_placement == "learned" else POLICIES[routing.policy]
+            candidates = self.candidates[replica.model] = policy(self._rng, settings)
         batch = self._batch
         if batch is not None and candidates not in batch.held:
             candidates.hold()

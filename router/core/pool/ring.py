@@ -168,3 +168,14 @@ class Layout(Generic[T]):
 def _insert_order(insert: tuple[int, bytes, int, object]) -> tuple[int, bytes, int]:
     # Never the member: members need not be orderable.
     return insert[0], insert[1], insert[2]
+
+
+_WORD = (1 << 64) - 1
+
+
+def mixed(value: int) -> int:
+    """A 64-bit number's bits mixed (splitmix64's finaliser): a session's rank of a candidate."""
+    value = (value + 0x9E3779B97F4A7C15) & _WORD
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _WORD
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _WORD
+    return value ^ (value >> 31)

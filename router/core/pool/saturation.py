@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from router.core.clock import Clock, Timer
 from router.core.pool.fairness import Lines
 from router.core.pool.loads import EngineLoad, EngineView
-from router.core.pool.picking import Policy
+from router.core.pool.policy import Policy
 from router.core.pool.replicas import Replica
 
 
