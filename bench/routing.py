@@ -1,7 +1,8 @@
 """Routing quality: this router's policies against SGLang's and vLLM's routers, in front of the same simulated engines.
 
     .venv/bin/python bench/routing.py [--workloads shared-prefix,multi-turn,mixed] [--loads 0.5,0.8,0.95]
-                                      [--routers ...] [--seconds 60] [--time-scale 4] [--json]
+                                      [--routers ...] [--seconds 60] [--time-scale 4] [--warmup S]
+                                      [--set KEY=VALUE] [--model-set KEY=VALUE] [--json]
 
 One fleet of 8 simulated vLLM engines (`router fake --engine vllm`,
 router/tools/fake/engine.py: continuous batching, a paged KV cache with
@@ -17,6 +18,10 @@ each router in turn:
   `engine-session`, `engine-prefix`: session and prefix routing with them;
   `engine-spread[N]`: engine-aware session routing with `prefix_replicas = N`
   (2 unless named: each system prompt's sessions over its N replicas);
+  `engine-prefixN`: engine-aware prefix routing with `prefix_replicas = N`
+  (each request of a prefix to the least loaded of its N nearest replicas);
+  `engine-learned[N]`: engine-aware prefix routing with
+  `prefix_placement = "learned"` (and `prefix_replicas = N`, where named);
 - `sglang-cache_aware`: SGLang's router, its default policy (cache_aware);
 - `vllm-cache_aware`: vLLM's router (vllm-router), its cache-aware default;
 - `vllm-power_of_two`: vLLM's router's load policy: two replicas drawn at
@@ -43,7 +48,11 @@ a second; the runs then send Poisson arrivals at 50%, 80% and 95% of it.
 Reported per run: time to first token p50 and p99, end-to-end p99, completed
 requests a second, the prefix cache's hit rate (cached over prompt tokens,
 from the answers' usage) and the spread of load (the engines' running plus
-waiting, max over mean, sampled every 100 ms and averaged). The target: at
+waiting, max over mean, sampled every 100 ms and averaged). With
+`--warmup S`, also the TTFT p99 of the requests sent after the first S
+engine seconds: a fleet's steady state, its caches filled, where the whole
+run's p99 counts each prefix's first prefill on each replica it reaches
+(a fresh fleet's first minute). The target: at
 80% load, TTFT p99 at most 0.8 times the best of every other router and
 policy, and p50 never worse than least_loaded.
 """
@@ -110,6 +119,8 @@ class Results:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     spreads: list[float] = field(default_factory=list)
+    # Times to first token of the requests sent after the warm-up (--warmup).
+    ttft_warm: list[float] = field(default_factory=list)
 
     def summary(self, seconds: float, scale: float) -> dict[str, Any]:
         def pct(values: list[float], q: float) -> float | None:
@@ -121,6 +132,7 @@ class Results:
         return {
             "ttft_p50_s": pct(self.ttft, 0.5),
             "ttft_p99_s": pct(self.ttft, 0.99),
+            "ttft_p99_warm_s": pct(self.ttft_warm, 0.99),
             "e2e_p99_s": pct(self.e2e, 0.99),
             "offered_rps": self.sent / seconds,
             "throughput_rps": self.completed / seconds,
@@ -192,7 +204,7 @@ def free_port() -> int:
 
 
 def start_router(
-    name: str, urls: list[str], tmp: Path, extra: list[str]
+    name: str, urls: list[str], tmp: Path, extra: list[str], model_extra: list[str]
 ) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
     """The router `name` in front of `urls`: its processes and the client URLs to send to."""
     if name.startswith(("sglang-", "vllm-")):
@@ -216,9 +228,17 @@ def start_router(
         return [process], [f"http://127.0.0.1:{port}"]
     count = 2 if name.endswith("-x2") else 1
     routing = name.removeprefix("engine-")
-    # engine-spread: session routing, each prefix's sessions over prefix_replicas (2) replicas.
-    spread = routing.startswith("spread")
-    routing = "session" if spread else routing if routing in ("prefix", "session") else "least_loaded"
+    # engine-spread[N]: session routing, each prefix's sessions over prefix_replicas (2) replicas;
+    # engine-prefixN: prefix routing, each prefix's requests over its N nearest (prefix_replicas).
+    # engine-learned[N]: prefix routing, each prefix's replicas learned (prefix_placement), at most N.
+    replicas = placement = ""
+    if routing.startswith("spread"):
+        routing, replicas = "session", routing.removeprefix("spread") or "2"
+    elif routing.startswith("prefix") and routing != "prefix":
+        routing, replicas = "prefix", routing.removeprefix("prefix")
+    elif routing.startswith("learned"):
+        routing, replicas, placement = "prefix", routing.removeprefix("learned"), "learned"
+    routing = routing if routing in ("prefix", "session") else "least_loaded"
     metrics = "0.05" if name.startswith("engine") else "0"
     processes, clients = [], []
     for index in range(count):
@@ -233,8 +253,11 @@ def start_router(
         for i, url in enumerate(urls):
             lines += ["[[replicas]]", f'id = "e{i}"', 'model = "m"', f'url = "{url}"', 'engine = "vllm"']
         lines += ['[models."m"]', f'routing = "{routing}"']
-        if spread:
-            lines.append(f"prefix_replicas = {name.removeprefix('engine-spread') or 2}")
+        if replicas:
+            lines.append(f"prefix_replicas = {replicas}")
+        if placement:
+            lines.append(f'prefix_placement = "{placement}"')
+        lines += model_extra
         config.write_text("\n".join(lines) + "\n")
         process = launch([sys.executable, "-m", "router", "serve", "--config", str(config), "--log-level", "info"])
         processes.append(process)
@@ -266,6 +289,8 @@ class Load:
         # and only what completed within the time counts.
         self.flood = flood
         self.end = 0.0
+        self.warmup = 0.0
+        self.warm_from = 0.0
         self.workload = workload
         self.rate = rate
         self.seconds = seconds
@@ -324,6 +349,8 @@ class Load:
             return ""
         results = self.results
         results.ttft.append(first)
+        if began >= self.warm_from:
+            results.ttft_warm.append(first)
         results.e2e.append(time.perf_counter() - began)
         if self.flood and time.perf_counter() > self.end:
             return "".join(reply)
@@ -340,6 +367,7 @@ class Load:
             tasks: list[asyncio.Task[Any]] = []
             wall = self.seconds / self.scale
             end = self.end = time.perf_counter() + wall
+            self.warm_from = end - wall + self.warmup / self.scale
             # Arrivals on a schedule of their own, not a sleep after each: a generator that falls
             # behind (a busy machine) catches up, and the offered rate stays the rate asked for.
             next_at = time.perf_counter()
@@ -425,8 +453,9 @@ def run(
     engines, urls = start_engines(args.time_scale)
     processes: list[subprocess.Popen[bytes]] = []
     try:
-        processes, clients = start_router(router, urls, tmp, args.set)
+        processes, clients = start_router(router, urls, tmp, args.set, args.model_set)
         load = Load(workload, rate, args.seconds, args.time_scale, clients, flood)
+        load.warmup = args.warmup
         results = asyncio.run(measure(load, urls))
         return results.summary(args.seconds, args.time_scale)
     finally:
@@ -460,7 +489,7 @@ def write_tokenizer(tmp: Path) -> None:
     )
 
 
-def table(results: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> str:
+def table(results: dict[str, dict[str, dict[str, dict[str, Any]]]], warm: bool = False) -> str:
     lines = []
     for workload, by_load in results.items():
         for load, by_router in by_load.items():
@@ -468,9 +497,10 @@ def table(results: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> str:
                 continue
             lines += [f"\n{workload}, {load} of capacity ({by_load['capacity']['rps']['rps']:.1f} requests/s):\n"]
             lines += [
-                "| router | TTFT p50 s | TTFT p99 s | e2e p99 s | sent/s | done/s | prefix hits | max/mean load "
-                "| errors |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+                "| router | TTFT p50 s | TTFT p99 s | "
+                + ("TTFT p99 warm s | " if warm else "")
+                + "e2e p99 s | sent/s | done/s | prefix hits | max/mean load | errors |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if warm else ""),
             ]
             for router, r in by_router.items():
 
@@ -481,8 +511,9 @@ def table(results: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> str:
                         else pattern.format(value)
                     )
 
+                warm_p99 = f"| {f(r['ttft_p99_warm_s'], '{:.3f}')} " if warm else ""
                 lines.append(
-                    f"| {router} | {f(r['ttft_p50_s'], '{:.3f}')} | {f(r['ttft_p99_s'], '{:.3f}')} "
+                    f"| {router} | {f(r['ttft_p50_s'], '{:.3f}')} | {f(r['ttft_p99_s'], '{:.3f}')} {warm_p99}"
                     f"| {f(r['e2e_p99_s'], '{:.2f}')} | {f(r['offered_rps'], '{:.1f}')} "
                     f"| {f(r['throughput_rps'], '{:.1f}')} "
                     f"| {f(r['hit_rate'], '{:.0%}')} | {f(r['max_over_mean'], '{:.2f}')} | {r['errors']} |"
@@ -497,9 +528,22 @@ def main() -> int:
     parser.add_argument("--routers", default=",".join(ROUTERS))
     parser.add_argument("--seconds", type=float, default=60.0, help="engine seconds of load per run")
     parser.add_argument("--time-scale", type=float, default=2.0)
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="engine seconds at the start of each run left out of the warm TTFT p99 (the caches filling)",
+    )
     parser.add_argument("--capacity", action="append", default=[], metavar="WORKLOAD=RPS", help="skip measuring it")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a top-level setting of this router's runs"
+    )
+    parser.add_argument(
+        "--model-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the model's table in this router's runs (balance_factor=2)",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -518,7 +562,7 @@ def main() -> int:
                     summary = run(router, workload, rps * float(share), args, tmp)
                     by_router[router] = summary
                     print(f"{workload} {share} {router}: {summary}", file=sys.stderr)
-    print(json.dumps(results) if args.json else table(results))
+    print(json.dumps(results) if args.json else table(results, warm=args.warmup > 0))
     return 0
 
 
