@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -37,6 +38,19 @@ async def state_of(serve: Serve, replica_id: str) -> str:
 
 def client(serve: Serve) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=serve.client_url + "/v1", api_key="x", max_retries=0, timeout=10)
+
+
+@contextlib.asynccontextmanager
+async def workers_before(tmp_path: Path, fake: FakeReplica) -> AsyncIterator[Serve]:
+    """`router serve --workers 2` in front of `fake` (replica r0 of model m, a vLLM engine), stopped
+    and its output read at the end."""
+    serve = Serve(tmp_path / "router.toml")
+    serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
+    await serve.start("--workers", "2")
+    try:
+        yield serve
+    finally:
+        serve.output()
 
 
 async def start_both(routers: list[Serve], fake: FakeReplica) -> None:
@@ -94,36 +108,28 @@ async def test_with_workers_the_supervisor_fences_every_worker_and_calls_the_eng
 ) -> None:
     fake = await start_fake("m", behaviour=Behaviour(tokens=12, token_delay=0.03), sleep=SleepMode())
     assert fake.sleep is not None
-    serve = Serve(tmp_path / "router.toml")
-    serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
-    await serve.start("--workers", "2")
-    try:
-        async with client(serve) as sdk:
-            # Streams on their own connections: the kernel spreads them over both workers.
-            streams = [
-                await sdk.chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": str(i)}], stream=True
-                )
-                for i in range(4)
-            ]
-            slept = asyncio.ensure_future(asyncio.to_thread(run_ctl, "sleep", "r0", "--server", serve.admin_url))
-            await wait_for_state(serve, "r0", ("draining",))
-            assert fake.sleep.calls == []
-            for stream in streams:
-                assert [chunk async for chunk in stream]
-            code, out = await asyncio.wait_for(slept, 20)
-            assert (code, out.strip()) == (0, "r0: asleep (level 1)")
-            assert fake.sleep.calls == ["sleep 1"]
-            assert fake.sleep.busy_at_sleep == [0]
-            assert await state_of(serve, "r0") == "asleep"
-            code, _ = await asyncio.to_thread(run_ctl, "wake", "r0", "--server", serve.admin_url)
-            assert code == 0
-            assert fake.sleep.calls == ["sleep 1", "wake_up"]
-            assert await state_of(serve, "r0") == "ready"
-            answer = await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
-            assert answer.choices[0].message.content
-    finally:
-        serve.output()
+    async with workers_before(tmp_path, fake) as serve, client(serve) as sdk:
+        # Streams on their own connections: the kernel spreads them over both workers.
+        streams = [
+            await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": str(i)}], stream=True)
+            for i in range(4)
+        ]
+        slept = asyncio.ensure_future(asyncio.to_thread(run_ctl, "sleep", "r0", "--server", serve.admin_url))
+        await wait_for_state(serve, "r0", ("draining",))
+        assert fake.sleep.calls == []
+        for stream in streams:
+            assert [chunk async for chunk in stream]
+        code, out = await asyncio.wait_for(slept, 20)
+        assert (code, out.strip()) == (0, "r0: asleep (level 1)")
+        assert fake.sleep.calls == ["sleep 1"]
+        assert fake.sleep.busy_at_sleep == [0]
+        assert await state_of(serve, "r0") == "asleep"
+        code, _ = await asyncio.to_thread(run_ctl, "wake", "r0", "--server", serve.admin_url)
+        assert code == 0
+        assert fake.sleep.calls == ["sleep 1", "wake_up"]
+        assert await state_of(serve, "r0") == "ready"
+        answer = await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert answer.choices[0].message.content
 
 
 async def test_with_workers_requests_on_both_wake_the_replica_with_one_call(
@@ -132,10 +138,7 @@ async def test_with_workers_requests_on_both_wake_the_replica_with_one_call(
     gate = asyncio.Event()
     fake = await start_fake("m", sleep=SleepMode(wake_gate=gate))
     assert fake.sleep is not None
-    serve = Serve(tmp_path / "router.toml")
-    serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
-    await serve.start("--workers", "2")
-    try:
+    async with workers_before(tmp_path, fake) as serve:
         code, _ = await asyncio.to_thread(run_ctl, "sleep", "r0", "--server", serve.admin_url)
         assert code == 0
         async with client(serve) as sdk:
@@ -153,16 +156,11 @@ async def test_with_workers_requests_on_both_wake_the_replica_with_one_call(
         assert fake.sleep.calls == ["sleep 1", "wake_up"]
         # Both workers asked whether it was awake (each from its own connection); one alone called.
         assert len(set(fake.sleep.checks)) >= 2
-    finally:
-        serve.output()
 
 
 async def test_a_worker_that_restarts_loads_the_replica_asleep(start_fake: StartFake, tmp_path: Path) -> None:
     fake = await start_fake("m", sleep=SleepMode())
-    serve = Serve(tmp_path / "router.toml")
-    serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
-    await serve.start("--workers", "2")
-    try:
+    async with workers_before(tmp_path, fake) as serve:
         assert serve.process is not None
         code, _ = await asyncio.to_thread(run_ctl, "sleep", "r0", "--server", serve.admin_url)
         assert code == 0
@@ -180,8 +178,6 @@ async def test_a_worker_that_restarts_loads_the_replica_asleep(start_fake: Start
         await until(merged_asleep, timeout=15, what="the restarted worker did not load r0 asleep")
         serve.signal(signal.SIGTERM)
         assert serve.process.wait(timeout=30) == 0
-    finally:
-        serve.output()
 
 
 async def post_state(serve: Serve, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -197,10 +193,7 @@ async def test_with_workers_a_second_sleep_or_a_ready_while_one_is_under_way_is_
 ) -> None:
     fake = await start_fake("m", sleep=SleepMode(sleep_seconds=1.0))
     assert fake.sleep is not None
-    serve = Serve(tmp_path / "router.toml")
-    serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
-    await serve.start("--workers", "2")
-    try:
+    async with workers_before(tmp_path, fake) as serve:
         slept = asyncio.ensure_future(post_state(serve, {"state": "asleep"}))
         await wait_for(lambda: fake.sleep is not None and fake.sleep.calls == ["sleep 1"])
         # As the single-process router answers: no second engine call, no ready racing the sleep.
@@ -212,8 +205,6 @@ async def test_with_workers_a_second_sleep_or_a_ready_while_one_is_under_way_is_
         assert (status, answer["state"]) == (200, "asleep")
         assert fake.sleep.calls == ["sleep 1"]
         assert await state_of(serve, "r0") == "asleep"
-    finally:
-        serve.output()
 
 
 async def test_with_workers_a_worker_that_is_not_told_it_sleeps_has_the_sleep_undone(
@@ -223,12 +214,9 @@ async def test_with_workers_a_worker_that_is_not_told_it_sleeps_has_the_sleep_un
     # call to it times out): the engine is woken again and every worker has the replica ready.
     fake = await start_fake("m", sleep=SleepMode(sleep_seconds=1.0))
     assert fake.sleep is not None
-    serve = Serve(tmp_path / "router.toml")
-    serve.write([{"id": "r0", "model": "m", "url": fake.url, "engine": "vllm"}])
-    await serve.start("--workers", "2")
-    assert serve.process is not None
-    stopped = children(serve.process.pid)[0]
-    try:
+    async with workers_before(tmp_path, fake) as serve:
+        assert serve.process is not None
+        stopped = children(serve.process.pid)[0]
         slept = asyncio.ensure_future(post_state(serve, {"state": "asleep"}))
         await wait_for(lambda: fake.sleep is not None and fake.sleep.calls == ["sleep 1"])
         os.kill(stopped, signal.SIGSTOP)
@@ -245,5 +233,3 @@ async def test_with_workers_a_worker_that_is_not_told_it_sleeps_has_the_sleep_un
         async with client(serve) as sdk:
             served = await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
         assert served.choices[0].message.content
-    finally:
-        serve.output()

@@ -205,17 +205,27 @@ async def test_a_request_read_whole_on_a_reused_connection_then_dropped_is_not_s
     assert raw.connections == 1
 
 
-async def test_an_idle_connection_the_replica_already_closed_is_not_used(make_client: MakeClient) -> None:
-    """The replica's close waits in the kernel, not yet seen by the event loop, when the connection is picked."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(5)
-    go, closed = threading.Event(), threading.Event()
-    received: list[bytes] = []
+class ThreadReplica:
+    """A replica on a blocking socket, in a thread of its own: two connections, one request on each,
+    each answered OK; `after_first` runs on the first connection once it is answered, before the
+    replica closes it. The thread can block where the event loop cannot: waiting for a close to
+    reach the client's kernel, or for a request to arrive that it then never reads."""
 
-    def replica() -> None:
-        with listener:
+    def __init__(self, after_first: Callable[[socket.socket], object]) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(5)
+        self.origin = Origin.parse(f"http://127.0.0.1:{self._listener.getsockname()[1]}")
+        self.received: list[bytes] = []
+        # Set as each connection is closed.
+        self.closed = threading.Event()
+        self._after_first = after_first
+        self._thread = threading.Thread(target=self._serve)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        with self._listener:
             for n in range(2):
-                conn, _ = listener.accept()
+                conn, _ = self._listener.accept()
                 with conn:
                     conn.settimeout(5)
                     data = b""
@@ -223,75 +233,62 @@ async def test_an_idle_connection_the_replica_already_closed_is_not_used(make_cl
                         if data.endswith(b"{}"):
                             break
                         data += conn.recv(65536)
-                    received.append(data)
+                    self.received.append(data)
                     conn.sendall(OK)
                     if n == 0:
-                        go.wait(5)
-                closed.set()
+                        self._after_first(conn)
+                self.closed.set()
 
-    thread = threading.Thread(target=replica)
-    thread.start()
-    origin = Origin.parse(f"http://127.0.0.1:{listener.getsockname()[1]}")
+    async def join(self) -> None:
+        await asyncio.to_thread(self._thread.join, 5)
+
+
+async def test_an_idle_connection_the_replica_already_closed_is_not_used(make_client: MakeClient) -> None:
+    """The replica's close waits in the kernel, not yet seen by the event loop, when the connection is picked."""
+    go = threading.Event()
+    replica = ThreadReplica(lambda conn: go.wait(5))
     client = make_client()
     try:
-        resp = await client.request(origin, HEAD, b"{}")
+        resp = await client.request(replica.origin, HEAD, b"{}")
         assert await resp.read() == b"hello"
         resp.release()
         go.set()
         # Blocks the event loop on purpose: the close arrives while nothing reads it.
-        assert closed.wait(5)
-        resp = await asyncio.wait_for(client.request(origin, HEAD, b"{}"), 5)
+        assert replica.closed.wait(5)
+        resp = await asyncio.wait_for(client.request(replica.origin, HEAD, b"{}"), 5)
         assert await resp.read() == b"hello"
         resp.release()
     finally:
         go.set()
-        await asyncio.to_thread(thread.join, 5)
+        await replica.join()
     # One request per connection: none was written into the closed one.
-    assert received == [HEAD + b"{}", HEAD + b"{}"]
+    assert replica.received == [HEAD + b"{}", HEAD + b"{}"]
 
 
 async def test_a_reused_connection_reset_with_the_request_unread_is_sent_again_once(make_client: MakeClient) -> None:
     """The keep-alive race as it most often ends: the replica's idle timer fires with the request
     already in its kernel, unread, and its close resets the connection (RFC 1122 4.2.2.13).
     The replica never read it: sent once more, on a fresh connection."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(5)
-    received: list[bytes] = []
     unread = threading.Event()
 
-    def replica() -> None:
-        with listener:
-            for n in range(2):
-                conn, _ = listener.accept()
-                with conn:
-                    conn.settimeout(5)
-                    data = b""
-                    for _ in range(100):
-                        if data.endswith(b"{}"):
-                            break
-                        data += conn.recv(65536)
-                    received.append(data)
-                    conn.sendall(OK)
-                    if n == 0:
-                        # The next request arrives; the replica closes without reading it.
-                        readable, _, _ = select.select([conn], [], [], 5)
-                        if readable:
-                            unread.set()
+    def close_unread(conn: socket.socket) -> None:
+        # The next request arrives; the replica closes without reading it.
+        readable, _, _ = select.select([conn], [], [], 5)
+        if readable:
+            unread.set()
 
-    thread = threading.Thread(target=replica)
-    thread.start()
-    origin = Origin.parse(f"http://127.0.0.1:{listener.getsockname()[1]}")
+    replica = ThreadReplica(close_unread)
     client = make_client()
     try:
         for _ in range(2):
-            resp = await asyncio.wait_for(client.request(origin, HEAD, b"{}"), 5)
+            resp = await asyncio.wait_for(client.request(replica.origin, HEAD, b"{}"), 5)
             assert await resp.read() == b"hello"
             resp.release()
     finally:
-        await asyncio.to_thread(thread.join, 5)
+        await replica.join()
     assert unread.is_set()
     # Read once on each connection: the one the reset dropped was never read.
-    assert received == [HEAD + b"{}", HEAD + b"{}"]
+    assert replica.received == [HEAD + b"{}", HEAD + b"{}"]
 
 
 BIG = b"x" * (32 * 1024 * 1024)  # far more than the kernel's buffers hold for a replica that reads nothing
