@@ -11,13 +11,10 @@ from typing import Any
 
 import aiohttp
 import orjson
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.core.config.settings import ReplicaConfig
-from router.core.pool import learned
-from router.core.pool.learned import LearnedPrefixes
 from router.core.pool.picking import BoundedHashRing, PolicySettings, Routing, affinity_key
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import ReplicaState
@@ -280,86 +277,6 @@ def test_a_prefix_whose_nearest_replicas_are_full_spills_along_the_ring() -> Non
     assert ring.pick_avoiding(nearest[2], (), prefix) not in (None, nearest[2])
 
 
-def learned_ring(names: list[str], spread: int = 0) -> LearnedPrefixes[str]:
-    policy: LearnedPrefixes[str] = LearnedPrefixes(random.Random(1), PolicySettings("m", spread=spread, by_prefix=True))
-    for name in names:
-        policy.add(name, 0)
-    return policy
-
-
-PROMPTS = [affinity_key(f"system prompt {n}".encode()) for n in range(8)]
-
-
-def sent(ring: LearnedPrefixes[str], key: bytes) -> str:
-    """Pick for `key`, and hold the request there."""
-    replica = ring.pick(key)
-    assert replica is not None
-    ring.increment(replica)
-    return replica
-
-
-def test_learned_prefixes_are_placed_where_the_load_is_least_and_stay_there() -> None:
-    names = [f"r{i}" for i in range(4)]
-    ring = learned_ring(names)
-    # Four prompts first seen while the others are held: one replica each, whatever their hashes.
-    placed = {key: sent(ring, key) for key in PROMPTS[:4]}
-    assert sorted(placed.values()) == names
-    # Each comes back to its own while it has room (below ceil(1.25 x (in flight + 1) / 4)).
-    for key, replica in placed.items():
-        ring.decrement(replica)
-        assert ring.pick(key) == replica
-
-
-def test_a_learned_prefix_spills_to_the_least_loaded_which_then_shares_it() -> None:
-    names = [f"r{i}" for i in range(4)]
-    ring = learned_ring(names)
-    home = sent(ring, PROMPTS[0])
-    # Its replica full: the least loaded of all takes the next, and is one of the prefix's from then on.
-    for _ in range(4):
-        ring.increment(home)
-    other = sent(ring, PROMPTS[0])
-    assert other != home
-    for name in names:
-        if name not in (home, other):
-            # The rest loaded level with the prefix's second: the prefix does not spread to them.
-            ring.increment(name)
-    picks = [sent(ring, PROMPTS[0]) for _ in range(3)]
-    assert set(picks) <= {home, other}
-    # A request of it that finds both full goes to the least loaded, a third of its replicas.
-    assert ring.pick(PROMPTS[0]) not in (home, other, None)
-
-
-def test_prefix_replicas_bound_the_replicas_a_learned_prefix_spreads_over() -> None:
-    names = [f"r{i}" for i in range(6)]
-    ring = learned_ring(names, spread=2)
-    served = [sent(ring, PROMPTS[0]) for _ in range(30)]
-    # Past its two, a full prefix's requests go to the least loaded without it becoming a third.
-    assert ring.learned(PROMPTS[0]) == list(dict.fromkeys(served))[:2]
-    assert len(set(served)) == 6
-
-
-def test_a_learned_prefix_whose_replica_leaves_is_placed_again() -> None:
-    names = [f"r{i}" for i in range(3)]
-    ring = learned_ring(names)
-    home = sent(ring, PROMPTS[0])
-    ring.decrement(home)
-    ring.discard(home)
-    again = ring.pick(PROMPTS[0])
-    assert again not in (home, None)
-    assert ring.learned(PROMPTS[0]) == [again]
-
-
-def test_the_least_recently_used_learned_prefix_is_forgotten_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(learned, "LEARNED_PREFIXES", 4)
-    ring = learned_ring(["r0", "r1"])
-    for key in PROMPTS[:4]:
-        ring.pick(key)
-    # The first used again: the second is now the least recently used, and the fifth pushes it out.
-    ring.pick(PROMPTS[0])
-    ring.pick(PROMPTS[4])
-    assert ring.learned_keys() == [PROMPTS[2], PROMPTS[3], PROMPTS[0], PROMPTS[4]]
-
-
 # Through the router ----------------------------------------------------------------------------------
 
 
@@ -525,32 +442,6 @@ async def test_a_popular_prefix_is_served_by_its_prefix_replicas_and_no_others(
         )
     # Both of its replicas share the prefix's requests, half each; the other four see none.
     assert sorted(Counter(answered).values()) == [6, 6]
-
-
-async def test_learned_prefixes_go_one_to_a_replica_and_come_back_to_it(
-    start_fake: StartFake, start_router: StartRouter
-) -> None:
-    # Each answer held a moment, so that the first requests are in flight together.
-    server, _ = await start_fleet(
-        start_fake,
-        start_router,
-        4,
-        "prefix",
-        Behaviour(tokens=2, first_token_delay=1.0),
-        prefix_chars=256,
-        prefix_placement="learned",
-    )
-    systems = [{"role": "system", "content": f"You are assistant number {n}. " * 20} for n in range(4)]
-
-    def body(n: int, question: str) -> dict[str, Any]:
-        return {**CHAT, "messages": [systems[n], {"role": "user", "content": question}]}
-
-    async with aiohttp.ClientSession() as session:
-        first = await asyncio.gather(*(ask(session, server, body(n, "first")) for n in range(4)))
-        # Four prompts first sent together: one to each replica, whatever their hashes.
-        assert sorted(first) == ["r0", "r1", "r2", "r3"]
-        again = [await ask(session, server, body(n, "again")) for n in range(4)]
-    assert again == first
 
 
 async def test_the_replica_header_is_off_unless_asked_for(start_fake: StartFake, start_router: StartRouter) -> None:

@@ -5,9 +5,11 @@ of them on one replica as often as not; the bounded load then spills them to rep
 have never seen them, each spill a prefill of the whole prompt. Here a prefix's first request
 goes where the load is least, so the popular prompts start on different replicas, and its
 later requests go back to the replicas it was sent to, whose prefix caches hold it: the least
-loaded of them with room. Only when none has room does the least loaded of all take one,
-and join the prefix's replicas (up to prefix_replicas of them, where set). What a router
-learned is its own: another router, or this one restarted, places a prefix anew.
+loaded of them with room. Once the engines are read, one whose engine queues nothing has
+room above the bounded load too: its batch takes the request in at once, where a replica that
+never saw the prompt prefills it whole. Only when none has room does the least loaded of all
+take one, and join the prefix's replicas (up to prefix_replicas of them, where set). What a
+router learned is its own: another router, or this one restarted, places a prefix anew.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ _NONE: Final = AFFINITY_OUTCOMES.index("none")
 class LearnedPrefixes(LeastLoaded[T]):
     """Prefix keys to the replicas they were sent to; the bounded load of BoundedHashRing.
 
-    A candidate takes a key's request only while its requests in flight are below
-    ceil(balance_factor x (in flight over all candidates + 1) / candidates), and, once the
-    model's engines are read (`aware`), while its engine is not saturated. A request without
-    a key, and a retry, goes to the least loaded candidate, as with least_loaded.
+    A candidate takes a key's request while its requests in flight are below
+    ceil(balance_factor x (in flight over all candidates + 1) / candidates), or, once the
+    model's engines are read (`aware`), while a fresh reading says nothing waits in its engine
+    (EngineView.takes); never when its engine is saturated. A request without a key, and a
+    retry, goes to the least loaded candidate, as with least_loaded.
     """
 
-    __slots__ = ("_factor", "_learned", "_limit", "_outcomes", "_per_replica", "_scale")
+    __slots__ = ("_factor", "_learned", "_limit", "_outcomes", "_per_replica", "_scale", "_takes")
 
     def __init__(self, rng: random.Random | None = None, settings: PolicySettings | None = None) -> None:
         super().__init__(rng, settings)
@@ -47,6 +50,7 @@ class LearnedPrefixes(LeastLoaded[T]):
         self._factor = settings.balance_factor
         self._per_replica = settings.per_replica
         self._outcomes = settings.outcomes
+        self._takes = settings.takes
         # prefix_replicas: the most replicas a prefix joins (0: as many as its load needs).
         self._limit = settings.spread
         # balance_factor / the number of candidates: capacity is ceil(_scale x (in flight + 1)).
@@ -97,11 +101,18 @@ class LearnedPrefixes(LeastLoaded[T]):
         slots = self._slots
         capacity = self.capacity()
         judge = self._judge if self.aware else None
+        # Once the engines are read, a replica of the prefix whose engine queues nothing has room
+        # above the bound too: its batch takes the request in at once, where one that never saw
+        # the prompt prefills it whole (below the per-replica limit, where set).
+        takes = self._takes if judge is not None else None
+        limit = self._per_replica
         best = math.inf
         found: T | None = None
         for replica in replicas:
             slot = slots.get(replica)
-            if slot is not None and slot[0] < capacity:
+            if slot is None:
+                continue
+            if slot[0] < capacity or (takes is not None and takes(replica) and not (limit and slot[0] >= limit)):
                 score = judge(replica) if judge is not None else float(slot[0])
                 if score < best:
                     best, found = score, replica

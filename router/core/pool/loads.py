@@ -281,6 +281,13 @@ class EngineView:
         prefills = replica.prefills
         return prefills is None or prefills.left(now) <= 0
 
+    def takes(self, replica: Engined) -> bool:
+        """Whether a fresh reading says nothing waits in the replica's engine: its batch takes a request
+        in at its next step. A learned prefix stays on its replicas on this (router.core.pool.learned),
+        whose caches hold the prompt that a large-prompt estimate would count as prefilling."""
+        load = replica.load
+        return load is not None and not load.queues and self._now() - load.at <= self.stale_after
+
     def wants(self, replica: Engined) -> bool:
         """Whether the replica's reading is old enough to be renewed (an answer's ORCA header)."""
         load = replica.load

@@ -81,6 +81,8 @@ class PolicySettings:
     spread: int = 0
     # routing = "prefix": the key is a prompt prefix's, shared by every client that sends it.
     by_prefix: bool = False
+    # Whether a fresh reading says nothing waits in a candidate's engine (EngineView.takes).
+    takes: Callable[[Any], bool] | None = None
 
 
 # What a session or prefix policy's first pick was: the key's own replica, one

@@ -131,9 +131,7 @@ class Pool:
         # Models whose held requests wait for a replica that answers.
         self._cold = self.cold_start.cold
         if engines is not None:
-            self._set.judge = engines.judge
-            self._set.least = engines.least
-            self._set.holds = engines.holds
+            self._set.read_by(engines)
             self.engine_loads = EngineLoads(
                 engines, clock, self._candidates, self._waiting, self.touched, hand_off=self._hand_off
             )

@@ -18,7 +18,7 @@ from typing import Any
 
 from router.core.config.settings import ReplicaConfig
 from router.core.pool.learned import LearnedPrefixes
-from router.core.pool.loads import EngineLoad, Prefills
+from router.core.pool.loads import EngineLoad, EngineView, Prefills
 from router.core.pool.picking import POLICIES, PolicySettings, Routing
 from router.core.pool.policy import Policy
 
@@ -189,6 +189,7 @@ class ReplicaSet:
         "joined",
         "holds",
         "judge",
+        "takes",
         "least",
         "leaving",
         "models",
@@ -244,6 +245,8 @@ class ReplicaSet:
         self.least: Callable[[Iterable[Replica], Replica | None, Container[Replica], random.Random], Any] | None = None
         # ... and whether a fresh reading says a replica's engine takes requests in as they come (EngineView.holds).
         self.holds: Callable[[Replica], bool] | None = None
+        # ... and whether a fresh reading says nothing waits there (EngineView.takes).
+        self.takes: Callable[[Replica], bool] | None = None
         # While a whole set is applied: the policies holding their changes, and
         # the models whose waiters are told once it is in.
         self._batch: _Batch | None = None
@@ -361,6 +364,10 @@ class ReplicaSet:
         if replica.in_flight:
             self.leaving.add(replica)
 
+    def read_by(self, engines: EngineView) -> None:
+        """Policies made from now on pick by the engines' readings (router.core.pool.loads)."""
+        self.judge, self.least, self.holds, self.takes = engines.judge, engines.least, engines.holds, engines.takes
+
     def refresh(self, replica: Replica) -> None:
         """Make `replica` a candidate of its model's policy if it is ready, and no longer one if not.
 
@@ -385,6 +392,7 @@ class ReplicaSet:
                 routing.policy == "session",
                 routing.prefix_replicas,
                 routing.policy == "prefix",
+                self.takes,
             )
             # prefix_placement = "learned": a prefix's replicas learned, not hashed (router.core.pool.learned).
             policy = LearnedPrefixes if routing.prefix_placement == "learned" else POLICIES[routing.policy]
