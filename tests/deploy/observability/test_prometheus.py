@@ -305,7 +305,14 @@ async def run_load(fleet: Fleet, prom: Prometheus) -> None:
     # Held: no replica of cold yet; the router calls wake_url (the scaler) and waits.
     held = asyncio.create_task(fleet.ask(a, "cold"))
     await fleet.garbage()
+
     # RouterUnservedDemand's 0.1/s is averaged over 10 minutes: more than 60 requests found nothing.
+    # rate() counts what a counter gained between samples, so the burst waits for the series' first one:
+    # on a loaded machine the first scrape after the loop's first ghost came once the burst was over.
+    async def ghost_scraped() -> bool:
+        return bool((await prom.api("query", query='router_unserved_requests_total{model="ghost"}'))["result"])
+
+    await until(ghost_scraped, timeout=15)
     for _ in range(10):
         await asyncio.gather(*(fleet.ask(a, "ghost") for _ in range(8)))
     for _ in range(3):
