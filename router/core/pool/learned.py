@@ -19,7 +19,7 @@ import random
 from collections.abc import Hashable
 from typing import Any, Final, TypeVar
 
-from router.core.pool.picking import AFFINITY_OUTCOMES, LeastLoaded, PolicySettings
+from router.core.pool.picking import AFFINITY_OUTCOMES, BoundedLoads, PolicySettings
 
 T = TypeVar("T", bound=Hashable)
 
@@ -32,50 +32,27 @@ _SPILL: Final = AFFINITY_OUTCOMES.index("spill")
 _NONE: Final = AFFINITY_OUTCOMES.index("none")
 
 
-class LearnedPrefixes(LeastLoaded[T]):
-    """Prefix keys to the replicas they were sent to; the bounded load of BoundedHashRing.
+class LearnedPrefixes(BoundedLoads[T]):
+    """Prefix keys to the replicas they were sent to, each taking a key's request under BoundedLoads' bound.
 
-    A candidate takes a key's request while its requests in flight are below
-    ceil(balance_factor x (in flight over all candidates + 1) / candidates), or, once the
-    model's engines are read (`aware`), while a fresh reading says nothing waits in its engine
-    (EngineView.takes); never when its engine is saturated. A request without a key, and a
-    retry, goes to the least loaded candidate, as with least_loaded.
+    Once the model's engines are read (`aware`), a key's replica also takes it above the
+    bound while a fresh reading says nothing waits in its engine (EngineView.takes); never
+    when its engine is saturated. A request without a key, and a retry, goes to the least
+    loaded candidate, as with least_loaded.
     """
 
-    __slots__ = ("_factor", "_learned", "_limit", "_outcomes", "_per_replica", "_scale", "_takes")
+    __slots__ = ("_learned", "_limit", "_takes")
 
     def __init__(self, rng: random.Random | None = None, settings: PolicySettings | None = None) -> None:
         super().__init__(rng, settings)
         settings = settings or PolicySettings()
-        self._factor = settings.balance_factor
-        self._per_replica = settings.per_replica
-        self._outcomes = settings.outcomes
         self._takes = settings.takes
         # prefix_replicas: the most replicas a prefix joins (0: as many as its load needs).
         self._limit = settings.spread
-        # balance_factor / the number of candidates: capacity is ceil(_scale x (in flight + 1)).
-        self._scale = 0.0
         # Per prefix key, the replicas it was sent to; the most recently used prefix last (a dict
         # keeps its order of insertion, and a pick takes its key out and puts it back).
-        self._learned: dict[Any, list[T]] = {}
-
-    def add(self, item: T, load: int) -> None:
-        super().add(item, load)
-        self._scale = self._factor / len(self._slots)
-
-    def discard(self, item: T) -> None:
-        if item not in self._slots:
-            return
-        super().discard(item)
         # A prefix's replica that is gone is dropped from its list when the prefix next spills.
-        self._scale = self._factor / len(self._slots) if self._slots else 0.0
-
-    def capacity(self) -> int:
-        """In flight a candidate may have and still take a key: it takes one while below this."""
-        bound = math.ceil(self._scale * (self._total + 1))
-        if self._per_replica and self._per_replica < bound:
-            return self._per_replica
-        return bound
+        self._learned: dict[Any, list[T]] = {}
 
     def pick(self, key: Any = None) -> T | None:
         """The least loaded of the key's replicas with room; else the least loaded of all, which

@@ -250,11 +250,50 @@ class LeastLoaded(Generic[T]):
         """As hold()."""
 
 
+class BoundedLoads(LeastLoaded[T]):
+    """LeastLoaded's bookkeeping, and the bound of consistent hashing with bounded loads.
+
+    A candidate takes a key's request only while its requests in flight are below
+    ceil(balance_factor x (in flight over all candidates + 1) / candidates), the average
+    counting the request being placed, and never at the pool's per-replica limit. What the
+    policies that keep a key on its replicas share: the ring (BoundedHashRing) and the
+    learned placement (router.core.pool.learned).
+    """
+
+    __slots__ = ("_factor", "_outcomes", "_per_replica", "_scale")
+
+    def __init__(self, rng: random.Random | None = None, settings: PolicySettings | None = None) -> None:
+        super().__init__(rng, settings)
+        settings = settings or PolicySettings()
+        self._factor = settings.balance_factor
+        self._per_replica = settings.per_replica
+        self._outcomes = settings.outcomes
+        # balance_factor / the number of candidates: capacity is ceil(_scale x (in flight + 1)).
+        self._scale = 0.0
+
+    def add(self, item: T, load: int) -> None:
+        super().add(item, load)
+        self._scale = self._factor / len(self._slots)
+
+    def discard(self, item: T) -> None:
+        if item not in self._slots:
+            return
+        super().discard(item)
+        self._scale = self._factor / len(self._slots) if self._slots else 0.0
+
+    def capacity(self) -> int:
+        """In flight a candidate may have and still take a key: it takes one while below this."""
+        bound = math.ceil(self._scale * (self._total + 1))
+        if self._per_replica and self._per_replica < bound:
+            return self._per_replica
+        return bound
+
+
 # Points per candidate on the ring (router.core.pool.ring).
 POINTS_PER_CANDIDATE = POINTS_PER_MEMBER
 
 
-class BoundedHashRing(LeastLoaded[T]):
+class BoundedHashRing(BoundedLoads[T]):
     """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, 2018).
 
     Each candidate has POINTS_PER_CANDIDATE points on a ring of 64-bit
@@ -290,19 +329,15 @@ class BoundedHashRing(LeastLoaded[T]):
     """
 
     __slots__ = (
-        "_factor",
         "_held",
         "_holds",
         "_joining",
         "_layout",
         "_nearest",
         "_name_of",
-        "_outcomes",
         "_owners",
-        "_per_replica",
         "_points",
         "_salts",
-        "_scale",
         "_spread",
         "_sticky",
     )
@@ -310,14 +345,9 @@ class BoundedHashRing(LeastLoaded[T]):
     def __init__(self, rng: random.Random | None = None, settings: PolicySettings | None = None) -> None:
         super().__init__(rng, settings)
         settings = settings or PolicySettings()
-        self._factor = settings.balance_factor
-        self._per_replica = settings.per_replica
-        self._outcomes = settings.outcomes
         # Session routing's keep-home rule, once aware: only with the engines' readings to go by.
         self._holds = settings.holds
         self._sticky = settings.sticky and settings.holds is not None
-        # balance_factor / the number of candidates: capacity is ceil(_scale x (in flight + 1)).
-        self._scale = 0.0
         # prefix_replicas, routing = "session": a prefix's sessions spread over this many candidates
         # (_start), each candidate ranked for a session by its name's key (the same on every router).
         self._spread = 0 if settings.by_prefix else settings.spread
@@ -342,7 +372,6 @@ class BoundedHashRing(LeastLoaded[T]):
 
     def add(self, item: T, load: int) -> None:
         super().add(item, load)
-        self._scale = self._factor / len(self._slots)
         if self._spread:
             self._salts[item] = int.from_bytes(affinity_key(self._name_of(item).encode()), "big")
         self._joining[item] = None
@@ -353,7 +382,6 @@ class BoundedHashRing(LeastLoaded[T]):
         if item not in self._slots:
             return
         super().discard(item)
-        self._scale = self._factor / len(self._slots) if self._slots else 0.0
         self._salts.pop(item, None)
         # Its points rest on the ring: nothing to lay out, unless resting ones grow too many.
         self._joining.pop(item, None)
@@ -373,25 +401,14 @@ class BoundedHashRing(LeastLoaded[T]):
         self._points = layout.points
         self._owners = layout.owners
 
-    def _start(self, key: bytes) -> int:
-        """Where a key of a prompt prefix and a session (the two keys, 16 bytes) starts on the ring: the
-        point of one of the first `spread` candidates from the prefix's point, the one the session
-        ranks highest (rendezvous hashing).
+    def _first_candidates(self, start: int, count: int) -> list[int]:
+        """The ring positions of the first `count` distinct candidates at or after `start` (all, if fewer).
 
-        The sessions of one system prompt then meet on a few replicas, whose prefix caches hold it
-        for each one's first turn, and a session keeps its one of them while that one stays: a
-        candidate joining or leaving the few moves only the sessions it wins or held.
-        (A point of the ring can only be found by walking it: each member has many points.)
+        (A member's candidates can only be found by walking the ring: each has many points.)
         """
-        start = bisect.bisect_left(self._points, key[:8])
-        owners, slots, salts = self._owners, self._slots, self._salts
-        left = self._spread if self._spread < len(slots) else len(slots)
-        if left < 2:
-            return start
-        session = int.from_bytes(key[8:16], "big")
+        owners, slots = self._owners, self._slots
         seen: set[T] = set()
-        best = -1
-        chosen = start
+        found: list[int] = []
         index = start
         last = len(owners) - 1
         for _ in range(last + 1):
@@ -401,13 +418,32 @@ class BoundedHashRing(LeastLoaded[T]):
             owner = owners[index]
             if owner in slots and owner not in seen:
                 seen.add(owner)
-                rank = ring.mixed(session ^ salts[owner])
-                if rank > best:
-                    best, chosen = rank, index
-                left -= 1
-                if not left:
+                found.append(index)
+                if len(found) == count:
                     break
             index += 1
+        return found
+
+    def _start(self, key: bytes) -> int:
+        """Where a key of a prompt prefix and a session (the two keys, 16 bytes) starts on the ring: the
+        point of one of the first `spread` candidates from the prefix's point, the one the session
+        ranks highest (rendezvous hashing).
+
+        The sessions of one system prompt then meet on a few replicas, whose prefix caches hold it
+        for each one's first turn, and a session keeps its one of them while that one stays: a
+        candidate joining or leaving the few moves only the sessions it wins or held.
+        """
+        start = bisect.bisect_left(self._points, key[:8])
+        if self._spread < 2 or len(self._slots) < 2:
+            return start
+        owners, salts = self._owners, self._salts
+        session = int.from_bytes(key[8:16], "big")
+        best = -1
+        chosen = start
+        for index in self._first_candidates(start, self._spread):
+            rank = ring.mixed(session ^ salts[owners[index]])
+            if rank > best:
+                best, chosen = rank, index
         return chosen
 
     def _nearest_from(self, start: int, capacity: int) -> int:
@@ -421,27 +457,15 @@ class BoundedHashRing(LeastLoaded[T]):
         """
         owners, slots = self._owners, self._slots
         judge = self._judge if self.aware else None
-        left = self._nearest if self._nearest < len(slots) else len(slots)
-        seen: set[T] = set()
         best = math.inf
         chosen = start
-        index = start
-        last = len(owners) - 1
-        for _ in range(last + 1):
-            if index >= last:
-                index = 0
+        for index in self._first_candidates(start, self._nearest):
             owner = owners[index]
-            slot = slots.get(owner)
-            if slot is not None and owner not in seen:
-                seen.add(owner)
-                if slot[0] < capacity:
-                    score = judge(owner) if judge is not None else float(slot[0])
-                    if score < best:
-                        best, chosen = score, index
-                left -= 1
-                if not left:
-                    break
-            index += 1
+            load = slots[owner][0]
+            if load < capacity:
+                score = judge(owner) if judge is not None else float(load)
+                if score < best:
+                    best, chosen = score, index
         return chosen
 
     def home(self, key: bytes) -> T | None:
@@ -463,13 +487,6 @@ class BoundedHashRing(LeastLoaded[T]):
                 return index
             index += 1
         raise AssertionError("a candidate without points on the ring")
-
-    def capacity(self) -> int:
-        """In flight a candidate may have and still take a key: it takes one while below this."""
-        bound = math.ceil(self._scale * (self._total + 1))
-        if self._per_replica and self._per_replica < bound:
-            return self._per_replica
-        return bound
 
     def pick(self, key: Any = None) -> T | None:
         """The key's home, or the next candidate along the ring with room; least loaded without a key."""
