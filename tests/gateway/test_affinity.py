@@ -28,8 +28,10 @@ from tests.support.waiting import tick
 KEYS = [affinity_key(f"session-{i}".encode()) for i in range(10_000)]
 
 
-def ring_of(names: list[str], factor: float = 1.25) -> BoundedHashRing[str]:
-    ring: BoundedHashRing[str] = BoundedHashRing(random.Random(1), PolicySettings("m", balance_factor=factor))
+def ring_of(names: list[str], factor: float = 1.25, spread: int = 0, by_prefix: bool = False) -> BoundedHashRing[str]:
+    """The ring of `names`, each at 0 in flight; `spread` is prefix_replicas, `by_prefix` routing = "prefix"."""
+    settings = PolicySettings("m", balance_factor=factor, spread=spread, by_prefix=by_prefix)
+    ring: BoundedHashRing[str] = BoundedHashRing(random.Random(1), settings)
     for name in names:
         ring.add(name, 0)
     return ring
@@ -158,18 +160,11 @@ def test_the_prompt_text_is_what_the_engine_reads_in_order() -> None:
     assert 1024 <= len(prompt_text(long, 1024)) < 1024 + 110
 
 
-def spread_ring(names: list[str], spread: int) -> BoundedHashRing[str]:
-    ring: BoundedHashRing[str] = BoundedHashRing(random.Random(1), PolicySettings("m", spread=spread))
-    for name in names:
-        ring.add(name, 0)
-    return ring
-
-
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(2, 12), spread=st.integers(2, 4), salt=st.integers(0, 10**6))
 def test_the_sessions_of_a_prefix_meet_on_prefix_replicas_of_the_ring(n: int, spread: int, salt: int) -> None:
     names = [f"r{i}" for i in range(n)]
-    ring = spread_ring(names, spread)
+    ring = ring_of(names, spread=spread)
     prefix = affinity_key(f"system prompt {salt}".encode())
     homes = {s: ring.pick(prefix + s) for s in KEYS[:300]}
     # As many replicas as asked, or the whole fleet when it is smaller; each session on one of them.
@@ -184,7 +179,7 @@ def test_the_sessions_of_a_prefix_meet_on_prefix_replicas_of_the_ring(n: int, sp
 
 def test_a_replica_leaving_moves_only_the_sessions_it_held_or_its_successor_wins() -> None:
     names = [f"r{i}" for i in range(8)]
-    ring = spread_ring(names, 2)
+    ring = ring_of(names, spread=2)
     prefix = affinity_key(b"You are a careful assistant.")
     before = {s: ring.home(prefix + s) for s in KEYS[:1000]}
     held = Counter(home for home in before.values() if home is not None)
@@ -198,7 +193,7 @@ def test_a_replica_leaving_moves_only_the_sessions_it_held_or_its_successor_wins
     moved = [s for s in stayed if after[s] != kept]
     assert len(moved) < len(stayed) * 0.7
     # A replica that is not one of the first two along the ring from the prefix's point moves none.
-    ring = spread_ring(names, 2)
+    ring = ring_of(names, spread=2)
     start = bisect.bisect_left(ring._points, prefix)
     along = [owner for _, owner in candidates_after(ring, start)]
     nearest = list(dict.fromkeys(along))[:2]
@@ -220,7 +215,7 @@ def candidates_after(ring: BoundedHashRing[str], start: int) -> list[tuple[bytes
 
 def test_a_full_replica_spills_a_spread_session_along_the_ring() -> None:
     names = [f"r{i}" for i in range(4)]
-    ring = spread_ring(names, 2)
+    ring = ring_of(names, spread=2)
     prefix = affinity_key(b"system")
     home = ring.pick(prefix + KEYS[0])
     assert home is not None
@@ -232,20 +227,12 @@ def test_a_full_replica_spills_a_spread_session_along_the_ring() -> None:
     assert ring.pick_avoiding(spilled, {home}, prefix + KEYS[0]) not in (home, spilled)
 
 
-def prefix_ring(names: list[str], spread: int, factor: float = 1.25) -> BoundedHashRing[str]:
-    settings = PolicySettings("m", balance_factor=factor, spread=spread, by_prefix=True)
-    ring: BoundedHashRing[str] = BoundedHashRing(random.Random(1), settings)
-    for name in names:
-        ring.add(name, 0)
-    return ring
-
-
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(2, 12), spread=st.integers(2, 4), salt=st.integers(0, 10**6))
 def test_a_prefix_shares_the_least_loaded_of_its_nearest_replicas(n: int, spread: int, salt: int) -> None:
     names = [f"r{i}" for i in range(n)]
     # A bound far off: what is tested here is the choice among the nearest.
-    ring = prefix_ring(names, spread, factor=100.0)
+    ring = ring_of(names, 100.0, spread=spread, by_prefix=True)
     prefix = affinity_key(f"system prompt {salt}".encode())
     nearest = nearest_of(ring, prefix)[: min(spread, n)]
     # Quiet, the prefix goes where it goes without the setting: its home, the nearest.
@@ -266,7 +253,7 @@ def test_a_prefix_shares_the_least_loaded_of_its_nearest_replicas(n: int, spread
 
 def test_a_prefix_whose_nearest_replicas_are_full_spills_along_the_ring() -> None:
     names = [f"r{i}" for i in range(6)]
-    ring = prefix_ring(names, 2)
+    ring = ring_of(names, spread=2, by_prefix=True)
     prefix = affinity_key(b"You are a careful assistant.")
     nearest = nearest_of(ring, prefix)
     # Each of the two past ceil(1.25 x (in flight + 1) / 6): on along the ring, to the third.
@@ -296,6 +283,21 @@ async def start_fleet(
         tick_seconds=0.05,
     )
     return server, fakes
+
+
+async def start_held_fleet(
+    start_fake: StartFake, start_router: StartRouter, n: int, **kw: Any
+) -> tuple[RouterServer, list[FakeReplica]]:
+    """Prefix routing over `n` replicas whose answers are each held a moment, so that requests sent
+    together are in flight together; the prefix is the prompt's first 256 characters."""
+    return await start_fleet(
+        start_fake, start_router, n, "prefix", Behaviour(tokens=2, first_token_delay=1.0), prefix_chars=256, **kw
+    )
+
+
+def with_system(system: str, question: str) -> dict[str, Any]:
+    """A chat request: `system`'s prompt, then the user's `question`."""
+    return {**CHAT, "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
 
 
 async def ask(
@@ -421,25 +423,12 @@ async def test_the_sessions_of_a_system_prompt_meet_on_its_prefix_replicas(
 async def test_a_popular_prefix_is_served_by_its_prefix_replicas_and_no_others(
     start_fake: StartFake, start_router: StartRouter
 ) -> None:
-    # Each answer held a moment, so that the requests are in flight together; a bound far off.
-    server, _ = await start_fleet(
-        start_fake,
-        start_router,
-        6,
-        "prefix",
-        Behaviour(tokens=2, first_token_delay=1.0),
-        prefix_chars=256,
-        prefix_replicas=2,
-        balance_factor=20,
-    )
-    system = {"role": "system", "content": "You are a careful assistant. " * 20}
+    # A bound far off.
+    server, _ = await start_held_fleet(start_fake, start_router, 6, prefix_replicas=2, balance_factor=20)
+    system = "You are a careful assistant. " * 20
     async with aiohttp.ClientSession() as session:
-        answered = await asyncio.gather(
-            *(
-                ask(session, server, {**CHAT, "messages": [system, {"role": "user", "content": f"question {i}"}]})
-                for i in range(12)
-            )
-        )
+        questions = [with_system(system, f"question {i}") for i in range(12)]
+        answered = await asyncio.gather(*(ask(session, server, body) for body in questions))
     # Both of its replicas share the prefix's requests, half each; the other four see none.
     assert sorted(Counter(answered).values()) == [6, 6]
 

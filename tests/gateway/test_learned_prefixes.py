@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
 
 import aiohttp
 import pytest
@@ -12,10 +11,8 @@ import pytest
 from router.core.pool import learned
 from router.core.pool.learned import LearnedPrefixes
 from router.core.pool.picking import PolicySettings, affinity_key
-from router.tools.fake import Behaviour
 from tests.conftest import StartFake, StartRouter
-from tests.gateway.test_affinity import ask, start_fleet
-from tests.support.clients import CHAT
+from tests.gateway.test_affinity import ask, start_held_fleet, with_system
 
 # The policy, alone ------------------------------------------------------------------------------------
 
@@ -130,24 +127,12 @@ def test_the_least_recently_used_learned_prefix_is_forgotten_first(monkeypatch: 
 async def test_learned_prefixes_go_one_to_a_replica_and_come_back_to_it(
     start_fake: StartFake, start_router: StartRouter
 ) -> None:
-    # Each answer held a moment, so that the first requests are in flight together.
-    server, _ = await start_fleet(
-        start_fake,
-        start_router,
-        4,
-        "prefix",
-        Behaviour(tokens=2, first_token_delay=1.0),
-        prefix_chars=256,
-        prefix_placement="learned",
-    )
-    systems = [{"role": "system", "content": f"You are assistant number {n}. " * 20} for n in range(4)]
-
-    def body(n: int, question: str) -> dict[str, Any]:
-        return {**CHAT, "messages": [systems[n], {"role": "user", "content": question}]}
+    server, _ = await start_held_fleet(start_fake, start_router, 4, prefix_placement="learned")
+    systems = [f"You are assistant number {n}. " * 20 for n in range(4)]
 
     async with aiohttp.ClientSession() as session:
-        first = await asyncio.gather(*(ask(session, server, body(n, "first")) for n in range(4)))
+        first = await asyncio.gather(*(ask(session, server, with_system(systems[n], "first")) for n in range(4)))
         # Four prompts first sent together: one to each replica, whatever their hashes.
         assert sorted(first) == ["r0", "r1", "r2", "r3"]
-        again = [await ask(session, server, body(n, "again")) for n in range(4)]
+        again = [await ask(session, server, with_system(systems[n], "again")) for n in range(4)]
     assert again == first
