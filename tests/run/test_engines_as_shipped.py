@@ -158,3 +158,50 @@ async def test_a_saturated_engine_holds_requests_in_the_router_until_it_frees(
     held = [line for line in lines if line.get("queued_for") == "engines"]
     assert held and all(line["queued_seconds"] > 0 for line in held)
     assert "Traceback" not in serve.output()
+
+
+async def test_a_learned_prefix_goes_back_to_the_engine_whose_cache_holds_it(serve: Serve, start_engine: Any) -> None:
+    """routing = "prefix" with prefix_placement = "learned" as it ships: four system prompts first sent
+    together take one vLLM engine each, and their next requests find their prompts in that engine's cache."""
+    urls = [start_engine("vllm", "--time-scale", "2") for _ in range(4)]
+    serve.write(
+        [{"id": f"r{n}", "model": "m", "url": url} for n, url in enumerate(urls)],
+        "engine_metrics_seconds = 0.05\nexpose_replica_header = true\n"
+        '[models.m]\nrouting = "prefix"\nprefix_chars = 256\nprefix_placement = "learned"',
+    )
+    await serve.start()
+    systems = [f"You are assistant number {n}, and a careful one. " * 12 for n in range(4)]
+
+    async with openai.AsyncOpenAI(
+        base_url=serve.client_url + "/v1", api_key="unused", max_retries=0, timeout=60
+    ) as client:
+
+        async def replica(system: str, question: str, tokens: int) -> str:
+            messages: list[ChatCompletionMessageParam] = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ]
+            raw = await client.chat.completions.with_raw_response.create(
+                model="m", messages=messages, max_tokens=tokens
+            )
+            assert raw.parse().choices[0].message.content
+            return raw.headers["x-router-replica"]
+
+        # A second of engine time each: the four are in flight together.
+        first = await asyncio.gather(*(replica(system, "first", 200) for system in systems))
+        assert sorted(first) == ["r0", "r1", "r2", "r3"]
+        again = [await replica(system, "again", 8) for system in systems]
+    assert again == first
+
+    async def prefix_hits(url: str) -> float:
+        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+            text = await resp.text()
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "vllm:prefix_cache_hits_total"
+        )
+
+    # Each engine saw its prompt twice, the second time from its cache.
+    assert all([await prefix_hits(url) > 0 for url in urls])
