@@ -146,10 +146,18 @@ class Results:
 # The fleet and the routers -------------------------------------------------------------
 
 
-def launch(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT
-    )
+def launch(command: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen[bytes]:
+    """`command` started, its output piped to be read (started_at), or with `log` appended to that file.
+
+    A process whose pipe nobody reads stops at the write that finds it full (64 KiB on
+    Linux) and, a router, answers nothing from then on: a peer, whose address is known
+    beforehand and whose output no one reads, writes to a file.
+    """
+    environment = {**os.environ, **(env or {})}
+    if log is None:
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environment, cwd=ROOT)
+    with log.open("ab") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment, cwd=ROOT)
 
 
 def started_at(process: subprocess.Popen[bytes], marker: bytes, timeout: float = 60) -> str:
@@ -219,11 +227,14 @@ def start_router(
         if peer == "sglang":
             command += ["--tokenizer-path", str(tmp / "tokenizer.json"), "--log-level", "warn"]
         else:
-            command += ["--log-level", "warning"]
+            # Its launcher offers debug, info, warning, error and critical, but its Rust side parses the
+            # name as a tracing level, which knows `warn`, not `warning`: `warning` (or `critical`) is
+            # INFO there, silently, and at INFO power_of_two logs a line for every request it routes.
+            command += ["--log-level", "error"]
             if policy == "power_of_two":
                 # Its engines' loads are polled at this interval (seconds; 30 by default).
                 command += ["--worker-startup-check-interval", "1"]
-        process = launch(command)
+        process = launch(command, log=tmp / f"{name}.log")
         wait_http(f"http://127.0.0.1:{port}/v1/models")
         return [process], [f"http://127.0.0.1:{port}"]
     count = 2 if name.endswith("-x2") else 1
