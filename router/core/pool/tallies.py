@@ -62,6 +62,30 @@ def keepable_name(name: str) -> bool:
     return len(name) <= MAX_NAME_BYTES and name.isprintable() and len(name.encode()) <= MAX_NAME_BYTES
 
 
+class TokenRow:
+    """One tenant's tokens of one model, added to in place at the end of each counted answer.
+
+    A class of its own, not a list: compiled, each count is a field of a struct added to,
+    where a list's item is read, boxed and stored again.
+    """
+
+    __slots__ = ("cached", "completion", "prompt", "said", "unknown")
+
+    def __init__(self) -> None:
+        # The tokens the answers said they took (TOKEN_KINDS).
+        self.prompt = 0
+        self.cached = 0
+        self.completion = 0
+        # The answers that said nothing readable of them (unknown, not 0).
+        self.unknown = 0
+        # The answers that said them: whether the row has token series at all.
+        self.said = 0
+
+    def counts(self) -> tuple[int, int, int]:
+        """The tokens, in TOKEN_KINDS' order."""
+        return (self.prompt, self.cached, self.completion)
+
+
 class Tallies:
     """Per-model figures of the data path that belong to no replica."""
 
@@ -98,10 +122,8 @@ class Tallies:
         self.fallbacks: dict[tuple[str, str], int] = {}
         self.unserved: dict[str, int] = {}
         # By tenant, then model, one row added to in place (the end of a counted stream finds it in
-        # two lookups of names, no key made): the tokens the answers said they took (prompt, cached,
-        # completion: TOKEN_KINDS), the answers that said nothing readable of them (unknown, not 0),
-        # and the answers that said them (whether the row has token series at all).
-        self.token_rows: dict[str, dict[str, list[int]]] = {}
+        # two lookups of names, no key made).
+        self.token_rows: dict[str, dict[str, TokenRow]] = {}
 
     def retried(self, model: str) -> None:
         self.retries[model] = self.retries.get(model, 0) + 1
@@ -124,7 +146,7 @@ class Tallies:
         key = (model, outcome)
         self.hold_probes[key] = self.hold_probes.get(key, 0) + 1
 
-    def _token_row(self, model: str, tenant: str) -> list[int]:
+    def _token_row(self, model: str, tenant: str) -> TokenRow:
         """`model`'s row of `tenant`'s, made when first counted; past MAX_TOKEN_TENANTS tenants, OTHER_TENANTS'."""
         rows = self.token_rows
         by_model = rows.get(tenant)
@@ -136,7 +158,7 @@ class Tallies:
                 by_model = rows[tenant] = {}
         row = by_model.get(model)
         if row is None:
-            row = by_model[model] = [0, 0, 0, 0, 0]
+            row = by_model[model] = TokenRow()
         return row
 
     def count_tokens(self, model: str, tenant: str, prompt: int, cached: int | None, completion: int) -> None:
@@ -145,11 +167,11 @@ class Tallies:
         row = None if by_model is None else by_model.get(model)
         if row is None:
             row = self._token_row(model, tenant)
-        row[0] += prompt
+        row.prompt += prompt
         if cached is not None:
-            row[1] += cached
-        row[2] += completion
-        row[4] += 1
+            row.cached += cached
+        row.completion += completion
+        row.said += 1
 
     def count_unknown_usage(self, model: str, tenant: str) -> None:
         """An answer of `model` for `tenant` said nothing readable of its tokens."""
@@ -157,7 +179,7 @@ class Tallies:
         row = None if by_model is None else by_model.get(model)
         if row is None:
             row = self._token_row(model, tenant)
-        row[3] += 1
+        row.unknown += 1
 
     def token_counts(self) -> dict[tuple[str, str, str], int]:
         """The tokens by (model, tenant, kind), as the snapshot keeps them: of rows with an answer that said them."""
@@ -165,17 +187,17 @@ class Tallies:
             (model, tenant, kind): n
             for tenant, by_model in self.token_rows.items()
             for model, row in by_model.items()
-            if row[4]
-            for kind, n in zip(TOKEN_KINDS, row, strict=False)
+            if row.said
+            for kind, n in zip(TOKEN_KINDS, row.counts(), strict=True)
         }
 
     def unknown_counts(self) -> dict[tuple[str, str], int]:
         """Answers that said nothing readable of their tokens, by (model, tenant)."""
         return {
-            (model, tenant): row[3]
+            (model, tenant): row.unknown
             for tenant, by_model in self.token_rows.items()
             for model, row in by_model.items()
-            if row[3]
+            if row.unknown
         }
 
     def unserved_request(self, model: str) -> None:
