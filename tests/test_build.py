@@ -111,8 +111,9 @@ def test_the_build_that_runs_is_the_build_asked_for() -> None:
     suffix = ".so" if compiled else ".py"
     here = {name: importlib.import_module(name).__file__ or "" for name in module_names()}
     assert all(path.endswith(suffix) for path in here.values()), here
-    # The histograms pick their bucket search by the build they find themselves in.
+    # The histograms pick their bucket search, and a stream's end its usage read, by the build they find themselves in.
     assert importlib.import_module("router.gateway.metrics").COMPILED is compiled
+    assert importlib.import_module("router.gateway.tokens").BYTEWISE is compiled
     # The processes the tests start (router serve, workers) import the same build.
     started = subprocess.run(
         [sys.executable, "-c", "import router.http.server.reader as m; print(m.__file__)"],

@@ -10,6 +10,7 @@ from router.core.pool.tallies import MAX_TOKEN_TENANTS, OTHER_TENANTS, Tallies
 from router.gateway.tokens import (
     MAX_USAGE_BYTES,
     TAIL_WINDOW,
+    flat_usage,
     read_stream,
     stream_tokens,
     tokens_of,
@@ -158,6 +159,60 @@ def test_reading_a_streams_last_two_reads_is_reading_their_tail(
     before_last, last = stream[:split], stream[split:]
     tail = last if len(last) >= TAIL_WINDOW else before_last[-TAIL_WINDOW:] + last
     assert read_stream(before_last, last, first) == stream_tokens(tail, first)
+
+
+# As engines write them: whole counts, details null or absent, in any order.
+_counts = st.integers(min_value=0, max_value=(1 << 53) + 2)
+_engine_usages = st.fixed_dictionaries(
+    {"prompt_tokens": _counts},
+    optional={"completion_tokens": _counts, "total_tokens": _counts, "prompt_tokens_details": st.none()},
+).flatmap(lambda usage: st.permutations(list(usage.items())).map(dict))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.one_of(_usages, _engine_usages),
+    st.binary(max_size=300),
+    st.binary(max_size=40),
+    st.integers(min_value=0, max_value=700),
+    st.sampled_from([b"", b" ", b"0", b"00", b"-", b".5", b"e3", b"\\", b"{", b"}"]),
+)
+def test_the_byte_wise_read_answers_what_the_searches_do_or_leaves_it_to_them(
+    usage: dict[str, object], before: bytes, after: bytes, split: int, twist: bytes
+) -> None:
+    """flat_usage (the compiled build's read of the usual end) gives stream_tokens' answer, or None to
+    leave it to the searches; on both builds, called directly. The twist, put just after the
+    first digit of the usage object, makes numbers and objects that orjson would read otherwise."""
+    event = chunk({"choices": [], "usage": usage})
+    digit = next((i for i in range(event.find(b'"usage"'), len(event)) if event[i : i + 1].isdigit()), None)
+    for body in (event, event if digit is None else event[: digit + 1] + twist + event[digit + 1 :]):
+        stream = before + body + after + b"data: [DONE]\n\n"
+        before_last, last = stream[:split], stream[split:]
+        tail = last if len(last) >= TAIL_WINDOW else before_last[-TAIL_WINDOW:] + last
+        found = flat_usage(before_last, last)
+        assert found is None or found == stream_tokens(tail, None), (stream, split)
+
+
+def test_the_byte_wise_read_reads_the_usual_end_wherever_the_reads_split_it() -> None:
+    usage = {"prompt_tokens": 9, "total_tokens": 73, "completion_tokens": 64, "prompt_tokens_details": None}
+    event = chunk({"id": "c", "object": "chat.completion.chunk", "choices": [], "usage": usage})
+    done = b"data: [DONE]\n\n"
+    # The event and [DONE] in one read, in two, or in one the event's end and [DONE] (the searches read that).
+    reads = [(b"x" * 600, event + done), (b"x" * 600 + event, done), (event[:-12], event[-12:] + done)]
+    for n, (before_last, last) in enumerate(reads):
+        assert flat_usage(before_last, last) == ((9, 64, None) if n < 2 else None)
+        assert read_stream(before_last, last, None) == (9, 64, None)
+    # Escaped (a model writing about usage), past the window, or numbers JSON does not write: the searches decide.
+    assert flat_usage(b"", b'data: {"text": "\\"usage\\":{\\"prompt_tokens\\":1}"}\n\n') is None
+    assert flat_usage(b"", event + b" " * TAIL_WINDOW + done) is None
+    for odd_usage in (
+        b'{"prompt_tokens":01}',
+        b'{"prompt_tokens":1234567890123456}',
+        b'{"prompt_tokens":1,"completion_tokens":null}',
+    ):
+        assert flat_usage(b"", b'data: {"usage":' + odd_usage + b"}\n\n" + done) is None
+    assert flat_usage(b"", b'data: {"usage":{"prompt_tokens":0,"completion_tokens":null2}}\n\n') is None
+    assert flat_usage(b"", b'data: {"usage":{"prompt_tokens":0,"total_tokens":null}}\n\n') == (0, 0, None)
 
 
 def test_tenants_past_the_bound_are_tallied_together_and_the_first_keep_their_own() -> None:
