@@ -19,8 +19,8 @@ the caller to count.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping
+from time import perf_counter
 from urllib.parse import quote
 
 from router.core.errors import (
@@ -63,6 +63,34 @@ WHOLE_ANSWER_BYTES = 1 << 20
 # larger bound (a compressed 1 MiB may well be a few MiB of JSON).
 FIRST_BYTES = 65536
 ID_READ_BYTES = 4 << 20
+
+
+class _Counted:
+    """A counted stream's sink: it keeps the stream's first read (and when it came) and its last
+    two, then writes.
+
+    References, no copies: what a stream says of its tokens is in its last events, maybe split
+    over two reads, or followed by [DONE] in a read of its own; its first read holds an
+    Anthropic stream's prompt and marks the time to first token (router.gateway.tokens). One
+    object per counted stream, where closures over the same took two and their cells.
+    """
+
+    __slots__ = ("before_last", "first", "first_at", "last", "write")
+
+    def __init__(self, write: Callable[[bytes], bool]) -> None:
+        self.write = write
+        self.first: bytes | None = None
+        self.first_at = 0.0
+        self.before_last = b""
+        self.last = b"\n\n"
+
+    def __call__(self, chunk: bytes) -> bool:
+        if self.first is None:
+            self.first = chunk
+            self.first_at = perf_counter()
+        self.before_last = self.last
+        self.last = chunk
+        return self.write(chunk)
 
 
 class _Remembering:
@@ -211,7 +239,7 @@ class Forwarder:
                 b"Content-Length: %d\r\n\r\n" % len(body) if body or method == "POST" else b"\r\n",
             )
         )
-        began = time.perf_counter()
+        began = perf_counter()
         try:
             # The connect timeout is the client's own; the first-byte deadline
             # runs from the request going out.
@@ -236,7 +264,7 @@ class Forwarder:
             self.ledgers.record(entry, replica, model, BROKEN)
             return Failed(UpstreamResetError(f"Replica {replica.id} failed before its answer: {exc}"), False)
         try:
-            ttfb = time.perf_counter() - began
+            ttfb = perf_counter() - began
             status = resp.status
             if orca:
                 read_orca(self.pool, replica, resp)
@@ -327,25 +355,8 @@ class Forwarder:
             last = chunk
             return write(chunk)
 
-        # Counting tokens keeps the read before the last too (a reference, no copy): what a
-        # stream says of its tokens is in its last events, maybe split over two reads, or
-        # followed by [DONE] in a read of its own. Its first read (an Anthropic stream's
-        # prompt, the time to first token) is taken by a `write` that then steps aside:
-        # nothing more runs per chunk (router.gateway.tokens).
-        before_last = b""
-        first: bytes | None = None
-        first_at = 0.0
-        counting = self._count_tokens and call.metered
-        piped = sink
-        if counting:
-
-            def counting_sink(chunk: bytes) -> bool:
-                nonlocal last, before_last
-                before_last = last
-                last = chunk
-                return write(chunk)
-
-            piped = counting_sink
+        counted = _Counted(write) if self._count_tokens and call.metered else None
+        piped: Callable[[bytes], bool] = sink if counted is None else counted
 
         try:
             # A known length passes through as a length, the writer holding the
@@ -359,17 +370,8 @@ class Forwarder:
             remembering: _Remembering | None = None
             if remember is not None:
                 write = remembering = _Remembering(write, remember, resp.header(b"content-encoding"))
-            if counting:
-                passing = write
-
-                def first_write(chunk: bytes) -> bool:
-                    nonlocal write, first, first_at
-                    first = chunk
-                    first_at = time.perf_counter()
-                    write = passing
-                    return passing(chunk)
-
-                write = first_write
+            if counted is not None:
+                counted.write = write
             try:
                 await resp.pipe(piped, writer.drain)
             except ConnectionBroken as exc:
@@ -379,7 +381,7 @@ class Forwarder:
                 # without the last-chunk; any other body just closes.
                 self.ledgers.record(entry, replica, replica.model, CUT_OFF, reason="reset")
                 log.warning("replica %s broke off an answer: %s", replica.id, exc)
-                if counting:
+                if counted is not None:
                     # A broken answer says nothing of its tokens: unknown.
                     self.ledgers.tokens(call, replica.model, None)
                 if entry is not None:
@@ -392,7 +394,8 @@ class Forwarder:
                         502, f"Replica {replica.id} broke off the stream: {exc}", "server_error", "upstream_error"
                     )
                     # Close a half-sent event first, so that the error is an event of its own.
-                    prefix = b"" if last.endswith(b"\n\n") else b"\n\n"
+                    tail = last if counted is None else counted.last
+                    prefix = b"" if tail.endswith(b"\n\n") else b"\n\n"
                     writer.abort(prefix + event + b"\n\n")
                 else:
                     writer.abort()
@@ -400,13 +403,15 @@ class Forwarder:
             if remembering is not None:
                 remembering.end()
             writer.end()
-            if counting and resp.status < 300:
-                self.ledgers.stream_ended(call, replica, before_last, last, first, first_at)
+            if counted is not None and resp.status < 300:
+                self.ledgers.stream_ended(
+                    call, replica, counted.before_last, counted.last, counted.first, counted.first_at
+                )
         except WriteStalled:
             if entry is not None:
                 entry.outcome = "stalled"
             self.pool.tallies.client_stalled(replica.model)
-            if counting:
+            if counted is not None:
                 self.ledgers.tokens(call, replica.model, None)
             log.warning(
                 "cut off a client that read nothing of its %s stream for %gs", replica.model, self._write_stall_timeout
@@ -416,6 +421,6 @@ class Forwarder:
             # caller closes the half-read upstream connection at once.
             if entry is not None:
                 entry.outcome = "client_gone"
-            if counting:
+            if counted is not None:
                 self.ledgers.tokens(call, replica.model, None)
             writer.close_after()

@@ -17,8 +17,8 @@ in the end, as an attempt after all (`count_tried`).
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Final
 
 from router.core.errors import UpstreamConnectError, UpstreamError, UpstreamResetError, UpstreamTimeout
@@ -196,7 +196,7 @@ class Ledgers:
         self, call: Call, replica: Replica, before_last: bytes, last: bytes, first: bytes | None, first_at: float
     ) -> None:
         """A counted stream passed whole (2xx): its usage read from its last two reads when it may carry
-        one, to the tallies, the access log and the stream histograms (`first_at`: time.perf_counter()
+        one, to the tallies, the access log and the stream histograms (`first_at`: perf_counter()
         of its `first` read).
 
         tokens()'s counting is repeated here, not called: this runs at the end of every counted
@@ -233,7 +233,7 @@ class Ledgers:
                 entry.cached_tokens = cached
             if first is not None and completion > 1:
                 # The clock read only when it is used (the search since the last chunk is microseconds).
-                self.metrics.per_output_token.observe(model, (time.perf_counter() - first_at) / (completion - 1))
+                self.metrics.per_output_token.observe(model, (perf_counter() - first_at) / (completion - 1))
 
     def count_tried(self, entry: Entry | None, probes: list[Failed], model: str) -> None:
         """Probes of `model` that were not a held request's after all: attempts and upstream errors, as any."""
