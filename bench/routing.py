@@ -294,13 +294,21 @@ class Load:
     """One run's requests: what each workload sends, when, and what came back."""
 
     def __init__(
-        self, workload: str, rate: float, seconds: float, scale: float, clients: list[str], flood: bool = False
+        self,
+        workload: str,
+        rate: float,
+        seconds: float,
+        scale: float,
+        clients: list[str],
+        flood: bool = False,
+        warmup: float = 0.0,
     ) -> None:
         # A flood (the capacity's measure): what is still under way when the time is up is dropped,
         # and only what completed within the time counts.
         self.flood = flood
         self.end = 0.0
-        self.warmup = 0.0
+        # Engine seconds at the start left out of the warm TTFT (--warmup), and when they end.
+        self.warmup = warmup
         self.warm_from = 0.0
         self.workload = workload
         self.rate = rate
@@ -465,8 +473,7 @@ def run(
     processes: list[subprocess.Popen[bytes]] = []
     try:
         processes, clients = start_router(router, urls, tmp, args.set, args.model_set)
-        load = Load(workload, rate, args.seconds, args.time_scale, clients, flood)
-        load.warmup = args.warmup
+        load = Load(workload, rate, args.seconds, args.time_scale, clients, flood, args.warmup)
         results = asyncio.run(measure(load, urls))
         return results.summary(args.seconds, args.time_scale)
     finally:
