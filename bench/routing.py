@@ -52,7 +52,12 @@ waiting, max over mean, sampled every 100 ms and averaged). With
 `--warmup S`, also the TTFT p99 of the requests sent after the first S
 engine seconds: a fleet's steady state, its caches filled, where the whole
 run's p99 counts each prefix's first prefill on each replica it reaches
-(a fresh fleet's first minute). The target: at
+(a fresh fleet's first minute). Each run's line also says what its slowest
+1% were: the share that prefilled their prompt cold (`tail_cold_prefill`,
+found under half of it cached), the share sent in the warm-up
+(`tail_in_warmup`), how many were sent in each engine second
+(`tail_by_second`), and the cold share of the warm requests' slowest 1%
+(`warm_tail_cold_prefill`). The target: at
 80% load, TTFT p99 at most 0.8 times the best of every other router and
 policy, and p50 never worse than least_loaded.
 """
@@ -71,9 +76,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -109,6 +116,25 @@ def words(rng: random.Random, tokens: int) -> str:
     return " ".join(out)
 
 
+class Sent(NamedTuple):
+    """One completed request, for the tail's make-up."""
+
+    ttft: float
+    # The share of its prompt the engine found cached (its usage's cached_tokens over prompt_tokens).
+    cached: float
+    in_warmup: bool
+    # Engine seconds from the run's start.
+    sent_at: float
+
+
+def slowest_percent(requests: list[Sent]) -> list[Sent]:
+    return sorted(requests, reverse=True)[: max(1, len(requests) // 100)] if requests else []
+
+
+def share(requests: list[Sent], test: Callable[[Sent], bool]) -> float | None:
+    return sum(1 for r in requests if test(r)) / len(requests) if requests else None
+
+
 @dataclass
 class Results:
     ttft: list[float] = field(default_factory=list)
@@ -121,6 +147,8 @@ class Results:
     spreads: list[float] = field(default_factory=list)
     # Times to first token of the requests sent after the warm-up (--warmup).
     ttft_warm: list[float] = field(default_factory=list)
+    # Every completed request that said its usage: what the slowest 1% were (tail_*).
+    requests: list[Sent] = field(default_factory=list)
 
     def summary(self, seconds: float, scale: float) -> dict[str, Any]:
         def pct(values: list[float], q: float) -> float | None:
@@ -129,6 +157,10 @@ class Results:
             ordered = sorted(values)
             return scale * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
+        # The slowest 1% of the run, and of the requests sent after the warm-up: what share of them
+        # prefilled their prompt cold (found under half of it cached), and when they were sent.
+        slowest = slowest_percent(self.requests)
+        slowest_warm = slowest_percent([r for r in self.requests if not r.in_warmup])
         return {
             "ttft_p50_s": pct(self.ttft, 0.5),
             "ttft_p99_s": pct(self.ttft, 0.99),
@@ -138,6 +170,11 @@ class Results:
             "throughput_rps": self.completed / seconds,
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None,
             "max_over_mean": statistics.fmean(self.spreads) if self.spreads else None,
+            "tail_cold_prefill": share(slowest, lambda r: r.cached < 0.5),
+            "tail_in_warmup": share(slowest, lambda r: r.in_warmup),
+            "warm_tail_cold_prefill": share(slowest_warm, lambda r: r.cached < 0.5),
+            # How many of the slowest 1% were sent in each engine second of the run.
+            "tail_by_second": sorted(Counter(int(r.sent_at) for r in slowest).items()),
             "completed": self.completed,
             "errors": self.errors,
         }
@@ -310,6 +347,7 @@ class Load:
         # Engine seconds at the start left out of the warm TTFT (--warmup), and when they end.
         self.warmup = warmup
         self.warm_from = 0.0
+        self.started = 0.0
         self.workload = workload
         self.rate = rate
         self.seconds = seconds
@@ -375,8 +413,12 @@ class Load:
             return "".join(reply)
         results.completed += 1
         if usage is not None:
-            results.prompt_tokens += usage["prompt_tokens"]
-            results.cached_tokens += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            prompt = usage["prompt_tokens"]
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            results.prompt_tokens += prompt
+            results.cached_tokens += cached
+            sent_at = (began - self.started) * self.scale
+            results.requests.append(Sent(first, cached / prompt if prompt else 0.0, began < self.warm_from, sent_at))
         return "".join(reply)
 
     async def run(self) -> Results:
@@ -385,7 +427,8 @@ class Load:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             tasks: list[asyncio.Task[Any]] = []
             wall = self.seconds / self.scale
-            end = self.end = time.perf_counter() + wall
+            self.started = time.perf_counter()
+            end = self.end = self.started + wall
             self.warm_from = end - wall + self.warmup / self.scale
             # Arrivals on a schedule of their own, not a sleep after each: a generator that falls
             # behind (a busy machine) catches up, and the offered rate stays the rate asked for.
