@@ -135,6 +135,9 @@ _usages = st.dictionaries(
             "output_tokens",
             "cache_read_input_tokens",
             "prompt_tokens_details",
+            # Names of the counts' lengths that are not theirs: read as no count.
+            "prompt_tokenx",
+            "completion_tokenx",
         ]
     ),
     st.one_of(_values, st.dictionaries(st.just("cached_tokens"), _values, max_size=1)),
