@@ -11,7 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Final, Protocol
+
+# The request path's stopwatch (its durations, times to first byte and token): the builtin
+# under a Final name, which the compiled build keeps in a static, where `time.perf_counter`
+# is an attribute looked up on the module at each read (about 150 instructions, and a
+# request makes several).
+perf_counter: Final = time.perf_counter
 
 
 class Timer(Protocol):

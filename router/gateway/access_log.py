@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from router.core.clock import perf_counter
+
 if TYPE_CHECKING:
     from router.gateway.traces import RequestTrace
 
@@ -70,7 +72,7 @@ class Entry:
         self.method = method
         self.path = path
         self.bytes_in = bytes_in
-        self.started = time.perf_counter()
+        self.started = perf_counter()
         self.model: str | None = None
         self.served_model: str | None = None
         self.replica: str | None = None
@@ -178,7 +180,7 @@ class AccessLog:
                     os.close(old)
 
     def write(self, entry: Entry) -> None:
-        line = entry.line(time.perf_counter())
+        line = entry.line(perf_counter())
         self._buffer.append(line)
         self._size += len(line) + 1
         if self._size >= FLUSH_BYTES:

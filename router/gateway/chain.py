@@ -8,9 +8,9 @@ that reached the client, or one the replica may have acted on, ends it there.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection
 
+from router.core.clock import perf_counter
 from router.core.config.settings import Config
 from router.core.config.tenants import Caller, PriorityClass, lowered
 from router.core.errors import NoReplicaAvailable, Overloaded, quoted
@@ -200,7 +200,7 @@ class Chain:
         if keeper is None:
             raise lost(response_id, replica_id)
         klass = self._classes[rank]
-        started = time.perf_counter()
+        started = perf_counter()
         replica, timed_out = await self.pool.pinned.wait(replica_id, wait_seconds=klass.queue_timeout_seconds)
         if replica is None and not timed_out:
             # Gone, draining or ejected (at once or while it waited): not a wait of the limits.
@@ -221,7 +221,7 @@ class Chain:
         """Every replica of `model` is at its limit: wait in its queue for one (503 after the class's timeout)."""
         rank = self.rank(call.request, call.parsed, call.caller)
         klass = self._classes[rank]
-        started = time.perf_counter()
+        started = perf_counter()
         if self._output_weight is not None and call.charge is None:
             call.charge = Charge(estimate(call, self._output_weight), self._output_weight)
         replica, timed_out = await self.pool.queues.acquire_or_wait(
@@ -249,7 +249,7 @@ class Chain:
     ) -> None:
         """A wait for a slot ended, served or not: a wait that ended in a 503 counts too, it is the one
         the client saw. The access log sums a request's waits, one per attempt that waited."""
-        waited = time.perf_counter() - started
+        waited = perf_counter() - started
         self.metrics.observe_queue_wait(model, klass.name, waited)
         if entry is not None:
             if entry.trace is not None:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from router.core.clock import perf_counter
 from router.core.config.engines import ANTHROPIC_PATHS
 from router.core.config.settings import Config, has_upstream
 from router.core.config.tenants import ANYONE
@@ -230,7 +231,7 @@ class Proxy:
                 self.access_log.write(entry)
 
     async def inference(self, request: Request, writer: Writer) -> None:
-        started = time.perf_counter()
+        started = perf_counter()
         if request.path in ANTHROPIC_PATHS:
             writer = AnthropicWriter(writer)
         try:
@@ -275,7 +276,7 @@ class Proxy:
         except ClientFacingError as exc:
             writer.answer(error_response(exc))
             return
-        self.metrics.observe_duration(model, time.perf_counter() - started)
+        self.metrics.observe_duration(model, perf_counter() - started)
 
     async def serve_continued(self, call: Call, previous: object, obj: dict[str, Any]) -> None:
         """A /v1/responses request that continues one: served by the replica that keeps it."""
@@ -327,7 +328,7 @@ class Proxy:
                 entry.model = replica.model
             headers = self._forwarded.framed(request.raw_headers)
             model = replica.model
-            call = Call(request, writer, {}, model, model, False, headers, entry, ANYONE, None, time.perf_counter())
+            call = Call(request, writer, {}, model, model, False, headers, entry, ANYONE, None, perf_counter())
             # The response again, not a new one: its tokens were counted when it was made.
             call.metered = False
             try:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from time import perf_counter
 from urllib.parse import quote
 
+from router.core.clock import perf_counter
 from router.core.errors import (
     UpstreamConnectError,
     UpstreamError,
@@ -79,12 +79,14 @@ class _Counted:
 
     __slots__ = ("before_last", "first", "first_at", "last", "write")
 
-    def __init__(self, write: Callable[[bytes], bool]) -> None:
-        self.write = write
+    # Where each read goes on to: the writer's body sink, set once the answer's head is written.
+    write: Callable[[bytes], bool]
+
+    def __init__(self) -> None:
         self.first: bytes | None = None
         self.first_at = 0.0
         self.before_last = b""
-        self.last = b"\n\n"
+        self.last = b""
 
     def take(self, chunk: bytes) -> bool:
         if self.first is None:
@@ -347,18 +349,9 @@ class Forwarder:
         (TCP pushes back to the replica) and this task waits on the drain,
         which the server cuts off after write_stall_timeout_seconds.
         """
-        last = b"\n\n"
         writer = call.writer
         entry = call.entry
-        write: Callable[[bytes], bool] = writer.write
-
-        def sink(chunk: bytes) -> bool:
-            nonlocal last
-            last = chunk
-            return write(chunk)
-
-        counted = _Counted(write) if self._count_tokens and call.metered else None
-        piped: Callable[[bytes], bool] = sink if counted is None else counted.take
+        counted = _Counted() if self._count_tokens and call.metered else None
 
         try:
             # A known length passes through as a length, the writer holding the
@@ -374,8 +367,9 @@ class Forwarder:
                 write = remembering = _Remembering(write, remember, resp.header(b"content-encoding"))
             if counted is not None:
                 counted.write = write
+                write = counted.take
             try:
-                await resp.pipe(piped, writer.drain)
+                await resp.pipe(write, writer.drain)
             except ConnectionBroken as exc:
                 # Bytes already reached the client: no retry, and the answer
                 # must look broken, never complete: an SSE stream gets an
@@ -395,10 +389,10 @@ class Forwarder:
                     event = b"data: " + error_body(
                         502, f"Replica {replica.id} broke off the stream: {exc}", "server_error", "upstream_error"
                     )
-                    # Close a half-sent event first, so that the error is an event of its own.
-                    tail = last if counted is None else counted.last
-                    prefix = b"" if tail.endswith(b"\n\n") else b"\n\n"
-                    writer.abort(prefix + event + b"\n\n")
+                    # A blank line first closes a half-sent event, so that the error is an event of
+                    # its own; after a whole one it dispatches nothing (an event stream's blank line
+                    # with no field before it is ignored: WHATWG HTML, 9.2.6), so no read is kept for it.
+                    writer.abort(b"\n\n" + event + b"\n\n")
                 else:
                     writer.abort()
                 return

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from time import perf_counter
 from typing import Final
 
+from router.core.clock import perf_counter
 from router.core.errors import UpstreamConnectError, UpstreamError, UpstreamResetError, UpstreamTimeout
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica
