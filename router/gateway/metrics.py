@@ -70,7 +70,11 @@ class ModelHistogram:
         if series is None:
             series = self._series[model] = _Series(len(self.bounds) + 1)
         # `le` is inclusive: a value equal to a bound is in that bound's bucket.
-        series.counts[_bucket(self._bound_list, value) if COMPILED else bisect_left(self.bounds, value)] += 1
+        at = _bucket(self._bound_list, value) if COMPILED else bisect_left(self.bounds, value)
+        counts = series.counts
+        # Not `+=` on the item: compiled, that is the generic in-place add on an object; read
+        # as an int and stored, the addition is mypyc's own.
+        counts[at] = counts[at] + 1
         series.total += value
 
     def describe(self) -> list[Metric]:
