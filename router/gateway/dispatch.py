@@ -276,7 +276,7 @@ class Proxy:
         except ClientFacingError as exc:
             writer.answer(error_response(exc))
             return
-        self.metrics.observe_duration(model, perf_counter() - started)
+        self.metrics.duration.observe(model, perf_counter() - started)
 
     async def serve_continued(self, call: Call, previous: object, obj: dict[str, Any]) -> None:
         """A /v1/responses request that continues one: served by the replica that keeps it."""

@@ -140,8 +140,6 @@ class DataPathMetrics:
             registry=registry,
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
-        self.observe_duration = self.duration.observe
-        self.observe_first_byte = self.first_byte.observe
 
     def observe_held(self, model: str, seconds: float) -> None:
         self.held.labels(model).observe(seconds)

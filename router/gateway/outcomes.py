@@ -133,7 +133,7 @@ class Ledgers:
         if entry is not None and (trace := entry.trace) is not None:
             trace.outcome(outcome.value, status, ttfb, reason)
         if outcome is ANSWERED:
-            self.metrics.observe_first_byte(model, ttfb or 0.0)
+            self.metrics.first_byte.observe(model, ttfb or 0.0)
             replica.requests += 1
             # pool.count_response(), written out as `requests` is: the replica's own counter.
             replica.count_response(status)
@@ -149,7 +149,7 @@ class Ledgers:
             else:
                 pool.record_success(replica)
         elif outcome is REFUSED:
-            self.metrics.observe_first_byte(model, ttfb or 0.0)
+            self.metrics.first_byte.observe(model, ttfb or 0.0)
             replica.requests += 1
             pool.count_response(replica, status)
             if status in UNHEALTHY_STATUSES:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from router.http.client.errors import BodyTooLarge, ConnectionBroken
 
 # Above this many bytes queued for a reader that is not taking them, the
 # replica's connection stops being read, so TCP pushes back to the replica.
 _HIGH_WATER = 256 * 1024
+# Compiled, a class named in a call is looked up in the module's dict each time; a Final
+# name is a static. One queue is made per answer.
+_QUEUE: Final = deque
 
 
 class Source(Protocol):
@@ -43,7 +46,6 @@ class Response:
         "_waiter",
         "content_length",
         "headers",
-        "reason",
         "reason_bytes",
         "status",
         "transfer_encoding",
@@ -54,7 +56,6 @@ class Response:
         self.status = status
         # As the replica sent it, for the answer to the client.
         self.reason_bytes = reason
-        self.reason = reason.decode("latin-1")
         # Raw (name, value) pairs in the replica's order and spelling.
         self.headers = headers
         self.content_length: int | None = None
@@ -65,13 +66,14 @@ class Response:
             if size == 14:
                 if name.lower() == b"content-length":
                     # llhttp has checked the digits; leading zeros are no part of the
-                    # value (RFC 9110 8.6), and int() reads at most 4,300 digits.
-                    self.content_length = int(value.lstrip(b"0") or b"0")
+                    # value (RFC 9110 8.6), and int() reads at most 4,300 digits: a value
+                    # padded past that is stripped first, the usual one read as it is.
+                    self.content_length = int(value) if len(value) < 20 else int(value.lstrip(b"0") or b"0")
             elif size == 17 and name.lower() == b"transfer-encoding":
                 coding = value if coding is None else coding + b", " + value
         # Every Transfer-Encoding field's value, joined as one list.
         self.transfer_encoding = coding
-        self._chunks: deque[bytes] = deque()
+        self._chunks: deque[bytes] = _QUEUE()
         self._queued = 0
         self._done = False
         self._error: ConnectionBroken | None = None
@@ -80,10 +82,17 @@ class Response:
         # sink's buffer is full and the replica should wait.
         self._sink: Callable[[bytes], bool] | None = None
 
+    @property
+    def reason(self) -> str:
+        """The reason phrase as text, made when asked (the proxy passes `reason_bytes` on)."""
+        return self.reason_bytes.decode("latin-1")
+
     def header(self, name: bytes) -> bytes | None:
         """The first value of a header, by lower-case name."""
+        size = len(name)
         for key, value in self.headers:
-            if key.lower() == name:
+            # (Told by length first: a lowered copy of every name costs more.)
+            if len(key) == size and key.lower() == name:
                 return value
         return None
 
@@ -134,7 +143,7 @@ class Response:
             raise BodyTooLarge(f"the replica's answer is over {limit} bytes")
         if self._error is not None:
             raise self._error
-        chunks, self._chunks = self._chunks, deque()
+        chunks, self._chunks = self._chunks, _QUEUE()
         self._queued = 0
         return b"".join(chunks)
 
