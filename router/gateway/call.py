@@ -40,6 +40,7 @@ class Call:
         "parsed",
         "request",
         "requested",
+        "sent",
         "started",
         "stream",
         "usage",
@@ -86,6 +87,9 @@ class Call:
         self.charge: Charge | None = None
         # What its answer said it took, once read (Ledgers.tokens): a rate limit's settlement reads it.
         self.usage: Tokens | None = None
+        # Sent to a replica, as far as the router knows (an attempt began): one the client left
+        # before its answer may still have cost the engine its work.
+        self.sent = False
 
     def body_for(self, target: str) -> bytes:
         """The body as `target` must get it: the client's own bytes, or re-encoded under `target`'s name

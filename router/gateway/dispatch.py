@@ -290,9 +290,9 @@ class Proxy:
         request = call.request
         tenant = call.caller.tenant
         ticket = (
-            limiter.admit_now(tenant, len(request.body), obj)
+            limiter.admit_now(tenant, request.path, len(request.body), obj)
             if limiter.memory is not None
-            else await limiter.admit(tenant, len(request.body), obj)
+            else await limiter.admit(tenant, request.path, len(request.body), obj)
         )
         if isinstance(ticket, Reply):
             call.writer.answer(ticket)

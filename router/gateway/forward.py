@@ -244,6 +244,7 @@ class Forwarder:
             )
         )
         began = perf_counter()
+        call.sent = True
         try:
             # The connect timeout is the client's own; the first-byte deadline
             # runs from the request going out.

@@ -91,13 +91,23 @@ class Ticket:
 
 
 def duration(seconds: float) -> bytes:
-    """A reset time as OpenAI writes it: `20ms`, `1s`, `6m0s`, `17.5s`."""
-    if seconds < 1.0:
-        return b"%dms" % math.ceil(seconds * 1000.0)
-    if seconds < 60.0:
-        return (b"%.3f" % seconds).rstrip(b"0").rstrip(b".") + b"s"
-    minutes, rest = divmod(seconds, 60.0)
-    return b"%dm%ss" % (minutes, (b"%.3f" % rest).rstrip(b"0").rstrip(b"."))
+    """A reset time as OpenAI writes it: `20ms`, `1s`, `6m0s`, `17.5s`.
+
+    Whole milliseconds first, rounded up (a reset is never said sooner than it is), so that
+    59.9996 s is `1m0s`, not `60s`, nor 119.9996 s `1m60s`.
+    """
+    millis = math.ceil(seconds * 1000.0)
+    if millis < 1000:
+        return b"%dms" % millis
+    if millis < 60_000:
+        return _seconds(millis) + b"s"
+    minutes, rest = divmod(millis, 60_000)
+    return b"%dm%ss" % (minutes, _seconds(rest))
+
+
+def _seconds(millis: int) -> bytes:
+    """`millis` as seconds, with no trailing zeros: 17500 is `17.5`, 1000 is `1`, 0 is `0`."""
+    return (b"%d.%03d" % divmod(millis, 1000)).rstrip(b"0").rstrip(b".")
 
 
 def headers_of(verdict: Verdict) -> list[tuple[bytes, bytes]]:
@@ -165,16 +175,16 @@ class RateLimiter:
         # The buckets themselves when they are in memory: checked without a coroutine.
         self.memory: Buckets | None = store.buckets if isinstance(store, MemoryStore) else None
 
-    def admit_now(self, tenant: str, body_bytes: int, parsed: dict[str, Any]) -> Ticket | Reply:
+    def admit_now(self, tenant: str, path: str, body_bytes: int, parsed: dict[str, Any]) -> Ticket | Reply:
         """admit(), for buckets in memory (`memory` set): no await, no coroutine."""
         assert self.memory is not None
-        cost = estimate(body_bytes, parsed, self._unbounded)
+        cost = estimate(body_bytes, parsed, self._unbounded, path)
         return self._ticket(tenant, cost, self.memory.admit(tenant, cost))
 
-    async def admit(self, tenant: str, body_bytes: int, parsed: dict[str, Any]) -> Ticket | Reply:
-        """A Ticket for a request of a limited `tenant` whose body is `body_bytes` long and reads as `parsed`,
-        or the answer that refuses it."""
-        cost = estimate(body_bytes, parsed, self._unbounded)
+    async def admit(self, tenant: str, path: str, body_bytes: int, parsed: dict[str, Any]) -> Ticket | Reply:
+        """A Ticket for a request of a limited `tenant` to `path` whose body is `body_bytes` long and reads
+        as `parsed`, or the answer that refuses it."""
+        cost = estimate(body_bytes, parsed, self._unbounded, path)
         return self._ticket(tenant, cost, await self.store.check(tenant, cost, debit=True))
 
     def _ticket(self, tenant: str, cost: int, verdict: Verdict | None) -> Ticket | Reply:
@@ -216,8 +226,13 @@ class RateLimiter:
         """The answer has ended (`status`: what the client got; 0: nothing): the estimate trued up."""
         if not ticket.charged:
             return
+        if status == 0 and call is not None and call.sent:
+            # No answer, but the request went out (the client left while the engine worked on it):
+            # what it took is unknown, and unknown is not zero. Its estimate is kept.
+            return
         if status < 200 or status >= 400:
-            # An error answer took no tokens of the engine's worth counting against the tenant.
+            # An error answer (or none, the request never sent) took no tokens of the engine's
+            # worth counting against the tenant.
             self.store.settle(ticket.tenant, -ticket.estimate)
             return
         usage = call.usage if call is not None else None
@@ -256,13 +271,21 @@ class LimitedWriter:
 
     def answer(self, reply: Reply) -> None:
         self.status = reply.status
-        self._writer.answer(Reply(reply.status, reply.body, [*reply.headers, *self._headers], reply.reason))
+        self._writer.answer(Reply(reply.status, reply.body, self._with_ours(reply.headers), reply.reason))
 
     def start(
         self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], *, length: int | None = None
     ) -> None:
         self.status = status
-        self._writer.start(status, reason, [*headers, *self._headers], length=length)
+        self._writer.start(status, reason, self._with_ours(headers), length=length)
+
+    def _with_ours(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The answer's headers with the router's x-ratelimit-* (none in shadow mode) in place of any
+        the replica sent (an upstream that limits too): one value of each, the tenant's here."""
+        ours = self._headers
+        if not ours:
+            return headers
+        return [h for h in headers if not h[0].lower().startswith(b"x-ratelimit-")] + ours
 
     def write(self, data: bytes) -> bool:
         return self._writer.write(data)

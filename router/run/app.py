@@ -42,6 +42,7 @@ from router.control.sources import (
     sources_ready,
 )
 from router.core.clock import Clock, LoopClock
+from router.core.config.limits import LimitsConfig
 from router.core.config.models import ModelConfig
 from router.core.config.settings import Config, load_config
 from router.core.config.tenants import Queueing, unit_weight
@@ -433,6 +434,13 @@ def reread_keys(path: str, config: Config, proxy: Proxy | None) -> Config | None
         fresh = load_config(path)
         if fresh.priority_classes != config.priority_classes:
             raise ConfigError(f"{path}: priority_classes changed: that needs a restart; the keys were kept")
+        if not config.count_tokens and any(k.tokens_per_minute is not None for k in fresh.api_keys):
+            # A token limit is settled with the answers' usage, which this process does not read:
+            # every estimate would be kept for good.
+            raise ConfigError(
+                f"{path}: a key sets tokens_per_minute, and this router reads no usage (it started without "
+                "count_tokens = true): that needs a restart; the keys were kept"
+            )
         if proxy is not None:
             proxy.apply_keys(fresh)
     except ConfigError as exc:
@@ -440,7 +448,27 @@ def reread_keys(path: str, config: Config, proxy: Proxy | None) -> Config | None
         return None
     if fresh.api_keys != config.api_keys:
         log.info("reloaded api_keys: %d keys, %d tenants", len(fresh.api_keys), len({k.tenant for k in fresh.api_keys}))
+    _say_what_limits_wait_for(path, config.limits, fresh.limits)
     return replace(config, api_keys=fresh.api_keys)
+
+
+def _say_what_limits_wait_for(path: str, running: LimitsConfig | None, fresh: LimitsConfig | None) -> None:
+    """Log what of a reloaded file's [limits] waits for a restart: the limiter is made at start."""
+    if fresh is None:
+        return
+    if running is None:
+        log.warning(
+            "%s limits tenants %s, and this router started with no tenant limited: their limits take effect "
+            "at the next restart",
+            path,
+            ", ".join(sorted(fresh.tenants)),
+        )
+    elif replace(fresh, tenants=running.tenants) != running:
+        log.warning(
+            "%s changed [limits] (mode, redis_url, unbounded_output_tokens or the others): that takes effect at "
+            "the next restart; the tenants' limits were reloaded",
+            path,
+        )
 
 
 async def admin_runner(stack: contextlib.AsyncExitStack, app: web.Application) -> web.AppRunner:

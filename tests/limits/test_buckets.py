@@ -107,11 +107,53 @@ def test_the_output_bound_is_a_whole_number_the_body_gives_else_the_default(
 
 
 def test_the_estimate_is_the_bytes_over_four_and_the_bound() -> None:
-    assert estimate(400, {"max_tokens": 16}, 1024) == 116
+    assert estimate(400, {"max_tokens": 16}, 1024, "/v1/chat/completions") == 116
 
 
 @pytest.mark.parametrize(
-    ("seconds", "text"), [(0.0123, b"13ms"), (1.0, b"1s"), (17.5, b"17.5s"), (360.0, b"6m0s"), (61.25, b"1m1.25s")]
+    ("body", "expected"),
+    [
+        ({"max_tokens": 16, "n": 50}, 100 + 16 * 50),
+        ({"max_tokens": 16, "n": 2, "best_of": 5}, 100 + 16 * 5),
+        # Not whole numbers of at least 2: one answer.
+        ({"max_tokens": 16, "n": "50", "best_of": 0}, 116),
+        ({"max_tokens": 16, "n": True}, 116),
+        ({"max_tokens": 16, "n": 2.0}, 116),
+        # A batch of prompts, texts or token lists: each prompt's answers.
+        ({"max_tokens": 16, "prompt": ["a", "b", "c"], "n": 2}, 100 + 16 * 6),
+        ({"max_tokens": 16, "prompt": [[1, 2], [3]]}, 100 + 16 * 2),
+        # One prompt, as text or as its tokens.
+        ({"max_tokens": 16, "prompt": [1, 2, 3]}, 116),
+        ({"max_tokens": 16, "prompt": "abc"}, 116),
+        ({"max_tokens": 16, "prompt": []}, 116),
+    ],
+)
+def test_the_output_is_counted_once_per_answer_asked_for(body: dict[str, object], expected: int) -> None:
+    assert estimate(400, body, 1024, "/v1/completions") == expected
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/embeddings", "/v1/messages/count_tokens", "/tokenize", "/v1/rerank", "/v1/chat/completions/render"]
+)
+def test_a_path_that_writes_no_text_costs_its_input_alone(path: str) -> None:
+    """No output bound on a path whose answer generates nothing: not even the unbounded default."""
+    assert estimate(400, {"input": "x"}, 1024, path) == 100
+    assert estimate(400, {"max_tokens": 16, "n": 4}, 1024, path) == 100
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0.0123, b"13ms"),
+        (1.0, b"1s"),
+        (17.5, b"17.5s"),
+        (360.0, b"6m0s"),
+        (61.25, b"1m1.25s"),
+        (59.9996, b"1m0s"),
+        (119.9996, b"2m0s"),
+        (0.9996, b"1s"),
+        (60.0, b"1m0s"),
+    ],
 )
 def test_reset_times_are_written_as_openai_writes_them(seconds: float, text: bytes) -> None:
     assert duration(seconds) == text

@@ -65,6 +65,23 @@ ROUTED_PATHS = (
     "/v1/images/generations",
 )
 
+# The routed paths whose answers write tokens (text generated, bounded by max_tokens and the
+# like): a rate limit's estimate adds the output only on these (router.core.limits.estimates).
+# The others (embeddings, scores, tokenizers, token counts, renders) cost their input alone.
+GENERATING_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/completion",
+        "/completions",
+        "/chat/completions",
+        "/responses",
+        "/infill",
+    }
+)
+
 # The GET paths a WebSocket upgrade is routed on, by the query's `model`
 # (config upgrade_paths): vLLM's realtime API.
 UPGRADE_PATHS = ("/v1/realtime",)

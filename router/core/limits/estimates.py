@@ -6,16 +6,24 @@ output: the largest of `max_tokens`, `max_completion_tokens` (OpenAI's chat)
 and `max_output_tokens` (the Responses API) the body gives as a whole
 number of at least 0; none given, or none that reads as one (negative, a
 fraction, a string, a boolean: the engine will judge the request), counts
-as `unbounded` ([limits] unbounded_output_tokens). The estimate is settled
-with the answer's usage when the answer ends: a wrong guess costs only until
-then.
+as `unbounded` ([limits] unbounded_output_tokens). The output is counted once
+per answer asked for (`n`, or `best_of` candidates, per prompt of a batched
+completions request), and only on the paths that generate text
+(GENERATING_PATHS): an embedding, a token count or a score costs its input. The
+estimate is settled with the answer's usage when the answer ends: a wrong guess
+costs only until then.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from router.core.config.engines import GENERATING_PATHS
+
 OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# The counts of sequences a request asks the engine to generate: its choices, and the
+# completions API's candidates (each written in full, the best one returned).
+SEQUENCE_FIELDS = ("n", "best_of")
 
 
 def output_bound(parsed: dict[str, Any], unbounded: int) -> int:
@@ -36,6 +44,23 @@ def output_bound(parsed: dict[str, Any], unbounded: int) -> int:
     return found if found >= 0 else unbounded
 
 
-def estimate(body_bytes: int, parsed: dict[str, Any], unbounded: int) -> int:
-    """The tokens a request of `body_bytes` whose body reads as `parsed` is admitted against."""
-    return (body_bytes >> 2) + output_bound(parsed, unbounded)
+def sequences(parsed: dict[str, Any]) -> int:
+    """How many answers the engine writes for the request: the largest of `n` and `best_of` given
+    as a whole number (else 1), for each prompt of a batch (`prompt` a list of texts or of token lists)."""
+    count = 1
+    for name in SEQUENCE_FIELDS:
+        value = parsed.get(name)
+        if type(value) is int and value > count:
+            count = value
+    prompt = parsed.get("prompt")
+    # A list of numbers is one prompt's tokens; a list of texts or of token lists is a batch.
+    if type(prompt) is list and prompt and type(prompt[0]) is not int:
+        count *= len(prompt)
+    return count
+
+
+def estimate(body_bytes: int, parsed: dict[str, Any], unbounded: int, path: str) -> int:
+    """The tokens a request to `path` of `body_bytes` whose body reads as `parsed` is admitted against."""
+    if path not in GENERATING_PATHS:
+        return body_bytes >> 2
+    return (body_bytes >> 2) + output_bound(parsed, unbounded) * sequences(parsed)
