@@ -49,6 +49,11 @@ log = logging.getLogger("router.limits")
 FLUSH_SECONDS = 1.0
 RETRY_SECONDS = 0.5
 LOG_EVERY_SECONDS = 10.0
+# Why a call failed when its script certainly did not run: Redis answered it with an error
+# (OOM, READONLY after a failover, LOADING, BUSY: refused before running; the script itself
+# raises none). A settlement sent with it is kept for the next call; after a timeout or a
+# reset it may have run, and is not sent twice.
+_NOT_RUN = frozenset({"error"})
 
 # KEYS[1]: the tenant's hash. ARGV: requests per minute, tokens per minute (0: not limited), the request's
 # cost in tokens, 1 to take it if admitted (0: a settlement alone), the tokens to settle first.
@@ -164,13 +169,19 @@ class RedisStore:
         limit = self.limits.get(tenant)
         if limit is None:
             return None
+        try:
+            connection = await self._connected()
+        except RedisUnavailable as exc:
+            self._failed(exc)
+            return None
+        # Taken once connected, so that a request that gives up while the connection is made
+        # (its client gone) leaves the tenant's settlement kept.
         delta = self.pending.pop(tenant, 0)
         try:
-            reply = await self._run(tenant, limit, cost, debit, delta, "check")
+            reply = await self._run(connection, tenant, limit, cost, debit, delta, "check")
             return verdict_of(reply, limit)
         except RedisUnavailable as exc:
-            # Not sent (never reached Redis): kept for the next call. A timeout may have run it: not sent twice.
-            if delta and exc.reason in ("connect", "skipped"):
+            if delta and exc.reason in _NOT_RUN:
                 self.pending[tenant] = self.pending.get(tenant, 0) + delta
             self._failed(exc)
             return None
@@ -206,22 +217,33 @@ class RedisStore:
     async def flush(self) -> None:
         """Send every settlement still kept: one call per tenant that sent nothing since it was kept."""
         for tenant in list(self.pending):
+            try:
+                connection = await self._connected()
+            except RedisUnavailable as exc:
+                self._failed(exc)
+                return
             delta = self.pending.pop(tenant, 0)
             limit = self.limits.get(tenant)
             if not delta or limit is None:
                 continue
             try:
-                verdict_of(await self._run(tenant, limit, 0, False, delta, "flush"), limit)
+                verdict_of(await self._run(connection, tenant, limit, 0, False, delta, "flush"), limit)
             except RedisUnavailable as exc:
-                if exc.reason in ("connect", "skipped"):
+                if exc.reason in _NOT_RUN:
                     self.pending[tenant] = self.pending.get(tenant, 0) + delta
                 self._failed(exc)
                 return
 
     async def _run(  # noqa: PLR0917 (the script's arguments, in its order)
-        self, tenant: str, limit: TenantLimit, cost: int, debit: bool, delta: int, what: str
+        self,
+        connection: RedisConnection,
+        tenant: str,
+        limit: TenantLimit,
+        cost: int,
+        debit: bool,
+        delta: int,
+        what: str,
     ) -> RespValue:
-        connection = await self._connected()
         args = [
             b"EVALSHA",
             SHA,
@@ -274,7 +296,9 @@ class RedisStore:
                     if selected != b"OK":
                         raise RedisUnavailable("error", f"SELECT {self.target.db}: {selected!r}")
                 await self._load(connection)
-            except RedisUnavailable as failed:
+            except BaseException as failed:
+                # Unavailable, or the request that opened it cancelled (its client gone): never left open
+                # and unheld.
                 await connection.close()
                 # Named, not a bare raise: compiled, the exception being handled after an await is the
                 # one the await handled last (the reader's cancellation), not this one.

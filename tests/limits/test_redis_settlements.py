@@ -1,0 +1,77 @@
+"""A tenant's settlement in the Redis store kept when its script certainly did not run: an error reply
+from a real `redis-server`, and a request cancelled while the store connects (a stand-in that never
+answers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from types import MappingProxyType
+
+from router.core.config.limits import LimitsConfig, RedisTarget, TenantLimit
+from router.gateway.limit_metrics import LimitCounters
+from router.gateway.redis_limits import RedisStore
+from tests.support.redis import fake_redis, need_redis, redis_server
+
+
+def store_for(target: RedisTarget) -> RedisStore:
+    """Tenant a: 60,000 tokens a minute (1,000 a second refilled)."""
+    config = LimitsConfig(
+        redis=target,
+        redis_timeout_seconds=2.0,
+        tenants=MappingProxyType({"a": TenantLimit(tokens_per_minute=60_000)}),
+    )
+    return RedisStore(config, LimitCounters(), time.monotonic)
+
+
+async def test_a_settlement_sent_with_a_check_redis_refuses_is_kept_for_the_next(tmp_path: Path) -> None:
+    """OOM (or READONLY after a failover) is answered before the script runs: the refund was never applied."""
+    need_redis()
+    async with redis_server(tmp_path) as redis:
+        store = store_for(RedisTarget(path=str(redis.socket)))
+        try:
+            first = await store.check("a", 10_000, debit=True)
+            assert first is not None and first.remaining_tokens <= 50_000
+            # The answer took nothing: 10,000 to give back, sent with the next check.
+            store.settle("a", -10_000)
+            assert (await redis.command(b"CONFIG", b"SET", b"maxmemory", b"1")).startswith(b"+OK")
+            assert await store.check("a", 1, debit=True) is None
+            assert store.pending == {"a": -10_000}
+            assert (await redis.command(b"CONFIG", b"SET", b"maxmemory", b"0")).startswith(b"+OK")
+            after = await store.check("a", 0, debit=False)
+            # The refund arrived with this check: the bucket is (about) full again.
+            assert after is not None and after.remaining_tokens >= 59_000
+            assert store.pending == {}
+        finally:
+            await store.close()
+
+
+async def test_a_check_cancelled_while_the_store_connects_keeps_the_settlement_and_closes() -> None:
+    asked = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A Redis slow to answer a fresh connection's SCRIPT LOAD: read, unanswered, until the router hangs up.
+        await reader.readuntil(b"\r\n")
+        asked.set()
+        await reader.read()
+        closed.set()
+        writer.close()
+        await writer.wait_closed()
+
+    async with fake_redis(silent) as url:
+        host, port = url.removeprefix("redis://").split("/")[0].split(":")
+        store = store_for(RedisTarget(host=host, port=int(port)))
+        store.pending["a"] = -10_000
+        # The request whose client goes away while the store connects: its task is cancelled.
+        check = asyncio.get_running_loop().create_task(store.check("a", 100, debit=True))
+        await asked.wait()
+        check.cancel()
+        await asyncio.gather(check, return_exceptions=True)
+        assert check.cancelled()
+        # Never sent: still kept for the next call; the half-made connection closed, not left unheld.
+        assert store.pending == {"a": -10_000}
+        await asyncio.wait_for(closed.wait(), 5)
+        await store.close()
