@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
@@ -134,7 +134,8 @@ def refusal(verdict: Verdict, tenant: str, cost: int) -> Reply:
     if verdict.too_large:
         message = (
             f"Request too large for tenant {tenant!r} on tokens per minute: limit {verdict.limit_tokens}, "
-            f"requested {cost} (the prompt's bytes / 4 plus max_tokens). Lower max_tokens or the prompt."
+            f"requested {cost} (the prompt's bytes / 4 plus max_tokens for each answer asked for), of which "
+            "the output bound alone is over the limit. Lower max_tokens (or n)."
         )
         # Waiting does not help: the SDKs read this and do not try again.
         headers.append((b"x-should-retry", b"false"))
@@ -165,6 +166,8 @@ class RateLimiter:
         self.config = config
         # The tenants that have limits: any other passes with one dict lookup.
         self.tenants = frozenset(config.tenants)
+        # Each tenant's tokens a minute (0: limited by requests alone), the most an estimate is taken as.
+        self._buckets = _token_buckets(config.tenants)
         self.store = store
         self.counters = counters
         self._shadow = config.shadow
@@ -178,13 +181,13 @@ class RateLimiter:
     def admit_now(self, tenant: str, path: str, body_bytes: int, parsed: dict[str, Any]) -> Ticket | Reply:
         """admit(), for buckets in memory (`memory` set): no await, no coroutine."""
         assert self.memory is not None
-        cost = estimate(body_bytes, parsed, self._unbounded, path)
+        cost = estimate(body_bytes, parsed, self._unbounded, path, self._buckets.get(tenant, 0))
         return self._ticket(tenant, cost, self.memory.admit(tenant, cost))
 
     async def admit(self, tenant: str, path: str, body_bytes: int, parsed: dict[str, Any]) -> Ticket | Reply:
         """A Ticket for a request of a limited `tenant` to `path` whose body is `body_bytes` long and reads
         as `parsed`, or the answer that refuses it."""
-        cost = estimate(body_bytes, parsed, self._unbounded, path)
+        cost = estimate(body_bytes, parsed, self._unbounded, path, self._buckets.get(tenant, 0))
         return self._ticket(tenant, cost, await self.store.check(tenant, cost, debit=True))
 
     def _ticket(self, tenant: str, cost: int, verdict: Verdict | None) -> Ticket | Reply:
@@ -243,7 +246,12 @@ class RateLimiter:
 
     def update(self, limits: dict[str, TenantLimit]) -> None:
         self.tenants = frozenset(limits)
+        self._buckets = _token_buckets(limits)
         self.store.update(limits)
+
+
+def _token_buckets(limits: Mapping[str, TenantLimit]) -> dict[str, int]:
+    return {tenant: limit.tokens_per_minute or 0 for tenant, limit in limits.items()}
 
 
 class LimitedWriter:

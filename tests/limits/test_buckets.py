@@ -133,6 +133,25 @@ def test_the_output_is_counted_once_per_answer_asked_for(body: dict[str, object]
 
 
 @pytest.mark.parametrize(
+    ("body_bytes", "body", "expected"),
+    [
+        # Within the bucket: as estimated.
+        (4000, {"max_tokens": 100}, 1100),
+        # The prompt's guess past the bucket: the whole bucket, settled with the usage.
+        (400_000, {"max_tokens": 100}, 10_000),
+        (400_000, {}, 10_000),
+        # The output bound alone past it: as estimated, and refused as too large.
+        (400, {"max_tokens": 20_000}, 20_100),
+        (400, {"max_tokens": 100, "n": 200}, 20_100),
+    ],
+)
+def test_an_estimate_past_the_bucket_is_the_bucket_unless_the_output_alone_is(
+    body_bytes: int, body: dict[str, object], expected: int
+) -> None:
+    assert estimate(body_bytes, body, 1024, "/v1/chat/completions", 10_000) == expected
+
+
+@pytest.mark.parametrize(
     "path", ["/v1/embeddings", "/v1/messages/count_tokens", "/tokenize", "/v1/rerank", "/v1/chat/completions/render"]
 )
 def test_a_path_that_writes_no_text_costs_its_input_alone(path: str) -> None:

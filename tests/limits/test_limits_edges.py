@@ -136,3 +136,21 @@ async def test_sighup_says_that_a_first_tenant_limit_waits_for_a_restart(serve: 
         for _ in range(2):
             raw = await client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=1)
             assert "x-ratelimit-limit-requests" not in raw.headers
+
+
+async def test_an_image_whose_bytes_pass_the_limit_is_taken_as_the_whole_bucket(
+    serve: Serve, start_fake: StartFake
+) -> None:
+    """A base64 image is thousands of tokens by its bytes and about a thousand to the engine: admitted
+    once the bucket is full, taking all of it until its usage settles, never refused as too large."""
+    fake = await started(serve, start_fake, _COUNTING + keys(tokens_per_minute=100_000))
+    image = "data:image/png;base64," + "A" * 500_000
+    async with sdk(serve) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m",
+            max_tokens=16,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}],
+        )
+    assert raw.status_code == 200 and len(fake.seen) == 1
+    # Its debit was the whole bucket (125,000 by its bytes): nothing remained as it was admitted.
+    assert raw.headers["x-ratelimit-remaining-tokens"] == "0"

@@ -59,8 +59,18 @@ def sequences(parsed: dict[str, Any]) -> int:
     return count
 
 
-def estimate(body_bytes: int, parsed: dict[str, Any], unbounded: int, path: str) -> int:
-    """The tokens a request to `path` of `body_bytes` whose body reads as `parsed` is admitted against."""
-    if path not in GENERATING_PATHS:
-        return body_bytes >> 2
-    return (body_bytes >> 2) + output_bound(parsed, unbounded) * sequences(parsed)
+def estimate(body_bytes: int, parsed: dict[str, Any], unbounded: int, path: str, bucket: int = 0) -> int:
+    """The tokens a request to `path` of `body_bytes` whose body reads as `parsed` is admitted against.
+
+    `bucket`: the tenant's tokens a minute (0: not limited by tokens). An estimate past it that only
+    the prompt's guess puts there is taken as the whole bucket: bytes over four is a guess that an
+    image's or an audio file's encoding inflates many times over (every byte of a base64 `data:`
+    URL counts), and settlement takes what the answer says it took. Only an output bound past
+    the bucket is certainly too large.
+    """
+    prompt = body_bytes >> 2
+    output = output_bound(parsed, unbounded) * sequences(parsed) if path in GENERATING_PATHS else 0
+    total = prompt + output
+    if bucket and total > bucket >= output:
+        return bucket
+    return total
