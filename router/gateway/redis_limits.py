@@ -216,12 +216,15 @@ class RedisStore:
 
     async def flush(self) -> None:
         """Send every settlement still kept: one call per tenant that sent nothing since it was kept."""
+        if not self.pending:
+            return
+        try:
+            connection = await self._connected()
+        except RedisUnavailable as exc:
+            self._failed(exc)
+            return
+        # One connection for all: the first call that fails ends the flush.
         for tenant in list(self.pending):
-            try:
-                connection = await self._connected()
-            except RedisUnavailable as exc:
-                self._failed(exc)
-                return
             delta = self.pending.pop(tenant, 0)
             limit = self.limits.get(tenant)
             if not delta or limit is None:
