@@ -14,6 +14,7 @@ from router.core.clock import perf_counter
 from router.core.config.settings import Config
 from router.core.config.tenants import Caller, PriorityClass, lowered
 from router.core.errors import NoReplicaAvailable, Overloaded, quoted
+from router.core.limits.estimates import output_estimate
 from router.core.pool.pool import Pool
 from router.core.pool.replicas import Replica
 from router.core.pool.waiters import Charge
@@ -277,18 +278,12 @@ class Chain:
 
 # The output a request that names no bound is counted for, until its answer says what it made.
 DEFAULT_OUTPUT_TOKENS = 256
-# The names the APIs give the bound on the output: chat and completions, chat's newer one, Responses.
-_OUTPUT_BOUNDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def estimate(call: Call, output_weight: float) -> float:
     """What a request may cost in tokens before its answer says: about four bytes a prompt token
-    (the body's, its JSON included), plus its bound on the output (or DEFAULT_OUTPUT_TOKENS) weighted."""
-    parsed = call.parsed
-    output = DEFAULT_OUTPUT_TOKENS
-    for name in _OUTPUT_BOUNDS:
-        bound = parsed.get(name)
-        if type(bound) is int and bound >= 0:
-            output = bound
-            break
-    return (len(call.request.body) >> 2) + output_weight * output
+    (the body's, its JSON included), plus what it may generate weighted, counted as the limits count
+    it (router.core.limits.estimates: every answer asked for, nothing on a path that generates
+    nothing), with DEFAULT_OUTPUT_TOKENS an answer where it names no bound."""
+    request = call.request
+    return (len(request.body) >> 2) + output_weight * output_estimate(call.parsed, DEFAULT_OUTPUT_TOKENS, request.path)

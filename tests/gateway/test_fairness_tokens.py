@@ -35,8 +35,9 @@ tenant = "short"
 
 
 def estimate(body: bytes) -> int:
-    """The router's estimate of a request (docs/fairness.md): its bytes / 4, plus 4 x max_tokens."""
-    return (len(body) >> 2) + 4 * int(orjson.loads(body)["max_tokens"])
+    """The router's estimate of a request (docs/fairness.md): its bytes / 4, plus 4 x max_tokens an answer."""
+    parsed = orjson.loads(body)
+    return (len(body) >> 2) + 4 * int(parsed["max_tokens"]) * int(parsed.get("n", 1))
 
 
 async def queued(serve: Serve, tenant: str, count: int) -> None:
@@ -48,10 +49,11 @@ async def queued(serve: Serve, tenant: str, count: int) -> None:
 
 
 async def saturated(
-    serve: Serve, fake: FakeReplica, settings: str, long: int, short: int
+    serve: Serve, fake: FakeReplica, settings: str, long: int, short: int, answers: int = 1
 ) -> tuple[list[str], list[bytes]]:
     """Two tenants queued behind one stalled request, `long` then `short` requests: whose each request
-    reaching the replica was, in order, and its body."""
+    reaching the replica was, in order, and its body. `answers` > 1: the long tenant's requests are
+    short prompts that ask for that many answers each (`n`), where otherwise their prompts are long."""
     serve.write(
         [{"id": "r0", "model": "m", "url": fake.url}],
         f"max_in_flight_per_replica = 1\nqueue_timeout_seconds = 60\nmodel_cards = false\n{settings}\n{KEYS}",
@@ -63,15 +65,17 @@ async def saturated(
         openai.AsyncOpenAI(base_url=url, api_key="sk-short", max_retries=0) as short_client,
     ):
 
-        def ask(client: openai.AsyncOpenAI, content: str) -> asyncio.Task[Any]:
+        def ask(client: openai.AsyncOpenAI, content: str, n: int = 1) -> asyncio.Task[Any]:
             return asyncio.create_task(
-                client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}], max_tokens=2)
+                client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": content}], max_tokens=2, n=n
+                )
             )
 
         fake.behaviour.stall = True
         busy = ask(short_client, "busy")
         await wait_for(lambda: len(fake.seen) == 1, timeout=10)
-        tasks = [ask(long_client, LONG) for _ in range(long)]
+        tasks = [ask(long_client, LONG if answers == 1 else "many", answers) for _ in range(long)]
         await queued(serve, "long", long)
         tasks += [ask(short_client, f"s{i}") for i in range(short)]
         await queued(serve, "short", short)
@@ -82,15 +86,21 @@ async def saturated(
             assert answer.choices[0].message.content == "tok0 tok1 "
     bodies = [seen.body for seen in fake.seen[1:]]
     sent = [orjson.loads(body)["messages"][0]["content"] for body in bodies]
-    return ["long" if content == LONG else "short" for content in sent], bodies
+    return ["short" if content.startswith("s") else "long" for content in sent], bodies
 
 
-@pytest.mark.parametrize("unit", ["requests", "tokens"])
+@pytest.mark.parametrize(
+    ("unit", "answers"),
+    [("requests", 1), ("tokens", 1), ("tokens", 64)],
+    ids=["requests", "tokens-long-prompts", "tokens-many-answers"],
+)
 async def test_the_short_prompt_tenant_gets_as_many_more_requests_through_as_the_long_ones_cost(
-    start_fake: StartFake, serve: Serve, unit: str
+    start_fake: StartFake, serve: Serve, unit: str, answers: int
 ) -> None:
+    """The long tenant's requests cost more by their prompts, or by the answers they ask for (`n`,
+    each a bound's worth of output, as the limits count it)."""
     fake = await start_fake("m")
-    order, bodies = await saturated(serve, fake, f'fairness_unit = "{unit}"', long=4, short=48)
+    order, bodies = await saturated(serve, fake, f'fairness_unit = "{unit}"', long=4, short=48, answers=answers)
     if unit == "requests":
         # One each, in turn, while both wait: the long prompts' cost counts for nothing.
         assert order[:8] == ["long", "short"] * 4

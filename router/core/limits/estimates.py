@@ -59,6 +59,15 @@ def sequences(parsed: dict[str, Any]) -> int:
     return count
 
 
+def output_estimate(parsed: dict[str, Any], unbounded: int, path: str) -> int:
+    """The most a request to `path` whose body reads as `parsed` may generate, over every answer it
+    asks for (`unbounded` per answer when it names no usable bound); 0 where the path generates nothing.
+
+    The limits' estimate and the fair queue's (fairness_unit = "tokens") both count the output so.
+    """
+    return output_bound(parsed, unbounded) * sequences(parsed) if path in GENERATING_PATHS else 0
+
+
 def estimate(body_bytes: int, parsed: dict[str, Any], unbounded: int, path: str, bucket: int = 0) -> int:
     """The tokens a request to `path` of `body_bytes` whose body reads as `parsed` is admitted against.
 
@@ -69,7 +78,7 @@ def estimate(body_bytes: int, parsed: dict[str, Any], unbounded: int, path: str,
     the bucket is certainly too large.
     """
     prompt = body_bytes >> 2
-    output = output_bound(parsed, unbounded) * sequences(parsed) if path in GENERATING_PATHS else 0
+    output = output_estimate(parsed, unbounded, path)
     total = prompt + output
     if bucket and total > bucket >= output:
         return bucket
