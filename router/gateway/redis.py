@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import cast
 
 from router.core.config.limits import RedisTarget
@@ -120,6 +121,12 @@ def _number(text: bytes) -> int:
     return int(text)
 
 
+def _hand_on(abandoned: Callable[[RespValue], None], reply: asyncio.Future[RespValue]) -> None:
+    # A reply, not the connection's failure (then what the command did is not known).
+    if not reply.cancelled() and reply.exception() is None:
+        abandoned(reply.result())
+
+
 class RedisConnection(asyncio.Protocol):
     """One connection: commands written as they come, replies parsed as they arrive (no task, no coroutine per
     reply) and matched in order, each call with a deadline."""
@@ -180,8 +187,18 @@ class RedisConnection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.abort()
 
-    async def call(self, args: Sequence[bytes], timeout: float) -> RespValue:  # noqa: ASYNC109 (one timer, no task per call)
-        """Send one command, wait for its reply at most `timeout` seconds."""
+    async def call(
+        self,
+        args: Sequence[bytes],
+        timeout: float,  # noqa: ASYNC109 (one timer, no task per call)
+        abandoned: Callable[[RespValue], None] | None = None,
+    ) -> RespValue:
+        """Send one command, wait for its reply at most `timeout` seconds.
+
+        `abandoned`: where its reply goes if the caller is cancelled once the command is sent (a
+        command that changes something, whose caller must learn what it did); else that reply is
+        read and dropped.
+        """
         if self.broken is not None:
             raise self.broken
         assert self._transport is not None
@@ -192,6 +209,14 @@ class RedisConnection(asyncio.Protocol):
         late = loop.call_later(timeout, self._late, future, timeout)
         try:
             return await future
+        except asyncio.CancelledError:
+            if abandoned is not None and future.cancelled() and self.broken is None:
+                # Sent, and its reply still to come in its place in the line: handed on, not dropped.
+                # Another call's deadline still ends a Redis that never answers it.
+                heir: asyncio.Future[RespValue] = loop.create_future()
+                heir.add_done_callback(partial(_hand_on, abandoned))
+                self._waiting[self._waiting.index(future)] = heir
+            raise
         finally:
             late.cancel()
 

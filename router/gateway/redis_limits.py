@@ -20,7 +20,8 @@ its estimate is kept here and sent with the tenant's next check, or, if the
 tenant sends nothing more within FLUSH_SECONDS, by one call for every such
 tenant. So Redis's level of a tenant lags the answers this router has seen
 end by at most FLUSH_SECONDS, and never for this router's own next request
-of that tenant.
+of that tenant. A check whose request is cancelled once it is sent still has
+its reply read: what its script took is given back, a settlement like any.
 
 While Redis does not answer (`redis_timeout_seconds` for each call, a
 connection refused, a reply that does not parse) the store gives no verdict
@@ -38,6 +39,7 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Callable
+from functools import partial
 
 from router.core.config.limits import LimitsConfig, TenantLimit
 from router.core.limits.buckets import REQUESTS, TOKENS, Verdict
@@ -177,14 +179,26 @@ class RedisStore:
         # Taken once connected, so that a request that gives up while the connection is made
         # (its client gone) leaves the tenant's settlement kept.
         delta = self.pending.pop(tenant, 0)
+        # A check whose request is cancelled once it is sent (its client gone) still runs in Redis:
+        # what it took is given back when its reply comes, as a request that never left the router's is.
+        given_back = partial(self._abandoned, tenant, limit, cost) if debit and cost else None
         try:
-            reply = await self._run(connection, tenant, limit, cost, debit, delta, "check")
+            reply = await self._run(connection, tenant, limit, cost, debit, delta, "check", given_back)
             return verdict_of(reply, limit)
         except RedisUnavailable as exc:
             if delta and exc.reason in _NOT_RUN:
                 self.pending[tenant] = self.pending.get(tenant, 0) + delta
             self._failed(exc)
             return None
+
+    def _abandoned(self, tenant: str, limit: TenantLimit, cost: int, reply: RespValue) -> None:
+        """The reply to a check whose request was cancelled: its tokens back if the script took them."""
+        try:
+            verdict = verdict_of(reply, limit)
+        except RedisUnavailable:
+            return
+        if verdict.admitted:
+            self.settle(tenant, -cost)
 
     def settle(self, tenant: str, delta: int) -> None:
         if delta and tenant in self.limits and self.limits[tenant].tokens_per_minute:
@@ -246,6 +260,7 @@ class RedisStore:
         debit: bool,
         delta: int,
         what: str,
+        abandoned: Callable[[RespValue], None] | None = None,
     ) -> RespValue:
         args = [
             b"EVALSHA",
@@ -259,11 +274,11 @@ class RedisStore:
             b"%d" % delta,
         ]
         self.counters.redis_call(what)
-        reply = await connection.call(args, self.timeout)
+        reply = await connection.call(args, self.timeout, abandoned)
         if isinstance(reply, RedisError) and reply.code == "NOSCRIPT":
             await self._load(connection)
             self.counters.redis_call(what)
-            reply = await connection.call(args, self.timeout)
+            reply = await connection.call(args, self.timeout, abandoned)
         if isinstance(reply, RedisError):
             raise RedisUnavailable("error", reply.message)
         if self._unavailable:

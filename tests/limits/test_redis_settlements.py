@@ -1,6 +1,7 @@
 """A tenant's settlement in the Redis store kept when its script certainly did not run: an error reply
 from a real `redis-server`, and a request cancelled while the store connects (a stand-in that never
-answers).
+answers); and what a check cancelled once sent took, given back when its reply comes (a real
+`redis-server` held by CLIENT PAUSE).
 """
 
 from __future__ import annotations
@@ -75,3 +76,54 @@ async def test_a_check_cancelled_while_the_store_connects_keeps_the_settlement_a
         assert store.pending == {"a": -10_000}
         await asyncio.wait_for(closed.wait(), 5)
         await store.close()
+
+
+async def test_a_check_cancelled_after_it_is_sent_gives_back_what_its_script_took(tmp_path: Path) -> None:
+    """The client left while its check waited on Redis: the script still runs and takes the estimate,
+    which comes back when its reply does, as a request that never left the router gets its estimate back."""
+    need_redis()
+    async with redis_server(tmp_path) as redis:
+        store = store_for(RedisTarget(path=str(redis.socket)))
+        try:
+            # Connected, and the script loaded, before Redis is held.
+            assert await store.check("a", 0, debit=False) is not None
+            # Every client's commands held for a while (Redis 6.2's CLIENT PAUSE ALL): the check sent, unanswered.
+            assert (await redis.command(b"CLIENT", b"PAUSE", b"1000", b"ALL")).startswith(b"+OK")
+            check = asyncio.get_running_loop().create_task(store.check("a", 10_000, debit=True))
+            # Sent as the task first runs: the command is written before its reply is awaited.
+            await asyncio.sleep(0)
+            check.cancel()
+            await asyncio.gather(check, return_exceptions=True)
+            assert check.cancelled()
+            assert store.pending == {}
+            # Redis runs it once the pause ends, admitting it: the 10,000 it took are to be given back.
+            deadline = time.monotonic() + 10
+            while store.pending != {"a": -10_000}:
+                assert time.monotonic() < deadline, store.pending
+                await asyncio.sleep(0.05)  # real time: Redis's pause, then its reply
+            after = await store.check("a", 0, debit=False)
+            assert after is not None and after.remaining_tokens >= 59_000
+            assert store.pending == {}
+        finally:
+            await store.close()
+
+
+async def test_a_check_cancelled_and_refused_gives_nothing_back(tmp_path: Path) -> None:
+    """A cancelled check whose script refused it took nothing: nothing to give back."""
+    need_redis()
+    async with redis_server(tmp_path) as redis:
+        store = store_for(RedisTarget(path=str(redis.socket)))
+        try:
+            first = await store.check("a", 60_000, debit=True)
+            assert first is not None and first.admitted
+            assert (await redis.command(b"CLIENT", b"PAUSE", b"500", b"ALL")).startswith(b"+OK")
+            check = asyncio.get_running_loop().create_task(store.check("a", 10_000, debit=True))
+            await asyncio.sleep(0)
+            check.cancel()
+            await asyncio.gather(check, return_exceptions=True)
+            # Its reply (a refusal: the bucket is empty) read before this one's, on the same connection.
+            later = await store.check("a", 0, debit=False)
+            assert later is not None and later.remaining_tokens < 10_000
+            assert store.pending == {}
+        finally:
+            await store.close()
