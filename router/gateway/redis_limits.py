@@ -26,7 +26,9 @@ its reply read: what its script took is given back, a settlement like any.
 While Redis does not answer (`redis_timeout_seconds` for each call, a
 connection refused, a reply that does not parse) the store gives no verdict
 and the limiter admits the request unchecked or refuses it
-(`redis_unavailable`); for RETRY_SECONDS after a failure no call is tried,
+(`redis_unavailable`); for RETRY_SECONDS after a failure (an error reply
+such as OOM or READONLY too, the connection dropped after those that say
+this server takes no writes now) no call is tried,
 so that a Redis that hangs costs a request nothing, then one request tries
 again. Each failure is counted by reason, and logged at most once per
 LOG_EVERY_SECONDS.
@@ -56,6 +58,12 @@ LOG_EVERY_SECONDS = 10.0
 # raises none). A settlement sent with it is kept for the next call; after a timeout or a
 # reset it may have run, and is not sent twice.
 _NOT_RUN = frozenset({"error"})
+# Error replies that say this server cannot take writes now: a primary demoted by a failover
+# (READONLY), a replica cut off from its primary (MASTERDOWN), a server still loading its data
+# (LOADING). The connection goes, so that the next one reaches whichever server the address
+# names by then (a Service or a Sentinel-managed name moved to the new primary), as clients
+# of Redis reconnect on READONLY rather than write to a replica for good.
+_ELSEWHERE = frozenset({"READONLY", "MASTERDOWN", "LOADING"})
 
 # KEYS[1]: the tenant's hash. ARGV: requests per minute, tokens per minute (0: not limited), the request's
 # cost in tokens, 1 to take it if admitted (0: a settlement alone), the tokens to settle first.
@@ -280,6 +288,8 @@ class RedisStore:
             self.counters.redis_call(what)
             reply = await connection.call(args, self.timeout, abandoned)
         if isinstance(reply, RedisError):
+            if reply.code in _ELSEWHERE:
+                await connection.close()
             raise RedisUnavailable("error", reply.message)
         if self._unavailable:
             self._unavailable = False
@@ -295,11 +305,14 @@ class RedisStore:
             )
 
     async def _connected(self) -> RedisConnection:
+        if self._down_until:
+            # A pause after a failure, whether the connection went with it or not (an error reply).
+            if self._now() < self._down_until:
+                raise RedisUnavailable("skipped", "unavailable a moment ago")
+            self._down_until = 0.0
         connection = self._connection
         if connection is not None and connection.broken is None:
             return connection
-        if self._now() < self._down_until:
-            raise RedisUnavailable("skipped", "unavailable a moment ago")
         async with self._lock:
             connection = self._connection
             if connection is not None and connection.broken is None:
@@ -329,8 +342,8 @@ class RedisStore:
             return
         self.counters.redis_error(exc.reason)
         now = self._now()
-        if exc.reason != "error":
-            self._down_until = now + RETRY_SECONDS
+        # An error reply too: the calls after it would be answered the same, each a round trip.
+        self._down_until = now + RETRY_SECONDS
         self._unavailable = True
         if self._logged_at is None or now - self._logged_at >= LOG_EVERY_SECONDS:
             self._logged_at = now

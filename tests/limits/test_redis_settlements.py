@@ -8,30 +8,34 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
 
 from router.core.config.limits import LimitsConfig, RedisTarget, TenantLimit
 from router.gateway.limit_metrics import LimitCounters
-from router.gateway.redis_limits import RedisStore
+from router.gateway.redis_limits import RETRY_SECONDS, RedisStore
+from tests.support.clock import FakeClock
 from tests.support.redis import fake_redis, need_redis, redis_server
 
 
-def store_for(target: RedisTarget) -> RedisStore:
-    """Tenant a: 60,000 tokens a minute (1,000 a second refilled)."""
+def store_for(target: RedisTarget, now: Callable[[], float] = time.monotonic) -> RedisStore:
+    """Tenant a: 60,000 tokens a minute (1,000 a second refilled). `now`: the store's clock, which
+    times its pause after a failure (Redis's own clock refills the buckets)."""
     config = LimitsConfig(
         redis=target,
         redis_timeout_seconds=2.0,
         tenants=MappingProxyType({"a": TenantLimit(tokens_per_minute=60_000)}),
     )
-    return RedisStore(config, LimitCounters(), time.monotonic)
+    return RedisStore(config, LimitCounters(), now)
 
 
 async def test_a_settlement_sent_with_a_check_redis_refuses_is_kept_for_the_next(tmp_path: Path) -> None:
     """OOM (or READONLY after a failover) is answered before the script runs: the refund was never applied."""
     need_redis()
     async with redis_server(tmp_path) as redis:
-        store = store_for(RedisTarget(path=str(redis.socket)))
+        clock = FakeClock()
+        store = store_for(RedisTarget(path=str(redis.socket)), clock.now)
         try:
             first = await store.check("a", 10_000, debit=True)
             assert first is not None and first.remaining_tokens <= 50_000
@@ -40,7 +44,13 @@ async def test_a_settlement_sent_with_a_check_redis_refuses_is_kept_for_the_next
             assert (await redis.command(b"CONFIG", b"SET", b"maxmemory", b"1")).startswith(b"+OK")
             assert await store.check("a", 1, debit=True) is None
             assert store.pending == {"a": -10_000}
+            assert store.counters.redis_errors == {"error": 1}
             assert (await redis.command(b"CONFIG", b"SET", b"maxmemory", b"0")).startswith(b"+OK")
+            # For half a second after the error reply no call is tried: the requests go unchecked.
+            calls = dict(store.counters.redis_calls)
+            assert await store.check("a", 1, debit=True) is None
+            assert store.counters.redis_calls == calls
+            clock.advance(RETRY_SECONDS)
             after = await store.check("a", 0, debit=False)
             # The refund arrived with this check: the bucket is (about) full again.
             assert after is not None and after.remaining_tokens >= 59_000
@@ -125,5 +135,30 @@ async def test_a_check_cancelled_and_refused_gives_nothing_back(tmp_path: Path) 
             later = await store.check("a", 0, debit=False)
             assert later is not None and later.remaining_tokens < 10_000
             assert store.pending == {}
+        finally:
+            await store.close()
+
+
+async def test_a_server_that_takes_no_writes_is_left_for_the_one_the_address_names_next(tmp_path: Path) -> None:
+    """READONLY (a primary a failover demoted): the connection dropped, so that the next call connects
+    again, to the new primary behind the same address, where keeping it would meet READONLY for good."""
+    need_redis()
+    async with redis_server(tmp_path) as redis:
+        clock = FakeClock()
+        store = store_for(RedisTarget(path=str(redis.socket)), clock.now)
+        try:
+            assert await store.check("a", 10_000, debit=True) is not None
+            assert store.counters.redis_calls == {"load": 1, "check": 1}
+            # A replica of a primary that is not there (port 1: refused): it serves reads, refuses writes.
+            assert (await redis.command(b"REPLICAOF", b"127.0.0.1", b"1")).startswith(b"+OK")
+            assert await store.check("a", 1, debit=True) is None
+            assert store.counters.redis_errors == {"error": 1}
+            # Promoted again, as the new primary the address names.
+            assert (await redis.command(b"REPLICAOF", b"NO", b"ONE")).startswith(b"+OK")
+            clock.advance(RETRY_SECONDS)
+            after = await store.check("a", 0, debit=False)
+            assert after is not None and after.admitted
+            # A new connection, which loaded the script afresh.
+            assert store.counters.redis_calls == {"load": 2, "check": 3}
         finally:
             await store.close()
