@@ -179,11 +179,11 @@ class Ledgers:
     def tokens(self, call: Call, model: str, tokens: Tokens | None) -> None:
         """What an answer of `model` to `call` said it took (None: nothing readable), to the tallies
         and the access log; a whole stream's is stream_ended()'s."""
+        call.usage = tokens
         if tokens is None:
             self.pool.tallies.count_unknown_usage(model, call.caller.tenant)
             return
         prompt, completion, cached = tokens
-        call.usage = tokens
         self.pool.tallies.count_tokens(model, call.caller.tenant, prompt, cached, completion)
         if call.charge is not None:
             call.charge.settle(prompt, completion)
@@ -219,11 +219,13 @@ class Ledgers:
             # Each histogram's own method, called from here: in the pure build a call costs as much
             # as an observation, and a stream that says no tokens makes only this one.
             self.metrics.first_token.observe(model, first_at - call.started)
+        # Kept before it is narrowed: compiled, a tuple narrowed from `| None` is unboxed, and
+        # stored it would be made again.
+        call.usage = tokens
         if tokens is None:
             self.pool.tallies.count_unknown_usage(model, call.caller.tenant)
         else:
             prompt, completion, cached = tokens
-            call.usage = tokens
             self.pool.tallies.count_tokens(model, call.caller.tenant, prompt, cached, completion)
             if call.charge is not None:
                 call.charge.settle(prompt, completion)

@@ -36,8 +36,10 @@ if TYPE_CHECKING:
     # ever an annotation, never evaluated (the pure build has no need of mypy_extensions).
     from mypy_extensions import i64
 
-# Final: the compiled build reads these as constants, not from the module's dict.
+# Final: the compiled build reads these as constants, not from the module's dict (and calls
+# orjson's parser without looking it up in its module each time).
 _KEY: Final = b'"usage"'
+_loads: Final = orjson.loads
 # A usage object is a few hundred bytes; one past this is not one an engine wrote.
 MAX_USAGE_BYTES: Final = 4096
 # A count past JSON's exact integers (2**53) is no count an engine made.
@@ -93,7 +95,7 @@ def usage_object(data: bytes, *, last: bool = True, within: int = 0) -> dict[str
             return None
         raw = found.group(1)
     try:
-        usage = orjson.loads(raw)
+        usage = _loads(raw)
     except orjson.JSONDecodeError:
         return None
     return usage if type(usage) is dict else None
@@ -141,7 +143,7 @@ def tokens_of(usage: dict[str, Any]) -> Tokens | None:
     return None
 
 
-def whole_answer_tokens(body: bytes) -> Tokens | None:
+def searched_answer_tokens(body: bytes) -> Tokens | None:
     """A whole JSON answer's usage (its last `"usage"`: engines write it after the choices, and
     only what follows it, such as prompt logprobs asked for, could put it past WHOLE_WINDOW)."""
     usage = usage_object(body, within=WHOLE_WINDOW)
@@ -190,7 +192,12 @@ def flat_usage(before_last: bytes, last: bytes) -> Tokens | None:
     end: i64 = len(last)
     if not end:
         return None
-    at: i64 = _last_key(last, end - TAIL_WINDOW if end > TAIL_WINDOW else 0)
+    # Not a conditional expression: compiled, its two sides (an i64 and a literal) make an int
+    # object, made and read back.
+    stop: i64 = 0
+    if end > TAIL_WINDOW:
+        stop = end - TAIL_WINDOW
+    at: i64 = _last_key(last, stop)
     if at < 0:
         if end >= TAIL_WINDOW:
             return None
@@ -273,19 +280,39 @@ def flat_usage(before_last: bytes, last: bytes) -> Tokens | None:
 BYTEWISE: Final = type(flat_usage) is not FunctionType
 
 
+def whole_answer_tokens(body: bytes) -> Tokens | None:
+    """searched_answer_tokens(), read byte by byte first where compiled (an answer's usage is among
+    its last bytes, as a stream's is in its last read)."""
+    if BYTEWISE:
+        # Not narrowed before it is returned: compiled, a tuple narrowed from `| None` is unboxed,
+        # then made again (a tuple and its ints) to be returned as one.
+        tokens = flat_usage(b"", body)
+        if tokens is None:
+            tokens = searched_answer_tokens(body)
+        return tokens
+    return searched_answer_tokens(body)
+
+
 def read_stream(before_last: bytes, last: bytes, first: bytes | None) -> Tokens | None:
     """A stream's usage from its last two reads (and its first): stream_tokens over their last
-    TAIL_WINDOW bytes, in one call for the usual end (a flat OpenAI usage object).
-
-    The end of every counted stream runs this, so the usual end is read here without a call
-    per step (each Python call costs as much as a search here): one search, the flat object cut
-    out, orjson, the counts checked in place. Anything else (no flat object, Anthropic's or the
-    Responses API's names, counts that do not read) is left to stream_tokens, whose answer it is.
-    """
+    TAIL_WINDOW bytes, read byte by byte first where compiled."""
     if BYTEWISE:
         tokens = flat_usage(before_last, last)
-        if tokens is not None:
-            return tokens
+        if tokens is None:
+            tokens = searched_stream_tokens(before_last, last, first)
+        return tokens
+    return searched_stream_tokens(before_last, last, first)
+
+
+def searched_stream_tokens(before_last: bytes, last: bytes, first: bytes | None) -> Tokens | None:
+    """read_stream() by searches, in one call for the usual end (a flat OpenAI usage object).
+
+    The end of every counted stream runs this in the pure build, so the usual end is read here
+    without a call per step (each Python call costs as much as a search here): one search, the
+    flat object cut out, orjson, the counts checked in place. Anything else (no flat object,
+    Anthropic's or the Responses API's names, counts that do not read) is left to stream_tokens,
+    whose answer it is.
+    """
     # The usage event may be split over the last two reads, or followed by [DONE] in a read of its own.
     tail = last if len(last) >= TAIL_WINDOW else before_last[-TAIL_WINDOW:] + last
     start = len(tail) - TAIL_WINDOW
@@ -301,7 +328,7 @@ def read_stream(before_last: bytes, last: bytes, first: bytes | None) -> Tokens 
         if 0 < close < at + 7 + MAX_USAGE_BYTES and tail.find(b"{", at + 9, close) < 0:
             try:
                 # A dict, as an object parsed whole is: compiled, its reads are direct.
-                usage: dict[str, Any] = orjson.loads(tail[at + 8 : close + 1])
+                usage: dict[str, Any] = _loads(tail[at + 8 : close + 1])
             except orjson.JSONDecodeError:
                 return None
             prompt = usage.get("prompt_tokens")

@@ -12,6 +12,7 @@ from router.gateway.tokens import (
     TAIL_WINDOW,
     flat_usage,
     read_stream,
+    searched_answer_tokens,
     stream_tokens,
     tokens_of,
     whole_answer_tokens,
@@ -194,6 +195,26 @@ def test_the_byte_wise_read_answers_what_the_searches_do_or_leaves_it_to_them(
         tail = last if len(last) >= TAIL_WINDOW else before_last[-TAIL_WINDOW:] + last
         found = flat_usage(before_last, last)
         assert found is None or found == stream_tokens(tail, None), (stream, split)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.one_of(_usages, _engine_usages),
+    st.binary(max_size=700),
+    st.dictionaries(st.sampled_from(["prompt_logprobs", "kv_transfer_params", "x"]), _values, max_size=3),
+    st.sampled_from([b"", b" ", b"0", b"00", b"-", b".5", b"e3", b"\\", b"{", b"}"]),
+)
+def test_the_byte_wise_read_of_a_whole_answer_answers_what_the_searches_do_or_leaves_it_to_them(
+    usage: dict[str, object], choices: bytes, after: dict[str, object], twist: bytes
+) -> None:
+    """A whole answer (compiled, whole_answer_tokens reads it byte by byte first): its usage after
+    choices of any length and before the fields engines write after it (vLLM's prompt_logprobs)."""
+    answer = orjson.dumps({"id": "x", "choices": [choices.decode("latin-1")], "usage": usage, **after})
+    digit = next((i for i in range(answer.find(b'"usage"'), len(answer)) if answer[i : i + 1].isdigit()), None)
+    for body in (answer, answer if digit is None else answer[: digit + 1] + twist + answer[digit + 1 :]):
+        found = flat_usage(b"", body)
+        assert found is None or found == searched_answer_tokens(body), body
+        assert whole_answer_tokens(body) == searched_answer_tokens(body), body
 
 
 def test_the_byte_wise_read_reads_the_usual_end_wherever_the_reads_split_it() -> None:
