@@ -207,6 +207,27 @@ async def test_with_workers_a_second_sleep_or_a_ready_while_one_is_under_way_is_
         assert await state_of(serve, "r0") == "asleep"
 
 
+async def test_with_workers_a_sleep_the_workers_refuse_is_undone_and_refused(
+    start_fake: StartFake, tmp_path: Path
+) -> None:
+    # The replica removed by a push while the engine's sleep call runs: every worker answers 404 to
+    # "asleep". Not asleep anywhere, so the engine is woken again and the sleep refused, not reported done.
+    fake = await start_fake("m", sleep=SleepMode(sleep_seconds=1.0))
+    other = await start_fake("m")
+    assert fake.sleep is not None
+    async with workers_before(tmp_path, fake) as serve, aiohttp.ClientSession() as session:
+        slept = asyncio.ensure_future(post_state(serve, {"state": "asleep"}))
+        await wait_for(lambda: fake.sleep is not None and fake.sleep.calls == ["sleep 1"])
+        replicas = {"replicas": [{"id": "r1", "model": "m", "url": other.url}]}
+        async with session.put(serve.admin_url + "/api/v1/endpoints", json=replicas) as pushed:
+            assert pushed.status == 200, await pushed.text()
+        status, answer = await asyncio.wait_for(slept, 20)
+        assert (status, answer["error"]["code"]) == (409, "cannot_sleep"), answer
+        assert "a worker refused it (HTTP 404" in answer["error"]["message"]
+        assert fake.sleep.calls == ["sleep 1", "wake_up"]
+        assert not fake.sleep.sleeping
+
+
 async def test_with_workers_a_worker_that_is_not_told_it_sleeps_has_the_sleep_undone(
     start_fake: StartFake, tmp_path: Path
 ) -> None:

@@ -98,7 +98,7 @@ class SupervisedSleeps:
                 ) from exc
         body = orjson.dumps({"state": "asleep", "level": level, "call_engine": False, "wait_seconds": 0})
         try:
-            await fleet.everywhere("POST", _state_path(replica_id), body)
+            answers = await fleet.everywhere("POST", _state_path(replica_id), body)
         except FleetUnavailable as exc:
             # Asleep at some workers, fenced at the one not told, where no request would wake it:
             # undone, as a sleep across routers is when a router is not told.
@@ -107,6 +107,18 @@ class SupervisedSleeps:
                 f"Replica {replica_id!r} was not put to sleep: a worker was not told it sleeps ({exc}); "
                 "its engine was woken again and every worker told it is ready."
             ) from exc
+        refused = [(status, answer) for status, answer in answers if not 200 <= status < 300]
+        if refused:
+            # Told, and it would not take it (the replica removed by a push while the engine slept,
+            # say): not asleep there either, so undone as for a worker not told.
+            await self._undo(fleet, replica_id, usage.url, api, was_draining)
+            status, answer = refused[0]
+            raise SleepRefused(
+                409,
+                "cannot_sleep",
+                f"Replica {replica_id!r} was not put to sleep: a worker refused it (HTTP {status}: "
+                f"{_message(answer)}); its engine was woken again.",
+            )
         # Asleep, no longer drained, in the state file too: a worker that restarts loads it asleep.
         fleet.asleep[replica_id] = level
         fleet.draining.discard(replica_id)
@@ -148,6 +160,14 @@ class SupervisedSleeps:
         body = orjson.dumps({"state": "ready", "call_engine": False})
         await fleet.everywhere("POST", _state_path(replica_id), body)
         return {"id": replica_id, "state": "ready", "in_flight": 0, "level": None}
+
+
+def _message(answer: bytes) -> str:
+    """A worker's error answer, as its message says it (OpenAI's shape), else its first bytes."""
+    try:
+        return str(orjson.loads(answer)["error"]["message"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return repr(answer[:200])
 
 
 def _state_path(replica_id: str) -> str:
