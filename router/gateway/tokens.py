@@ -143,13 +143,6 @@ def tokens_of(usage: dict[str, Any]) -> Tokens | None:
     return None
 
 
-def searched_answer_tokens(body: bytes) -> Tokens | None:
-    """A whole JSON answer's usage (its last `"usage"`: engines write it after the choices, and
-    only what follows it, such as prompt logprobs asked for, could put it past WHOLE_WINDOW)."""
-    usage = usage_object(body, within=WHOLE_WINDOW)
-    return None if usage is None else tokens_of(usage)
-
-
 def _last_key(data: bytes, stop: i64) -> i64:
     """Where the last `"usage"` of `data` starts, at or after `stop`; -1 if none does.
 
@@ -280,39 +273,40 @@ def flat_usage(before_last: bytes, last: bytes) -> Tokens | None:
 BYTEWISE: Final = type(flat_usage) is not FunctionType
 
 
-def whole_answer_tokens(body: bytes) -> Tokens | None:
-    """searched_answer_tokens(), read byte by byte first where compiled (an answer's usage is among
-    its last bytes, as a stream's is in its last read)."""
-    if BYTEWISE:
+def whole_answer_tokens(body: bytes, bytewise: bool = BYTEWISE) -> Tokens | None:
+    """A whole JSON answer's usage (its last `"usage"`: engines write it after the choices, and
+    only what follows it, such as prompt logprobs asked for, could put it past WHOLE_WINDOW).
+
+    `bytewise` (where compiled): read byte by byte first, as a stream's last read is, and searched
+    only if that leaves it undecided.
+    """
+    if bytewise:
         # Not narrowed before it is returned: compiled, a tuple narrowed from `| None` is unboxed,
         # then made again (a tuple and its ints) to be returned as one.
         tokens = flat_usage(b"", body)
         if tokens is None:
-            tokens = searched_answer_tokens(body)
+            tokens = whole_answer_tokens(body, False)
         return tokens
-    return searched_answer_tokens(body)
+    usage = usage_object(body, within=WHOLE_WINDOW)
+    return None if usage is None else tokens_of(usage)
 
 
-def read_stream(before_last: bytes, last: bytes, first: bytes | None) -> Tokens | None:
+def read_stream(before_last: bytes, last: bytes, first: bytes | None, bytewise: bool = BYTEWISE) -> Tokens | None:
     """A stream's usage from its last two reads (and its first): stream_tokens over their last
-    TAIL_WINDOW bytes, read byte by byte first where compiled."""
-    if BYTEWISE:
+    TAIL_WINDOW bytes, in one call for the usual end (a flat OpenAI usage object).
+
+    `bytewise` (where compiled): read byte by byte first (flat_usage), searched only if that
+    leaves it undecided. Searched, the end of every counted stream of the pure build runs this,
+    so the usual end is read here without a call per step (each Python call costs as much as a
+    search here): one search, the flat object cut out, orjson, the counts checked in place.
+    Anything else (no flat object, Anthropic's or the Responses API's names, counts that do not
+    read) is left to stream_tokens, whose answer it is.
+    """
+    if bytewise:
         tokens = flat_usage(before_last, last)
         if tokens is None:
-            tokens = searched_stream_tokens(before_last, last, first)
+            tokens = read_stream(before_last, last, first, False)
         return tokens
-    return searched_stream_tokens(before_last, last, first)
-
-
-def searched_stream_tokens(before_last: bytes, last: bytes, first: bytes | None) -> Tokens | None:
-    """read_stream() by searches, in one call for the usual end (a flat OpenAI usage object).
-
-    The end of every counted stream runs this in the pure build, so the usual end is read here
-    without a call per step (each Python call costs as much as a search here): one search, the
-    flat object cut out, orjson, the counts checked in place. Anything else (no flat object,
-    Anthropic's or the Responses API's names, counts that do not read) is left to stream_tokens,
-    whose answer it is.
-    """
     # The usage event may be split over the last two reads, or followed by [DONE] in a read of its own.
     tail = last if len(last) >= TAIL_WINDOW else before_last[-TAIL_WINDOW:] + last
     start = len(tail) - TAIL_WINDOW
