@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import cast
 
 from router.core.config.limits import RedisTarget
@@ -121,12 +120,6 @@ def _number(text: bytes) -> int:
     return int(text)
 
 
-def _hand_on(abandoned: Callable[[RespValue], None], reply: asyncio.Future[RespValue]) -> None:
-    # A reply, not the connection's failure (then what the command did is not known).
-    if not reply.cancelled() and reply.exception() is None:
-        abandoned(reply.result())
-
-
 class RedisConnection(asyncio.Protocol):
     """One connection: commands written as they come, replies parsed as they arrive (no task, no coroutine per
     reply) and matched in order, each call with a deadline."""
@@ -135,7 +128,11 @@ class RedisConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._waiting: collections.deque[asyncio.Future[RespValue]] = collections.deque()
+        # Where the replies of calls whose callers were cancelled once they were sent go (call's `abandoned`).
+        self._handoffs: dict[asyncio.Future[RespValue], Callable[[RespValue], None]] = {}
         self.broken: RedisUnavailable | None = None
+        # Given no more calls: closed once the replies it owes are read (retire()).
+        self.retiring = False
 
     @classmethod
     async def open(cls, target: RedisTarget, timeout: float) -> RedisConnection:  # noqa: ASYNC109 (a deadline per call, below the loop's)
@@ -169,10 +166,24 @@ class RedisConnection(asyncio.Protocol):
                 future = self._waiting.popleft()
                 if not future.done():
                     future.set_result(reply)
+                elif self._handoffs:
+                    # Its caller was cancelled while it waited: its reply to where the call said.
+                    handoff = self._handoffs.pop(future, None)
+                    if handoff is not None:
+                        asyncio.get_running_loop().call_soon(handoff, reply)
         except RedisUnavailable as exc:
             self._fail(exc)
             return
         del buffer[:at]
+        if self.retiring and not self._waiting and self._transport is not None:
+            self._transport.close()
+
+    def retire(self) -> None:
+        """Take no more calls, and close once the replies owed to calls already sent are read: a
+        server that refuses them all (READONLY) still answers each, and each caller learns why."""
+        self.retiring = True
+        if not self._waiting and self._transport is not None:
+            self._transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(RedisUnavailable("reset", str(exc) if exc else "the connection closed"))
@@ -180,6 +191,8 @@ class RedisConnection(asyncio.Protocol):
     def _fail(self, exc: RedisUnavailable) -> None:
         if self.broken is None:
             self.broken = exc
+        # No reply comes now: what the abandoned calls did is not known.
+        self._handoffs.clear()
         while self._waiting:
             future = self._waiting.popleft()
             if not future.done():
@@ -201,24 +214,32 @@ class RedisConnection(asyncio.Protocol):
         """
         if self.broken is not None:
             raise self.broken
+        if self.retiring:
+            raise RedisUnavailable("reset", "the connection is being closed")
         assert self._transport is not None
         loop = asyncio.get_running_loop()
         future: asyncio.Future[RespValue] = loop.create_future()
         self._waiting.append(future)
+        if abandoned is not None:
+            # Registered before the wait: a cancellation may come before its reply is read, or after.
+            self._handoffs[future] = abandoned
         self._transport.write(encode(args))
         late = loop.call_later(timeout, self._late, future, timeout)
         try:
             return await future
         except asyncio.CancelledError:
-            if abandoned is not None and future.cancelled() and self.broken is None:
-                # Sent, and its reply still to come in its place in the line: handed on, not dropped.
-                # Another call's deadline still ends a Redis that never answers it.
-                heir: asyncio.Future[RespValue] = loop.create_future()
-                heir.add_done_callback(partial(_hand_on, abandoned))
-                self._waiting[self._waiting.index(future)] = heir
+            if abandoned is not None and future.done() and not future.cancelled():
+                # Read in the same turn as the cancellation, before this caller woke: handed on here.
+                # (Cancelled before it was read, data_received hands it on when it is; another call's
+                # deadline still ends a Redis that never answers it.)
+                self._handoffs.pop(future, None)
+                if future.exception() is None:
+                    loop.call_soon(abandoned, future.result())
             raise
         finally:
             late.cancel()
+            if abandoned is not None and not future.cancelled():
+                self._handoffs.pop(future, None)
 
     def _late(self, future: asyncio.Future[RespValue], timeout: float) -> None:
         if not future.done():

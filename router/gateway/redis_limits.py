@@ -188,10 +188,10 @@ class RedisStore:
         # (its client gone) leaves the tenant's settlement kept.
         delta = self.pending.pop(tenant, 0)
         # A check whose request is cancelled once it is sent (its client gone) still runs in Redis:
-        # what it took is given back when its reply comes, as a request that never left the router's is.
-        given_back = partial(self._abandoned, tenant, limit, cost) if debit and cost else None
+        # its reply, when it comes, says what became of its settlement and of its debit.
+        handoff = partial(self._abandoned, tenant, limit, cost if debit else 0, delta) if delta or debit else None
         try:
-            reply = await self._run(connection, tenant, limit, cost, debit, delta, "check", given_back)
+            reply = await self._run(connection, tenant, limit, cost, debit, delta, "check", handoff)
             return verdict_of(reply, limit)
         except RedisUnavailable as exc:
             if delta and exc.reason in _NOT_RUN:
@@ -199,14 +199,20 @@ class RedisStore:
             self._failed(exc)
             return None
 
-    def _abandoned(self, tenant: str, limit: TenantLimit, cost: int, reply: RespValue) -> None:
-        """The reply to a check whose request was cancelled: its tokens back if the script took them."""
+    def _abandoned(self, tenant: str, limit: TenantLimit, taken: int, delta: int, reply: RespValue) -> None:
+        """The reply to a check whose request was cancelled: the tokens it `taken` back if the script
+        admitted it (the request never left the router), or, if the script never ran (an error reply),
+        the settlement it carried (`delta`) kept for the next call."""
+        if isinstance(reply, RedisError):
+            if delta:
+                self.pending[tenant] = self.pending.get(tenant, 0) + delta
+            return
         try:
             verdict = verdict_of(reply, limit)
         except RedisUnavailable:
             return
-        if verdict.admitted:
-            self.settle(tenant, -cost)
+        if verdict.admitted and taken:
+            self.settle(tenant, -taken)
 
     def settle(self, tenant: str, delta: int) -> None:
         if delta and tenant in self.limits and self.limits[tenant].tokens_per_minute:
@@ -284,12 +290,22 @@ class RedisStore:
         self.counters.redis_call(what)
         reply = await connection.call(args, self.timeout, abandoned)
         if isinstance(reply, RedisError) and reply.code == "NOSCRIPT":
-            await self._load(connection)
+            try:
+                await self._load(connection)
+            except asyncio.CancelledError:
+                if abandoned is not None:
+                    # The script never ran: what the call carried is kept, as if it were abandoned so.
+                    abandoned(reply)
+                raise
             self.counters.redis_call(what)
             reply = await connection.call(args, self.timeout, abandoned)
         if isinstance(reply, RedisError):
             if reply.code in _ELSEWHERE:
-                await connection.close()
+                # No more calls on it, but the replies owed to the checks sent with this one are read
+                # (each refused the same way, their settlements kept): closed then.
+                if self._connection is connection:
+                    self._connection = None
+                connection.retire()
             raise RedisUnavailable("error", reply.message)
         if self._unavailable:
             self._unavailable = False
