@@ -123,3 +123,25 @@ async def test_usage_settles_an_estimate_against_the_tenant_that_paid() -> None:
     for task in queued.tasks:
         task.cancel()
     await asyncio.gather(*queued.tasks, return_exceptions=True)
+
+
+async def test_an_estimate_far_past_its_answer_gives_back_no_more_than_a_turn() -> None:
+    """A tenant alone in the line with a request of 128 answers' bound (estimated 2,097,152): the round
+    gives it the turns to pay. Its answer took 522; what it gave back beyond a turn is not credit
+    that serves it before a tenant that came meanwhile."""
+    pool, replica = busy_pool(TOKENS)
+    queued = Charged(pool)
+    queued.ask("abig", Caller("a"), 4 * 4096 * 128)
+    for i in range(300):
+        queued.ask(f"a{i}", Caller("a"), 100)
+    assert await queued.serve(replica, 1) == ["abig"]
+    for i in range(300):
+        queued.ask(f"b{i}", Caller("b"), 100)
+    await asyncio.sleep(0)
+    queued.charges["abig"].settle(10, 128)
+    # Equal costs: about a turn (1,024 tokens: 10 requests) each in turn, a's credit at most a turn more.
+    counts = tenants(await queued.serve(replica, 60))
+    assert counts["b"] >= 20, counts
+    for task in queued.tasks:
+        task.cancel()
+    await asyncio.gather(*queued.tasks, return_exceptions=True)

@@ -105,10 +105,18 @@ class Charge:
         self.flow: Flow | None = None
 
     def settle(self, prompt: int, completion: int) -> None:
-        """What the answer said it took: the flow that paid the estimate pays the difference."""
+        """What the answer said it took: the flow that paid the estimate pays the difference, or is
+        given it back, up to a turn's worth (its quantum) of credit."""
         flow = self.flow
         if flow is not None:
-            flow.deficit -= prompt + self.output_weight * completion - self.tokens
+            owed = prompt + self.output_weight * completion - self.tokens
+            if owed >= 0:
+                flow.deficit -= owed
+            else:
+                # An estimate far past the answer (a bound of many answers, `n`, that wrote little)
+                # was paid with turns the round gave every waiting flow at once (_paying): given back
+                # whole, it would be credit that serves this tenant alone for as many turns.
+                flow.deficit = min(flow.deficit - owed, max(flow.deficit, flow.quantum))
             self.flow = None
 
 
