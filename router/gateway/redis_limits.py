@@ -65,6 +65,15 @@ _NOT_RUN = frozenset({"error"})
 # of Redis reconnect on READONLY rather than write to a replica for good.
 _ELSEWHERE = frozenset({"READONLY", "MASTERDOWN", "LOADING"})
 
+
+def refuses_writes(error: RedisError) -> bool:
+    """Whether `error` says this server takes no writes now: its code, or (before Redis 7, which
+    passes a script's redis.call() error on as it is) the code inside an `ERR Error running script`."""
+    if error.code in _ELSEWHERE:
+        return True
+    return error.code == "ERR" and any(f"-{code} " in error.message for code in _ELSEWHERE)
+
+
 # KEYS[1]: the tenant's hash. ARGV: requests per minute, tokens per minute (0: not limited), the request's
 # cost in tokens, 1 to take it if admitted (0: a settlement alone), the tokens to settle first.
 # Returns {kind (0 admitted, 1 requests, 2 tokens), too large (0/1), wait in ms, requests and tokens left
@@ -300,7 +309,7 @@ class RedisStore:
             self.counters.redis_call(what)
             reply = await connection.call(args, self.timeout, abandoned)
         if isinstance(reply, RedisError):
-            if reply.code in _ELSEWHERE:
+            if refuses_writes(reply):
                 # No more calls on it, but the replies owed to the checks sent with this one are read
                 # (each refused the same way, their settlements kept): closed then.
                 if self._connection is connection:

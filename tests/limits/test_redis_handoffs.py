@@ -16,8 +16,8 @@ import pytest
 
 from router.core.config.limits import LimitsConfig, RedisTarget, TenantLimit
 from router.gateway.limit_metrics import LimitCounters
-from router.gateway.redis import RedisConnection, RedisUnavailable, RespValue
-from router.gateway.redis_limits import SHA, RedisStore
+from router.gateway.redis import RedisConnection, RedisError, RedisUnavailable, RespValue
+from router.gateway.redis_limits import SHA, RedisStore, refuses_writes
 from tests.support.redis import fake_redis
 from tests.support.waiting import wait_for
 
@@ -205,3 +205,17 @@ async def test_checks_sent_with_one_that_meets_readonly_keep_their_settlements()
             assert store.counters.redis_errors == {"error": 2}
         finally:
             await store.close()
+
+
+def test_a_server_that_takes_no_writes_is_known_by_its_code_or_inside_a_script_error() -> None:
+    assert refuses_writes(RedisError("READONLY You can't write against a read only replica."))
+    assert refuses_writes(RedisError("LOADING Redis is loading the dataset in memory"))
+    # Redis 6 wraps a script's redis.call() error in its own.
+    assert refuses_writes(
+        RedisError(
+            "ERR Error running script (call to f_0123): @user_script:50: @user_script: 50: "
+            "-READONLY You can't write against a read only replica."
+        )
+    )
+    assert not refuses_writes(RedisError("OOM command not allowed when used memory > 'maxmemory'."))
+    assert not refuses_writes(RedisError("ERR wrong number of arguments for 'evalsha' command"))
