@@ -27,7 +27,7 @@ While Redis does not answer (`redis_timeout_seconds` for each call, a
 connection refused, a reply that does not parse) the store gives no verdict
 and the limiter admits the request unchecked or refuses it
 (`redis_unavailable`); for RETRY_SECONDS after a failure (an error reply
-such as OOM or READONLY too, the connection dropped after those that say
+such as OOM or READONLY too, the connection retired after those that say
 this server takes no writes now) no call is tried,
 so that a Redis that hangs costs a request nothing, then one request tries
 again. Each failure is counted by reason, and logged at most once per
@@ -60,7 +60,7 @@ LOG_EVERY_SECONDS = 10.0
 _NOT_RUN = frozenset({"error"})
 # Error replies that say this server cannot take writes now: a primary demoted by a failover
 # (READONLY), a replica cut off from its primary (MASTERDOWN), a server still loading its data
-# (LOADING). The connection goes, so that the next one reaches whichever server the address
+# (LOADING). The connection is retired, so that the next one reaches whichever server the address
 # names by then (a Service or a Sentinel-managed name moved to the new primary), as clients
 # of Redis reconnect on READONLY rather than write to a replica for good.
 _ELSEWHERE = frozenset({"READONLY", "MASTERDOWN", "LOADING"})

@@ -117,7 +117,8 @@ class SupervisedSleeps:
                 409,
                 "cannot_sleep",
                 f"Replica {replica_id!r} was not put to sleep: a worker refused it (HTTP {status}: "
-                f"{_message(answer)}); its engine was woken again.",
+                f"{_message(answer)}); "
+                + ("its engine was woken again." if api is not None else "every worker was told it is ready."),
             )
         # Asleep, no longer drained, in the state file too: a worker that restarts loads it asleep.
         fleet.asleep[replica_id] = level
