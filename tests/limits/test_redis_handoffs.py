@@ -142,6 +142,7 @@ def store_at(url: str, tenants: tuple[str, ...]) -> RedisStore:
 
 async def test_a_cancelled_check_that_redis_refuses_keeps_the_settlement_it_carried() -> None:
     """OOM is answered before the script runs: the settlement sent with the check never applied."""
+    gone = asyncio.Event()
     answered = asyncio.Event()
 
     async def out_of_memory(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -149,7 +150,8 @@ async def test_a_cancelled_check_that_redis_refuses_keeps_the_settlement_it_carr
             if args[0] == b"SCRIPT":
                 writer.write(b"$%d\r\n%s\r\n" % (len(SHA), SHA))
             else:
-                await asyncio.sleep(0.05)  # real time: the caller gone before the reply
+                # Answered once the caller is gone.
+                await gone.wait()
                 writer.write(b"-OOM command not allowed when used memory > 'maxmemory'.\r\n")
                 answered.set()
             await writer.drain()
@@ -166,6 +168,7 @@ async def test_a_cancelled_check_that_redis_refuses_keeps_the_settlement_it_carr
             await asyncio.gather(check, return_exceptions=True)
             assert check.cancelled()
             assert store.pending == {}
+            gone.set()
             await asyncio.wait_for(answered.wait(), 5)
             await wait_for(lambda: store.pending == {"a": -1000})
         finally:
