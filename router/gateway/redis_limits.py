@@ -203,8 +203,8 @@ class RedisStore:
             reply = await self._run(connection, tenant, limit, cost, debit, delta, "check", handoff)
             return verdict_of(reply, limit)
         except RedisUnavailable as exc:
-            if delta and exc.reason in _NOT_RUN:
-                self.pending[tenant] = self.pending.get(tenant, 0) + delta
+            if exc.reason in _NOT_RUN:
+                self.settle(tenant, delta)
             self._failed(exc)
             return None
 
@@ -213,8 +213,7 @@ class RedisStore:
         admitted it (the request never left the router), or, if the script never ran (an error reply),
         the settlement it carried (`delta`) kept for the next call."""
         if isinstance(reply, RedisError):
-            if delta:
-                self.pending[tenant] = self.pending.get(tenant, 0) + delta
+            self.settle(tenant, delta)
             return
         try:
             verdict = verdict_of(reply, limit)
@@ -224,6 +223,8 @@ class RedisStore:
             self.settle(tenant, -taken)
 
     def settle(self, tenant: str, delta: int) -> None:
+        """Keep `delta` tokens to settle for `tenant` (an answer's, or one a call carried that never ran),
+        sent with its next check or the next flush."""
         if delta and tenant in self.limits and self.limits[tenant].tokens_per_minute:
             self.pending[tenant] = self.pending.get(tenant, 0) + delta
             if self._flusher is None:
@@ -270,7 +271,7 @@ class RedisStore:
                 verdict_of(await self._run(connection, tenant, limit, 0, False, delta, "flush"), limit)
             except RedisUnavailable as exc:
                 if exc.reason in _NOT_RUN:
-                    self.pending[tenant] = self.pending.get(tenant, 0) + delta
+                    self.settle(tenant, delta)
                 self._failed(exc)
                 return
 
