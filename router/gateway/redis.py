@@ -228,13 +228,11 @@ class RedisConnection(asyncio.Protocol):
         try:
             return await future
         except asyncio.CancelledError:
-            if abandoned is not None and future.done() and not future.cancelled():
-                # Read in the same turn as the cancellation, before this caller woke: handed on here.
-                # (Cancelled before it was read, data_received hands it on when it is; another call's
-                # deadline still ends a Redis that never answers it.)
-                self._handoffs.pop(future, None)
-                if future.exception() is None:
-                    loop.call_soon(abandoned, future.result())
+            # Read in the same turn as the cancellation, before this caller woke: handed on here.
+            # (Cancelled before it was read, data_received hands it on when it is; another call's
+            # deadline still ends a Redis that never answers it.)
+            if abandoned is not None and future.done() and not future.cancelled() and future.exception() is None:
+                loop.call_soon(abandoned, future.result())
             raise
         finally:
             late.cancel()
